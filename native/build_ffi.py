@@ -1,0 +1,76 @@
+"""cffi out-of-line API build of native/: compiled by the install, never at import."""
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+# Relative to the project root, where setup.py runs.
+SOURCES = ["native/fp9_codec.c", "native/kernels_ref.c", "native/kernels_avx2.c",
+           "native/kernels.c", "native/pool.c", "native/ffn.c", "native/bench.c"]
+
+CDEF = """
+typedef struct fp9_block { uint64_t sign[2]; uint8_t mag[2][64]; } fp9_block;
+typedef struct fp9_matrix {
+    uint32_t rows, cols; uint32_t row_pairs, groups; float prescale;
+    const fp9_block *blocks; const float *block_scales;
+} fp9_matrix;
+size_t fp9_tensor_bytes(uint32_t rows, uint32_t cols, int with_block_scales);
+int fp9_tensor_view(const void *buf, size_t len, fp9_matrix *out);
+float fp9_decode(uint8_t code, int negative);
+uint8_t fp9_encode_rne(float magnitude);
+int fp9_pack_f32(const float *src, uint32_t rows, uint32_t cols, size_t stride, void *dst, size_t *bad_index);
+int fp9_pack_bf16(const uint16_t *src, uint32_t rows, uint32_t cols, size_t stride, void *dst, size_t *bad_index);
+int fp8_e4m3_to_f32(uint8_t code, float *out);
+int fp9_pack_fp8(const uint8_t *src, uint32_t rows, uint32_t cols, size_t stride,
+                 const float *scale_inv, uint32_t scale_stride,
+                 void *dst, size_t dst_len, int *with_block_scales, size_t *bad_index);
+size_t fp9_pack_fp8_bound(uint32_t rows, uint32_t cols);
+void fp9_unpack_f32(const fp9_matrix *m, float *dst, size_t stride);
+
+typedef void (*fp9_gemm_fn)(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
+                            uint32_t ntok, const float *const *x, float *const *y, int accumulate);
+typedef struct duck_kernels { const char *name; fp9_gemm_fn gemm; } duck_kernels;
+const duck_kernels *duck_kernels_ref(void);
+const duck_kernels *duck_kernels_avx2(void);
+const duck_kernels *duck_kernels_best(void);
+void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
+void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
+
+typedef struct duck_pool duck_pool;
+duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us);
+unsigned duck_pool_size(const duck_pool *pool);
+unsigned duck_pool_pinned(const duck_pool *pool);
+void duck_pool_destroy(duck_pool *pool);
+
+typedef struct duck_expert_slice { fp9_matrix gate_up; fp9_matrix down; } duck_expert_slice;
+typedef struct duck_moe_args {
+    const duck_expert_slice *experts; uint32_t n_experts; uint32_t ntok; uint32_t topk; uint32_t hidden;
+    const int32_t *expert_ids; const float *expert_weights; const void *x; int x_is_bf16; float *y;
+} duck_moe_args;
+typedef struct duck_ffn_workspace duck_ffn_workspace;
+duck_ffn_workspace *duck_ffn_workspace_create(void);
+void duck_ffn_workspace_destroy(duck_ffn_workspace *ws);
+int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
+                     const duck_moe_args *a, uint64_t *bytes_streamed);
+int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
+                    const fp9_matrix *m, uint32_t ntok, const float *x, float *y);
+int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden);
+
+uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes);
+void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t k,
+                          const float *x, float *y);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "native._native",
+    '#include "fp9.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n',
+    sources=SOURCES,
+    include_dirs=["native"],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],
+    libraries=["pthread", "m"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,61 @@
+/* One duck's share of an FFN: a tensor-parallel slice of S intermediate
+ * units of every expert (a dense MLP is one expert of weight 1).
+ *   y[t] = sum_e w[t,e] * down_e( silu(gate_e x[t]) * up_e x[t] )
+ * Two parallel phases on the pool: gate/up rows, then down rows. */
+#ifndef DUCK_FFN_H
+#define DUCK_FFN_H
+
+#include "kernels.h"
+#include "pool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DUCK_MAX_TOPK 32
+
+typedef struct duck_expert_slice {
+    fp9_matrix gate_up;   /* [2S, H]: rows gate_0, up_0, gate_1, up_1, ... */
+    fp9_matrix down;      /* [H, S]: the slice's columns of down_proj */
+} duck_expert_slice;
+
+typedef struct duck_moe_args {
+    const duck_expert_slice *experts;
+    uint32_t n_experts;
+    uint32_t ntok;                  /* 0 .. DUCK_MAX_TOKENS */
+    uint32_t topk;                  /* slots per token, 0 .. DUCK_MAX_TOPK */
+    uint32_t hidden;
+    const int32_t *expert_ids;      /* [ntok][topk]; a negative id skips the slot */
+    const float *expert_weights;    /* [ntok][topk] */
+    const void *x;                  /* [ntok][hidden], fp32 or bf16 */
+    int x_is_bf16;
+    float *y;                       /* [ntok][hidden], overwritten */
+} duck_moe_args;
+
+#define DUCK_FFN_OK 0
+#define DUCK_FFN_EINVAL -1    /* counts out of range, or NULL pointers */
+#define DUCK_FFN_EEXPERT -2   /* expert id >= n_experts */
+#define DUCK_FFN_ESHAPE -3    /* an expert's shapes do not fit hidden/each other */
+#define DUCK_FFN_ENOMEM -4
+
+typedef struct duck_ffn_workspace duck_ffn_workspace;
+duck_ffn_workspace *duck_ffn_workspace_create(void);
+void duck_ffn_workspace_destroy(duck_ffn_workspace *ws);
+
+/* Returns DUCK_FFN_OK or a negative error; on success *bytes_streamed (if
+ * non-NULL) receives the fp9 bytes read. pool may be NULL (one thread). */
+int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
+                     const duck_moe_args *a, uint64_t *bytes_streamed);
+
+/* y[t] = W x[t] for t < ntok (<= DUCK_MAX_TOKENS): a plain matmul split by
+ * row pairs over the pool; x fp32 [ntok][cols], y [ntok][rows]. */
+int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
+                    const fp9_matrix *m, uint32_t ntok, const float *x, float *y);
+
+/* Checks one expert slice against the hidden size (also used on upload). */
+int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

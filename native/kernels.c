@@ -1,0 +1,14 @@
+/* Run-time choice of the kernel set. */
+#include "kernels.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const duck_kernels *duck_kernels_best(void)
+{
+    const char *want = getenv("DUCK_KERNELS");
+    if (want && strcmp(want, "ref") == 0)
+        return duck_kernels_ref();
+    const duck_kernels *k = duck_kernels_avx2();
+    return k ? k : duck_kernels_ref();
+}

@@ -1,0 +1,44 @@
+/* fp9 matrix kernels: each op has a portable scalar reference (_ref) and an
+ * AVX2+FMA version, chosen at run time by CPU feature detection. */
+#ifndef DUCK_KERNELS_H
+#define DUCK_KERNELS_H
+
+#include "fp9.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Most tokens one kernel call, one wire forward or one prefill batch holds. */
+#define DUCK_MAX_TOKENS 64
+
+/* y[t][row] (= or +=) prescale * sum_k W[row, k] * x[t][k], for the rows of
+ * row pairs [pair_begin, pair_end) and tokens t < ntok (any count). Each x[t]
+ * is a prepared activation (fp9_prepare_x_*) of groups * 64 floats; each
+ * y[t] holds at least m->rows floats. Rows past m->rows are not written.
+ * Every weight byte of the range is read from memory once per call. */
+typedef void (*fp9_gemm_fn)(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
+                            uint32_t ntok, const float *const *x, float *const *y,
+                            int accumulate);
+
+typedef struct duck_kernels {
+    const char *name;
+    fp9_gemm_fn gemm;
+} duck_kernels;
+
+const duck_kernels *duck_kernels_ref(void);
+/* NULL where the build or the CPU lacks AVX2+FMA. */
+const duck_kernels *duck_kernels_avx2(void);
+/* The fastest the CPU supports; DUCK_KERNELS=ref|avx2 in the environment
+ * forces one (an unsupported choice falls back to ref). */
+const duck_kernels *duck_kernels_best(void);
+
+/* Activation in kernel form: x * 2^FP9_ACT_SHIFT, zero-padded to n_padded
+ * (a multiple of 64, >= n). */
+void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
+void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,173 @@
+"""Python face of the fp9 kernels: a worker pool, matmul, and the MLP / MoE
+slice forward the ducks run. Every call releases the GIL while in C."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from native._native import ffi, lib
+from native.fp9 import Fp9Error, Fp9Tensor, _to_numpy
+
+MAX_TOKENS = 64
+MAX_TOPK = 32
+
+_FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out of range",
+               -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
+
+
+def kernels(name: str = "best"):
+    """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref' or 'avx2'."""
+    if name == "best":
+        return lib.duck_kernels_best()
+    if name == "ref":
+        return lib.duck_kernels_ref()
+    if name == "avx2":
+        k = lib.duck_kernels_avx2()
+        if k == ffi.NULL:
+            raise RuntimeError("AVX2+FMA kernels are not available on this CPU or build")
+        return k
+    raise ValueError(f"unknown kernel set {name!r}: expected 'best', 'ref' or 'avx2'")
+
+
+def kernels_name(k) -> str:
+    return ffi.string(k.name).decode()
+
+
+class Pool:
+    """Persistent pinned worker threads; threads counts the calling thread.
+    spin_us > 0 spins before parking (dedicated hardware only)."""
+
+    def __init__(self, threads: int | None = None, pin: bool = True, spin_us: int = 0):
+        threads = threads or len(os.sched_getaffinity(0))
+        ptr = lib.duck_pool_create(threads, int(pin), spin_us)
+        if ptr == ffi.NULL:
+            raise OSError(f"cannot start a pool of {threads} threads")
+        self._ptr = ffi.gc(ptr, lib.duck_pool_destroy)
+        self.threads = threads
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    @property
+    def pinned(self) -> int:
+        return lib.duck_pool_pinned(self._ptr)
+
+
+class Workspace:
+    def __init__(self):
+        self.ptr = ffi.gc(lib.duck_ffn_workspace_create(), lib.duck_ffn_workspace_destroy)
+
+
+def _f32_rows(x, cols: int, what: str) -> np.ndarray:
+    x = np.ascontiguousarray(_to_numpy(x), dtype=np.float32)
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise Fp9Error(f"{what}: activation of shape {x.shape} does not match {cols} columns")
+    return x
+
+
+def gemm(w: Fp9Tensor, x, kernel_set: str = "best", accumulate_into: np.ndarray | None = None) -> np.ndarray:
+    """y[t] = W x[t] on one thread with the chosen kernel set (tests, references)."""
+    rows, cols = w.shape
+    x = _f32_rows(x, cols, w.name)
+    ntok = x.shape[0]
+    kp = w.matrix.groups * 64
+    xp = np.empty((ntok, kp), dtype=np.float32)
+    for t in range(ntok):
+        lib.fp9_prepare_x_f32(ffi.cast("const float *", ffi.from_buffer(x[t])), cols, kp,
+                              ffi.cast("float *", ffi.from_buffer(xp[t])))
+    y = accumulate_into if accumulate_into is not None else np.zeros((ntok, rows), dtype=np.float32)
+    xrows = ffi.new("const float *[]", [ffi.cast("const float *", ffi.from_buffer(xp[t])) for t in range(ntok)])
+    yrows = ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(y[t])) for t in range(ntok)])
+    kernels(kernel_set).gemm(w.matrix, 0, w.matrix.row_pairs, ntok, xrows, yrows,
+                             int(accumulate_into is not None))
+    return y
+
+
+def matmul(w: Fp9Tensor, x, pool: Pool | None = None, ws: Workspace | None = None,
+           kernel_set: str = "best") -> np.ndarray:
+    """y = x W^T over the pool, up to 64 tokens per call (more are chunked)."""
+    rows, cols = w.shape
+    x = _f32_rows(x, cols, w.name)
+    ws = ws or Workspace()
+    y = np.empty((x.shape[0], rows), dtype=np.float32)
+    k = kernels(kernel_set)
+    for t0 in range(0, x.shape[0], MAX_TOKENS):
+        xs, ys = x[t0:t0 + MAX_TOKENS], y[t0:t0 + MAX_TOKENS]
+        rc = lib.duck_fp9_matmul(pool.ptr if pool else ffi.NULL, k, ws.ptr, w.matrix, xs.shape[0],
+                                 ffi.cast("const float *", ffi.from_buffer(xs)),
+                                 ffi.cast("float *", ffi.from_buffer(ys)))
+        if rc != 0:
+            raise Fp9Error(f"matmul {w.name!r}: {_FFN_ERRORS.get(rc, rc)}")
+    return y
+
+
+class ExpertSlice:
+    """One expert's tensor-parallel slice: gate_up [2S, H] interleaved, down [H, S]."""
+
+    def __init__(self, gate_up: Fp9Tensor, down: Fp9Tensor):
+        self.gate_up, self.down = gate_up, down
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.gate_up.weight_bytes + self.down.weight_bytes
+
+
+class MoeSlice:
+    """The experts of one layer as one duck holds them (a dense MLP: one expert)."""
+
+    def __init__(self, experts: list[ExpertSlice], hidden: int, name: str = "<moe>"):
+        self.experts = list(experts)
+        self.hidden = hidden
+        self.name = name
+        self._table = ffi.new("duck_expert_slice[]", len(self.experts))
+        for i, e in enumerate(self.experts):
+            self._table[i].gate_up = e.gate_up.matrix[0]
+            self._table[i].down = e.down.matrix[0]
+            if lib.duck_expert_slice_check(ffi.addressof(self._table, i), hidden) != 0:
+                raise Fp9Error(f"{name}: expert {i} has gate_up {e.gate_up.shape} and down {e.down.shape}, "
+                               f"which do not form a slice of hidden size {hidden}")
+        self.bytes_streamed = 0
+
+    def forward(self, x, expert_ids, expert_weights, pool: Pool | None = None,
+                ws: Workspace | None = None, kernel_set: str = "best") -> np.ndarray:
+        """x [T, H] fp32 (or torch bf16), ids/weights [T, k] -> partial y [T, H] fp32."""
+        xn = _to_numpy(x)
+        bf16 = xn.dtype == np.uint16
+        if not bf16:
+            xn = np.asarray(xn, dtype=np.float32)
+        xn = np.ascontiguousarray(xn.reshape(1, -1) if xn.ndim == 1 else xn)
+        ids = np.ascontiguousarray(_to_numpy(expert_ids), dtype=np.int32)
+        wts = np.ascontiguousarray(_to_numpy(expert_weights), dtype=np.float32)
+        ids = ids.reshape(xn.shape[0], -1)
+        wts = wts.reshape(ids.shape)
+        if xn.shape[1] != self.hidden:
+            raise Fp9Error(f"{self.name}: activation has {xn.shape[1]} columns, hidden size is {self.hidden}")
+        if ids.shape[1] > MAX_TOPK:
+            raise Fp9Error(f"{self.name}: {ids.shape[1]} experts per token, at most {MAX_TOPK}")
+        ws = ws or Workspace()
+        y = np.empty((xn.shape[0], self.hidden), dtype=np.float32)
+        args = ffi.new("duck_moe_args *")
+        args.experts = self._table
+        args.n_experts = len(self.experts)
+        args.topk = ids.shape[1]
+        args.hidden = self.hidden
+        args.x_is_bf16 = int(bf16)
+        nbytes = ffi.new("uint64_t *")
+        k = kernels(kernel_set)
+        for t0 in range(0, xn.shape[0], MAX_TOKENS):
+            sl = slice(t0, t0 + MAX_TOKENS)
+            xs, ys, si, sw = xn[sl], y[sl], ids[sl], wts[sl]
+            args.ntok = xs.shape[0]
+            args.expert_ids = ffi.cast("const int32_t *", ffi.from_buffer(si))
+            args.expert_weights = ffi.cast("const float *", ffi.from_buffer(sw))
+            args.x = ffi.from_buffer(xs)
+            args.y = ffi.cast("float *", ffi.from_buffer(ys))
+            rc = lib.duck_moe_forward(pool.ptr if pool else ffi.NULL, k, ws.ptr, args, nbytes)
+            if rc != 0:
+                raise Fp9Error(f"{self.name}: {_FFN_ERRORS.get(rc, rc)}")
+            self.bytes_streamed += nbytes[0]
+        return y

@@ -1,0 +1,205 @@
+/* AVX2+FMA fp9 kernels. Decoding is integer work: zero-extend the magnitude
+ * bytes, shift them into the fp32 exponent/mantissa position, XOR the sign
+ * bit in; the rebias lives in the prepared activation and the output scale,
+ * so there is no add. A row pair shares every activation load. */
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include <immintrin.h>
+
+/* Shift counts moving bit (8*j + lane) of a 32-bit sign half to bit 31. */
+#define SIGN_COUNTS(j) _mm256_setr_epi32(31 - 8 * (j), 30 - 8 * (j), 29 - 8 * (j), 28 - 8 * (j), \
+                                         27 - 8 * (j), 26 - 8 * (j), 25 - 8 * (j), 24 - 8 * (j))
+
+static inline __m256 decode8(const uint8_t *mag, __m256i sign_half, __m256i counts, __m256i sign_bit)
+{
+    __m256i u = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mag)),
+                                  FP9_DECODE_SHIFT);
+    __m256i s = _mm256_and_si256(_mm256_sllv_epi32(sign_half, counts), sign_bit);
+    return _mm256_castsi256_ps(_mm256_xor_si256(u, s));
+}
+
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void store_out(float *y, uint32_t row, uint32_t rows, float v, int accumulate)
+{
+    if (row < rows)
+        y[row] = accumulate ? y[row] + v : v;
+}
+
+/* One token: each block is decoded into registers and consumed at once. */
+static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
+                      const float *x, float *y, int accumulate)
+{
+    const __m256i c0 = SIGN_COUNTS(0), c1 = SIGN_COUNTS(1), c2 = SIGN_COUNTS(2), c3 = SIGN_COUNTS(3);
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const float out_scale = m->prescale * 0x1p48f;
+    const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
+    for (uint32_t p = pair_begin; p < pair_end; p++) {
+        const fp9_block *b = &m->blocks[(size_t)p * groups];
+        const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+        for (uint32_t g = 0; g < groups; g++) {
+            const fp9_block *blk = &b[g];
+            const float *xg = x + (size_t)g * FP9_GROUP;
+            _mm_prefetch((const char *)(blk + 6), _MM_HINT_T0);
+            __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
+            __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
+            __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
+            __m256i r1hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[1] >> 32));
+#define STEP(j, half0, half1, cnt, acc0, acc1)                                          \
+    do {                                                                                 \
+        __m256 xv = _mm256_loadu_ps(xg + 8 * (j));                                       \
+        acc0 = _mm256_fmadd_ps(decode8(blk->mag[0] + 8 * (j), half0, cnt, sign_bit), xv, acc0); \
+        acc1 = _mm256_fmadd_ps(decode8(blk->mag[1] + 8 * (j), half1, cnt, sign_bit), xv, acc1); \
+    } while (0)
+            STEP(0, r0lo, r1lo, c0, a0, a2);
+            STEP(1, r0lo, r1lo, c1, a1, a3);
+            STEP(2, r0lo, r1lo, c2, a0, a2);
+            STEP(3, r0lo, r1lo, c3, a1, a3);
+            STEP(4, r0hi, r1hi, c0, a0, a2);
+            STEP(5, r0hi, r1hi, c1, a1, a3);
+            STEP(6, r0hi, r1hi, c2, a0, a2);
+            STEP(7, r0hi, r1hi, c3, a1, a3);
+#undef STEP
+            if (s0 && ((g & 1) || g + 1 == groups)) {   /* end of a 128-column scale block */
+                t0 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s0[g / 2]), t0);
+                t1 = _mm256_fmadd_ps(_mm256_add_ps(a2, a3), _mm256_set1_ps(s0[sc + g / 2]), t1);
+                a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+            }
+        }
+        if (!s0) {
+            t0 = _mm256_add_ps(a0, a1);
+            t1 = _mm256_add_ps(a2, a3);
+        }
+        store_out(y, 2 * p, m->rows, hsum(t0) * out_scale, accumulate);
+        store_out(y, 2 * p + 1, m->rows, hsum(t1) * out_scale, accumulate);
+    }
+}
+
+#define CHUNK 1024   /* columns decoded per pass: 2 rows x 4 KiB stay in L1 */
+#define TILE 6       /* tokens per register tile: 2 x 6 accumulators */
+
+/* Decode groups [g0, g0 + ng) of a row pair into two fp32 rows, block
+ * scales folded in. */
+static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t ng,
+                        float *w0, float *w1)
+{
+    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const uint32_t sc = fp9_scale_cols(m);
+    const fp9_block *b = &m->blocks[(size_t)p * m->groups + g0];
+    for (uint32_t g = 0; g < ng; g++) {
+        __m256i h0[2] = {_mm256_set1_epi32((int)(uint32_t)b[g].sign[0]),
+                         _mm256_set1_epi32((int)(uint32_t)(b[g].sign[0] >> 32))};
+        __m256i h1[2] = {_mm256_set1_epi32((int)(uint32_t)b[g].sign[1]),
+                         _mm256_set1_epi32((int)(uint32_t)(b[g].sign[1] >> 32))};
+        __m256 k0 = _mm256_set1_ps(1.0f), k1 = k0;
+        if (m->block_scales) {
+            k0 = _mm256_set1_ps(m->block_scales[(size_t)(2 * p) * sc + (g0 + g) / 2]);
+            k1 = _mm256_set1_ps(m->block_scales[(size_t)(2 * p + 1) * sc + (g0 + g) / 2]);
+        }
+        for (int j = 0; j < 8; j++) {
+            _mm256_store_ps(w0 + g * 64 + 8 * j,
+                            _mm256_mul_ps(decode8(b[g].mag[0] + 8 * j, h0[j >> 2], c[j & 3], sign_bit), k0));
+            _mm256_store_ps(w1 + g * 64 + 8 * j,
+                            _mm256_mul_ps(decode8(b[g].mag[1] + 8 * j, h1[j >> 2], c[j & 3], sign_bit), k1));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const float *w0, const float *w1, uint32_t n,
+                                                       const float *const *x, uint32_t k0, int T,
+                                                       float *ys0, float *ys1)
+{
+    __m256 a0[TILE], a1[TILE];
+    for (int i = 0; i < T; i++)
+        a0[i] = a1[i] = _mm256_setzero_ps();
+    for (uint32_t k = 0; k < n; k += 8) {
+        __m256 v0 = _mm256_load_ps(w0 + k), v1 = _mm256_load_ps(w1 + k);
+        for (int i = 0; i < T; i++) {
+            __m256 xv = _mm256_loadu_ps(x[i] + k0 + k);
+            a0[i] = _mm256_fmadd_ps(v0, xv, a0[i]);
+            a1[i] = _mm256_fmadd_ps(v1, xv, a1[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) {
+        ys0[i] += hsum(a0[i]);
+        ys1[i] += hsum(a1[i]);
+    }
+}
+
+/* Several tokens: decode a chunk of the row pair once, reuse it for every
+ * token from L1. */
+static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                        const float *const *x, float *const *y, int accumulate)
+{
+    float w0[CHUNK] __attribute__((aligned(32))), w1[CHUNK] __attribute__((aligned(32)));
+    float ys0[DUCK_MAX_TOKENS], ys1[DUCK_MAX_TOKENS];
+    const float out_scale = m->prescale * 0x1p48f;
+    for (uint32_t p = pair_begin; p < pair_end; p++) {
+        for (uint32_t t = 0; t < ntok; t++)
+            ys0[t] = ys1[t] = 0.0f;
+        for (uint32_t g0 = 0; g0 < m->groups; g0 += CHUNK / FP9_GROUP) {
+            uint32_t ng = m->groups - g0 < CHUNK / FP9_GROUP ? m->groups - g0 : CHUNK / FP9_GROUP;
+            uint32_t n = ng * FP9_GROUP, k0 = g0 * FP9_GROUP;
+            decode_pair(m, p, g0, ng, w0, w1);
+            uint32_t t = 0;
+            for (; t + TILE <= ntok; t += TILE)
+                tile(w0, w1, n, x + t, k0, TILE, ys0 + t, ys1 + t);
+            switch (ntok - t) {
+            case 5: tile(w0, w1, n, x + t, k0, 5, ys0 + t, ys1 + t); break;
+            case 4: tile(w0, w1, n, x + t, k0, 4, ys0 + t, ys1 + t); break;
+            case 3: tile(w0, w1, n, x + t, k0, 3, ys0 + t, ys1 + t); break;
+            case 2: tile(w0, w1, n, x + t, k0, 2, ys0 + t, ys1 + t); break;
+            case 1: tile(w0, w1, n, x + t, k0, 1, ys0 + t, ys1 + t); break;
+            default: break;
+            }
+        }
+        for (uint32_t t = 0; t < ntok; t++) {
+            store_out(y[t], 2 * p, m->rows, ys0[t] * out_scale, accumulate);
+            store_out(y[t], 2 * p + 1, m->rows, ys1[t] * out_scale, accumulate);
+        }
+    }
+}
+
+static void gemm_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
+                      uint32_t ntok, const float *const *x, float *const *y, int accumulate)
+{
+    if (ntok == 1) {
+        gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate);
+        return;
+    }
+    for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {
+        uint32_t n = ntok - t < DUCK_MAX_TOKENS ? ntok - t : DUCK_MAX_TOKENS;
+        gemm_tokens(m, pair_begin, pair_end, n, x + t, y + t, accumulate);
+    }
+}
+
+#pragma GCC pop_options
+
+static const duck_kernels k_avx2 = {"avx2", gemm_avx2};
+
+const duck_kernels *duck_kernels_avx2(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return &k_avx2;
+    return NULL;
+}
+
+#else
+
+const duck_kernels *duck_kernels_avx2(void) { return NULL; }
+
+#endif

@@ -1,0 +1,198 @@
+/* Fork-join pool: a generation counter under a mutex wakes the workers, a
+ * pending counter tells the caller when they are done. */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+struct duck_pool {
+    unsigned n;
+    unsigned spin_us;
+    pthread_t *threads;
+    pthread_mutex_t lock;
+    pthread_cond_t work_cv, done_cv;
+    atomic_uint generation;
+    atomic_uint pending;
+    atomic_uint pinned;
+    int stop;
+    duck_task_fn fn;
+    void *arg;
+    int pin;
+};
+
+typedef struct worker_start {
+    duck_pool *pool;
+    unsigned index;
+} worker_start;
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* Spins until *v != value or spin_us elapse; returns whether it changed. */
+static int spin_while_equal(atomic_uint *v, unsigned value, unsigned spin_us)
+{
+    if (!spin_us)
+        return 0;
+    double deadline = now_us() + spin_us;
+    unsigned i = 0;
+    while (atomic_load_explicit(v, memory_order_acquire) == value) {
+        if ((++i & 255) == 0 && now_us() > deadline)
+            return 0;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+    return 1;
+}
+
+static void pin_self(duck_pool *pool, unsigned index)
+{
+#ifdef __linux__
+    cpu_set_t allowed, one;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+        return;
+    int count = CPU_COUNT(&allowed);
+    if (count <= 0)
+        return;
+    int want = (int)(index % (unsigned)count), seen = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+        if (!CPU_ISSET(cpu, &allowed))
+            continue;
+        if (seen++ == want) {
+            CPU_ZERO(&one);
+            CPU_SET(cpu, &one);
+            if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0)
+                atomic_fetch_add(&pool->pinned, 1);
+            return;
+        }
+    }
+#else
+    (void)pool;
+    (void)index;
+#endif
+}
+
+static void *worker_main(void *p)
+{
+    worker_start start = *(worker_start *)p;
+    free(p);
+    duck_pool *pool = start.pool;
+    if (pool->pin)
+        pin_self(pool, start.index);
+    unsigned seen = 0;
+    for (;;) {
+        if (!spin_while_equal(&pool->generation, seen, pool->spin_us)) {
+            pthread_mutex_lock(&pool->lock);
+            while (atomic_load(&pool->generation) == seen && !pool->stop)
+                pthread_cond_wait(&pool->work_cv, &pool->lock);
+            pthread_mutex_unlock(&pool->lock);
+        }
+        pthread_mutex_lock(&pool->lock);
+        int stop = pool->stop;
+        duck_task_fn fn = pool->fn;
+        void *arg = pool->arg;
+        seen = atomic_load(&pool->generation);
+        pthread_mutex_unlock(&pool->lock);
+        if (stop)
+            return NULL;
+        fn(arg, start.index, pool->n);
+        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool->lock);
+            pthread_cond_signal(&pool->done_cv);
+            pthread_mutex_unlock(&pool->lock);
+        }
+    }
+}
+
+duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us)
+{
+    if (nthreads == 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    duck_pool *pool = calloc(1, sizeof *pool);
+    if (!pool)
+        return NULL;
+    pool->n = nthreads;
+    pool->spin_us = spin_us;
+    pool->pin = pin;
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->work_cv, NULL);
+    pthread_cond_init(&pool->done_cv, NULL);
+    pool->threads = calloc(nthreads, sizeof(pthread_t));
+    if (!pool->threads) {
+        free(pool);
+        return NULL;
+    }
+    for (unsigned i = 1; i < nthreads; i++) {
+        worker_start *start = malloc(sizeof *start);
+        if (!start || (start->pool = pool, start->index = i,
+                       pthread_create(&pool->threads[i], NULL, worker_main, start) != 0)) {
+            free(start);
+            pool->n = i;  /* destroy joins only the started ones */
+            duck_pool_destroy(pool);
+            errno = EAGAIN;
+            return NULL;
+        }
+    }
+    return pool;
+}
+
+void duck_pool_run(duck_pool *pool, duck_task_fn fn, void *arg)
+{
+    if (pool->n == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    atomic_store(&pool->pending, pool->n - 1);
+    pthread_mutex_lock(&pool->lock);
+    pool->fn = fn;
+    pool->arg = arg;
+    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool->work_cv);
+    pthread_mutex_unlock(&pool->lock);
+    fn(arg, 0, pool->n);
+    double deadline = now_us() + pool->spin_us;
+    while (pool->spin_us && atomic_load_explicit(&pool->pending, memory_order_acquire) && now_us() < deadline) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+    if (atomic_load_explicit(&pool->pending, memory_order_acquire)) {
+        pthread_mutex_lock(&pool->lock);
+        while (atomic_load(&pool->pending))
+            pthread_cond_wait(&pool->done_cv, &pool->lock);
+        pthread_mutex_unlock(&pool->lock);
+    }
+}
+
+unsigned duck_pool_size(const duck_pool *pool) { return pool->n; }
+
+unsigned duck_pool_pinned(const duck_pool *pool) { return atomic_load(&((duck_pool *)pool)->pinned); }
+
+void duck_pool_destroy(duck_pool *pool)
+{
+    if (!pool)
+        return;
+    pthread_mutex_lock(&pool->lock);
+    pool->stop = 1;
+    atomic_fetch_add(&pool->generation, 1);
+    pthread_cond_broadcast(&pool->work_cv);
+    pthread_mutex_unlock(&pool->lock);
+    for (unsigned i = 1; i < pool->n; i++)
+        pthread_join(pool->threads[i], NULL);
+    pthread_cond_destroy(&pool->work_cv);
+    pthread_cond_destroy(&pool->done_cv);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool->threads);
+    free(pool);
+}
