@@ -5,10 +5,13 @@
  * bias 15, 3 mantissa bits, exponent 0 subnormal, no Inf/NaN) plus one sign
  * bit kept in a 64-bit bit-plane word per 64 consecutive weights of a row.
  *
- * A matrix [rows, cols] is stored as row-pair blocks of 2 rows x 64 columns,
- * pair-major: all column groups of rows (0,1), then of rows (2,3), ... so a
- * row pair is one sequential stream. rows are padded to even and cols to a
- * multiple of 64 with zero weights. All fields are little-endian.
+ * A matrix [rows, cols] is stored as row-pair blocks of 2 rows x 64 columns.
+ * The columns are cut into panels of 2048 (32 groups; the last panel may be
+ * shorter); panels follow each other, and within a panel the blocks are
+ * pair-major: the panel's groups of rows (0,1), then of rows (2,3), ...
+ * A GEMV thus streams the matrix front to back while the panel's 8 KiB of
+ * activations stay in L1. rows are padded to even and cols to a multiple
+ * of 64 with zero weights. All fields are little-endian.
  */
 #ifndef DUCK_FP9_H
 #define DUCK_FP9_H
@@ -21,6 +24,7 @@ extern "C" {
 #endif
 
 #define FP9_GROUP 64          /* columns per block (one sign word per row) */
+#define FP9_PANEL_GROUPS 32   /* groups per panel: 2048 columns */
 #define FP9_SCALE_BLOCK 128   /* columns per optional block scale */
 #define FP9_EXP_BIAS 15
 #define FP9_MAX_CODE 0xFF     /* 1.875 * 2^16 = 122880 */
@@ -64,6 +68,22 @@ static inline uint32_t fp9_scale_cols(const fp9_matrix *m) { return (m->groups +
 static inline size_t fp9_blocks_bytes(uint32_t rows, uint32_t cols)
 {
     return (size_t)((rows + 1) / 2) * ((cols + FP9_GROUP - 1) / FP9_GROUP) * sizeof(fp9_block);
+}
+
+/* The run of blocks of row pair p in the panel that starts at group g0:
+ * fp9_panel_groups(m, g0) consecutive blocks. */
+static inline uint32_t fp9_panel_groups(uint32_t groups, uint32_t g0)
+{
+    return groups - g0 < FP9_PANEL_GROUPS ? groups - g0 : FP9_PANEL_GROUPS;
+}
+static inline const fp9_block *fp9_pair_run(const fp9_matrix *m, uint32_t p, uint32_t g0)
+{
+    return m->blocks + (size_t)m->row_pairs * g0 + (size_t)p * fp9_panel_groups(m->groups, g0);
+}
+static inline size_t fp9_block_index(uint32_t row_pairs, uint32_t groups, uint32_t p, uint32_t g)
+{
+    uint32_t g0 = g - g % FP9_PANEL_GROUPS;
+    return (size_t)row_pairs * g0 + (size_t)p * fp9_panel_groups(groups, g0) + (g - g0);
 }
 
 /* Serialized form (weight upload, cache files, disk cache): a 64-byte

@@ -113,7 +113,7 @@ static int write_blocks(const void *src, load_fn load, uint32_t rows, uint32_t c
     int exact = 1;
     for (uint32_t p = 0; p < pairs; p++) {
         for (uint32_t g = 0; g < groups; g++) {
-            fp9_block *b = &blocks[(size_t)p * groups + g];
+            fp9_block *b = &blocks[fp9_block_index(pairs, groups, p, g)];
             memset(b, 0, sizeof *b);
             for (uint32_t r = 0; r < 2; r++) {
                 uint32_t row = 2 * p + r;
@@ -277,9 +277,8 @@ void fp9_unpack_f32(const fp9_matrix *m, float *dst, size_t stride)
 {
     uint32_t sc = fp9_scale_cols(m);
     for (uint32_t row = 0; row < m->rows; row++) {
-        const fp9_block *b = &m->blocks[(size_t)(row / 2) * m->groups];
         for (uint32_t col = 0; col < m->cols; col++) {
-            const fp9_block *blk = &b[col / FP9_GROUP];
+            const fp9_block *blk = &m->blocks[fp9_block_index(m->row_pairs, m->groups, row / 2, col / FP9_GROUP)];
             uint32_t r = row & 1, c = col % FP9_GROUP;
             float v = fp9_decode(blk->mag[r][c], (int)((blk->sign[r] >> c) & 1)) * m->prescale;
             if (m->block_scales)

@@ -43,47 +43,51 @@ static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
     const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
     const float out_scale = m->prescale * 0x1p48f;
     const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
-    for (uint32_t p = pair_begin; p < pair_end; p++) {
-        const fp9_block *b = &m->blocks[(size_t)p * groups];
-        const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-        for (uint32_t g = 0; g < groups; g++) {
-            const fp9_block *blk = &b[g];
-            const float *xg = x + (size_t)g * FP9_GROUP;
-            _mm_prefetch((const char *)(blk + 6), _MM_HINT_T0);
-            __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
-            __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
-            __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
-            __m256i r1hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[1] >> 32));
+    /* panel by panel (fp9.h): the panel's activations stay in L1 */
+    for (uint32_t g0 = 0; g0 < groups; g0 += FP9_PANEL_GROUPS) {
+        const uint32_t g1 = g0 + fp9_panel_groups(groups, g0);
+        const int add = accumulate || g0 > 0;
+        for (uint32_t p = pair_begin; p < pair_end; p++) {
+            const fp9_block *run = fp9_pair_run(m, p, g0);
+            const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
+            for (uint32_t g = g0; g < g1; g++) {
+                const fp9_block *blk = &run[g - g0];
+                const float *xg = x + (size_t)g * FP9_GROUP;
+                __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
+                __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
+                __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
+                __m256i r1hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[1] >> 32));
 #define STEP(j, half0, half1, cnt, acc0, acc1)                                          \
     do {                                                                                 \
         __m256 xv = _mm256_loadu_ps(xg + 8 * (j));                                       \
         acc0 = _mm256_fmadd_ps(decode8(blk->mag[0] + 8 * (j), half0, cnt, sign_bit), xv, acc0); \
         acc1 = _mm256_fmadd_ps(decode8(blk->mag[1] + 8 * (j), half1, cnt, sign_bit), xv, acc1); \
     } while (0)
-            STEP(0, r0lo, r1lo, c0, a0, a2);
-            STEP(1, r0lo, r1lo, c1, a1, a3);
-            STEP(2, r0lo, r1lo, c2, a0, a2);
-            STEP(3, r0lo, r1lo, c3, a1, a3);
-            STEP(4, r0hi, r1hi, c0, a0, a2);
-            STEP(5, r0hi, r1hi, c1, a1, a3);
-            STEP(6, r0hi, r1hi, c2, a0, a2);
-            STEP(7, r0hi, r1hi, c3, a1, a3);
+                STEP(0, r0lo, r1lo, c0, a0, a2);
+                STEP(1, r0lo, r1lo, c1, a1, a3);
+                STEP(2, r0lo, r1lo, c2, a0, a2);
+                STEP(3, r0lo, r1lo, c3, a1, a3);
+                STEP(4, r0hi, r1hi, c0, a0, a2);
+                STEP(5, r0hi, r1hi, c1, a1, a3);
+                STEP(6, r0hi, r1hi, c2, a0, a2);
+                STEP(7, r0hi, r1hi, c3, a1, a3);
 #undef STEP
-            if (s0 && ((g & 1) || g + 1 == groups)) {   /* end of a 128-column scale block */
-                t0 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s0[g / 2]), t0);
-                t1 = _mm256_fmadd_ps(_mm256_add_ps(a2, a3), _mm256_set1_ps(s0[sc + g / 2]), t1);
-                a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+                if (s0 && ((g & 1) || g + 1 == groups)) {   /* end of a 128-column scale block */
+                    t0 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s0[g / 2]), t0);
+                    t1 = _mm256_fmadd_ps(_mm256_add_ps(a2, a3), _mm256_set1_ps(s0[sc + g / 2]), t1);
+                    a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+                }
             }
+            if (!s0) {
+                t0 = _mm256_add_ps(a0, a1);
+                t1 = _mm256_add_ps(a2, a3);
+            }
+            store_out(y, 2 * p, m->rows, hsum(t0) * out_scale, add);
+            store_out(y, 2 * p + 1, m->rows, hsum(t1) * out_scale, add);
         }
-        if (!s0) {
-            t0 = _mm256_add_ps(a0, a1);
-            t1 = _mm256_add_ps(a2, a3);
-        }
-        store_out(y, 2 * p, m->rows, hsum(t0) * out_scale, accumulate);
-        store_out(y, 2 * p + 1, m->rows, hsum(t1) * out_scale, accumulate);
     }
 }
 
@@ -98,12 +102,12 @@ static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t n
     const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
     const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
     const uint32_t sc = fp9_scale_cols(m);
-    const fp9_block *b = &m->blocks[(size_t)p * m->groups + g0];
     for (uint32_t g = 0; g < ng; g++) {
-        __m256i h0[2] = {_mm256_set1_epi32((int)(uint32_t)b[g].sign[0]),
-                         _mm256_set1_epi32((int)(uint32_t)(b[g].sign[0] >> 32))};
-        __m256i h1[2] = {_mm256_set1_epi32((int)(uint32_t)b[g].sign[1]),
-                         _mm256_set1_epi32((int)(uint32_t)(b[g].sign[1] >> 32))};
+        const fp9_block *bg = &m->blocks[fp9_block_index(m->row_pairs, m->groups, p, g0 + g)];
+        __m256i h0[2] = {_mm256_set1_epi32((int)(uint32_t)bg->sign[0]),
+                         _mm256_set1_epi32((int)(uint32_t)(bg->sign[0] >> 32))};
+        __m256i h1[2] = {_mm256_set1_epi32((int)(uint32_t)bg->sign[1]),
+                         _mm256_set1_epi32((int)(uint32_t)(bg->sign[1] >> 32))};
         __m256 k0 = _mm256_set1_ps(1.0f), k1 = k0;
         if (m->block_scales) {
             k0 = _mm256_set1_ps(m->block_scales[(size_t)(2 * p) * sc + (g0 + g) / 2]);
@@ -111,9 +115,9 @@ static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t n
         }
         for (int j = 0; j < 8; j++) {
             _mm256_store_ps(w0 + g * 64 + 8 * j,
-                            _mm256_mul_ps(decode8(b[g].mag[0] + 8 * j, h0[j >> 2], c[j & 3], sign_bit), k0));
+                            _mm256_mul_ps(decode8(bg->mag[0] + 8 * j, h0[j >> 2], c[j & 3], sign_bit), k0));
             _mm256_store_ps(w1 + g * 64 + 8 * j,
-                            _mm256_mul_ps(decode8(b[g].mag[1] + 8 * j, h1[j >> 2], c[j & 3], sign_bit), k1));
+                            _mm256_mul_ps(decode8(bg->mag[1] + 8 * j, h1[j >> 2], c[j & 3], sign_bit), k1));
         }
     }
 }
@@ -139,36 +143,40 @@ static inline __attribute__((always_inline)) void tile(const float *w0, const fl
     }
 }
 
-/* Several tokens: decode a chunk of the row pair once, reuse it for every
- * token from L1. */
+/* Several tokens: decode a chunk of a row pair once, reuse it for every
+ * token from L1. Panel by panel, like the GEMV, so the weights stream. */
 static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                         const float *const *x, float *const *y, int accumulate)
 {
     float w0[CHUNK] __attribute__((aligned(32))), w1[CHUNK] __attribute__((aligned(32)));
     float ys0[DUCK_MAX_TOKENS], ys1[DUCK_MAX_TOKENS];
     const float out_scale = m->prescale * 0x1p48f;
-    for (uint32_t p = pair_begin; p < pair_end; p++) {
-        for (uint32_t t = 0; t < ntok; t++)
-            ys0[t] = ys1[t] = 0.0f;
-        for (uint32_t g0 = 0; g0 < m->groups; g0 += CHUNK / FP9_GROUP) {
-            uint32_t ng = m->groups - g0 < CHUNK / FP9_GROUP ? m->groups - g0 : CHUNK / FP9_GROUP;
-            uint32_t n = ng * FP9_GROUP, k0 = g0 * FP9_GROUP;
-            decode_pair(m, p, g0, ng, w0, w1);
-            uint32_t t = 0;
-            for (; t + TILE <= ntok; t += TILE)
-                tile(w0, w1, n, x + t, k0, TILE, ys0 + t, ys1 + t);
-            switch (ntok - t) {
-            case 5: tile(w0, w1, n, x + t, k0, 5, ys0 + t, ys1 + t); break;
-            case 4: tile(w0, w1, n, x + t, k0, 4, ys0 + t, ys1 + t); break;
-            case 3: tile(w0, w1, n, x + t, k0, 3, ys0 + t, ys1 + t); break;
-            case 2: tile(w0, w1, n, x + t, k0, 2, ys0 + t, ys1 + t); break;
-            case 1: tile(w0, w1, n, x + t, k0, 1, ys0 + t, ys1 + t); break;
-            default: break;
+    for (uint32_t p0 = 0; p0 < m->groups; p0 += FP9_PANEL_GROUPS) {
+        const uint32_t p1 = p0 + fp9_panel_groups(m->groups, p0);
+        for (uint32_t p = pair_begin; p < pair_end; p++) {
+            for (uint32_t t = 0; t < ntok; t++)
+                ys0[t] = ys1[t] = 0.0f;
+            for (uint32_t g0 = p0; g0 < p1; g0 += CHUNK / FP9_GROUP) {
+                uint32_t ng = p1 - g0 < CHUNK / FP9_GROUP ? p1 - g0 : CHUNK / FP9_GROUP;
+                uint32_t n = ng * FP9_GROUP, k0 = g0 * FP9_GROUP;
+                decode_pair(m, p, g0, ng, w0, w1);
+                uint32_t t = 0;
+                for (; t + TILE <= ntok; t += TILE)
+                    tile(w0, w1, n, x + t, k0, TILE, ys0 + t, ys1 + t);
+                switch (ntok - t) {
+                case 5: tile(w0, w1, n, x + t, k0, 5, ys0 + t, ys1 + t); break;
+                case 4: tile(w0, w1, n, x + t, k0, 4, ys0 + t, ys1 + t); break;
+                case 3: tile(w0, w1, n, x + t, k0, 3, ys0 + t, ys1 + t); break;
+                case 2: tile(w0, w1, n, x + t, k0, 2, ys0 + t, ys1 + t); break;
+                case 1: tile(w0, w1, n, x + t, k0, 1, ys0 + t, ys1 + t); break;
+                default: break;
+                }
             }
-        }
-        for (uint32_t t = 0; t < ntok; t++) {
-            store_out(y[t], 2 * p, m->rows, ys0[t] * out_scale, accumulate);
-            store_out(y[t], 2 * p + 1, m->rows, ys1[t] * out_scale, accumulate);
+            const int add = accumulate || p0 > 0;
+            for (uint32_t t = 0; t < ntok; t++) {
+                store_out(y[t], 2 * p, m->rows, ys0[t] * out_scale, add);
+                store_out(y[t], 2 * p + 1, m->rows, ys1[t] * out_scale, add);
+            }
         }
     }
 }

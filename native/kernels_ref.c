@@ -15,13 +15,13 @@ static inline float decode_scaled(uint8_t code, int negative)
 
 static float dot_row_ref(const fp9_matrix *m, uint32_t row, const float *x)
 {
-    const fp9_block *b = &m->blocks[(size_t)(row / 2) * m->groups];
     const float *scales = m->block_scales ? &m->block_scales[(size_t)row * fp9_scale_cols(m)] : NULL;
     uint32_t r = row & 1;
     float total = 0.0f, partial = 0.0f;
     for (uint32_t g = 0; g < m->groups; g++) {
+        const fp9_block *b = &m->blocks[fp9_block_index(m->row_pairs, m->groups, row / 2, g)];
         for (uint32_t c = 0; c < FP9_GROUP; c++)
-            partial += decode_scaled(b[g].mag[r][c], (int)((b[g].sign[r] >> c) & 1)) * x[g * FP9_GROUP + c];
+            partial += decode_scaled(b->mag[r][c], (int)((b->sign[r] >> c) & 1)) * x[g * FP9_GROUP + c];
         if ((g & 1) || g + 1 == m->groups) {   /* end of a 128-column scale block */
             total += scales ? partial * scales[g / 2] : partial;
             partial = 0.0f;

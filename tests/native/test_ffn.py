@@ -1,0 +1,160 @@
+"""MLP / MoE slice forward against a torch float64 implementation of the same
+math on the same (decoded) weights."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from native.fp9 import Fp9Error, Fp9Tensor, pack_gate_up
+from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace
+
+# Relative to the output's scale (max |y| of the float64 result): the fp32
+# kernels and the fp32 silu stay well inside this.
+FFN_REL_TOL = 1e-5
+
+
+def make_experts(n, hidden, width, rng, active_rows=None):
+    """n expert slices of `width` intermediate units; rows past active_rows are
+    the zero padding of a slice whose size does not divide evenly."""
+    experts, dense = [], []
+    for i in range(n):
+        gate = rng.standard_normal((width, hidden)).astype(np.float32) * 0.05
+        up = rng.standard_normal((width, hidden)).astype(np.float32) * 0.05
+        down = rng.standard_normal((hidden, width)).astype(np.float32) * 0.05
+        if active_rows is not None:
+            gate[active_rows:] = up[active_rows:] = 0.0
+            down[:, active_rows:] = 0.0
+        e = ExpertSlice(Fp9Tensor.from_float(pack_gate_up(gate, up), f"e{i}.gate_up"),
+                        Fp9Tensor.from_float(down, f"e{i}.down"))
+        gu = torch.from_numpy(e.gate_up.to_float()).double()
+        dense.append((gu[0::2], gu[1::2], torch.from_numpy(e.down.to_float()).double()))
+        experts.append(e)
+    return experts, dense
+
+
+def torch_moe(dense, x, ids, weights):
+    """y[t] = sum_k w[t,k] * down(silu(gate x) * up x) in float64."""
+    x = torch.from_numpy(x).double()                          # [T, H]
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t], weights[t]):
+            if e < 0:
+                continue
+            gate, up, down = dense[e]
+            h = torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])   # [S]
+            y[t] += float(w) * (down @ h)                             # [H]
+    return y.numpy()
+
+
+def _assert_close(y, ref, what):
+    err = np.max(np.abs(y - ref)) / np.max(np.abs(ref))
+    assert err <= FFN_REL_TOL, f"{what}: relative error {err:.3g} > {FFN_REL_TOL}"
+
+
+@pytest.mark.parametrize("ntok", [1, 64])
+@pytest.mark.parametrize("shape", [("deepseek_v3", 7168, 64, 24), ("qwen3_30b_a3b", 2048, 64, 40)])
+def test_moe_slice_matches_torch(shape, ntok):
+    name, hidden, width, n_experts = shape
+    rng = np.random.default_rng(ntok + hidden)
+    experts, dense = make_experts(n_experts, hidden, width, rng)
+    layer = MoeSlice(experts, hidden, name)
+    x = rng.standard_normal((ntok, hidden)).astype(np.float32)
+    ids = np.stack([rng.choice(n_experts, size=8, replace=False) for _ in range(ntok)]).astype(np.int32)
+    ids[0, 3] = -1                                   # an empty slot is skipped
+    weights = rng.uniform(0.05, 0.3, size=ids.shape).astype(np.float32)
+    y = layer.forward(x, ids, weights, Pool(2))
+    _assert_close(y, torch_moe(dense, x, ids, weights), name)
+    assert layer.bytes_streamed > 0
+
+
+def test_padded_tp_slices_sum_to_the_whole_mlp():
+    """intermediate 768 over tp=5 slices of 192 (a multiple of 64): the last
+    slice is part zero; the sum of the partials is the unsliced MLP."""
+    rng = np.random.default_rng(21)
+    hidden, inter, tp, width = 256, 768, 5, 192
+    gate = rng.standard_normal((inter, hidden)).astype(np.float32) * 0.05
+    up = rng.standard_normal((inter, hidden)).astype(np.float32) * 0.05
+    down = rng.standard_normal((hidden, inter)).astype(np.float32) * 0.05
+    x = rng.standard_normal((3, hidden)).astype(np.float32)
+    total, ref = np.zeros((3, hidden), dtype=np.float32), np.zeros((3, hidden))
+    for s in range(tp):
+        rows = slice(s * width, min((s + 1) * width, inter))
+        g, u, d = (np.zeros((width, hidden), np.float32), np.zeros((width, hidden), np.float32),
+                   np.zeros((hidden, width), np.float32))
+        n = rows.stop - rows.start
+        g[:n], u[:n], d[:, :n] = gate[rows], up[rows], down[:, rows]
+        e = ExpertSlice(Fp9Tensor.from_float(pack_gate_up(g, u)), Fp9Tensor.from_float(d))
+        total += MoeSlice([e], hidden).forward(x, np.zeros((3, 1)), np.ones((3, 1)))
+        gu = torch.from_numpy(e.gate_up.to_float()).double()
+        ref += torch_moe([(gu[0::2], gu[1::2], torch.from_numpy(e.down.to_float()).double())], x,
+                         np.zeros((3, 1), int), np.ones((3, 1)))
+    assert tp * width - inter == 192 and rows.stop - rows.start == 0   # the 5th slice is all padding
+    _assert_close(total, ref, "tp=5 padded")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_count_does_not_change_a_bit(threads):
+    rng = np.random.default_rng(22)
+    experts, _ = make_experts(6, 512, 128, rng)
+    layer = MoeSlice(experts, 512)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ids = rng.integers(0, 6, size=(5, 3)).astype(np.int32)
+    w = rng.uniform(size=(5, 3)).astype(np.float32)
+    assert np.array_equal(layer.forward(x, ids, w, Pool(threads)), layer.forward(x, ids, w, None))
+
+
+def test_bf16_activations():
+    rng = np.random.default_rng(23)
+    experts, dense = make_experts(3, 320, 64, rng)
+    x = torch.from_numpy(rng.standard_normal((2, 320)).astype(np.float32)).to(torch.bfloat16)
+    ids, w = np.array([[0, 2], [1, -1]]), np.array([[0.5, 0.5], [1.0, 0.0]], dtype=np.float32)
+    y = MoeSlice(experts, 320).forward(x, ids, w)
+    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w), "bf16 x")
+
+
+def test_no_active_expert_gives_zeros():
+    rng = np.random.default_rng(24)
+    experts, _ = make_experts(2, 128, 64, rng)
+    y = MoeSlice(experts, 128).forward(np.ones((2, 128)), -np.ones((2, 4)), np.ones((2, 4)))
+    assert np.array_equal(y, np.zeros((2, 128)))
+
+
+def test_bad_arguments_are_named():
+    rng = np.random.default_rng(25)
+    experts, _ = make_experts(2, 128, 64, rng)
+    layer = MoeSlice(experts, 128, "layers.7.mlp")
+    with pytest.raises(Fp9Error, match="layers.7.mlp: expert id out of range"):
+        layer.forward(np.ones((1, 128)), np.array([[5]]), np.ones((1, 1)))
+    with pytest.raises(Fp9Error, match="layers.7.mlp: activation has 100 columns, hidden size is 128"):
+        layer.forward(np.ones((1, 100)), np.array([[0]]), np.ones((1, 1)))
+    with pytest.raises(Fp9Error, match="expert 1 has gate_up"):
+        MoeSlice([experts[0], ExpertSlice(experts[1].down, experts[1].gate_up)], 128, "bad")
+
+
+def test_forward_releases_the_gil():
+    rng = np.random.default_rng(26)
+    experts, _ = make_experts(8, 4096, 256, rng)
+    layer = MoeSlice(experts, 4096)
+    x = rng.standard_normal((64, 4096)).astype(np.float32)
+    ids = np.tile(np.arange(8), (64, 1))
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+    th = threading.Thread(target=ticker)
+    th.start()
+    ws = Workspace()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        layer.forward(x, ids, np.ones((64, 8)), None, ws)
+    t1 = time.perf_counter()
+    stop.set()
+    th.join()
+    during = [t for t in ticks if t0 < t < t1]
+    # with the GIL held through each call the ticker could not run in between
+    assert t1 - t0 > 0.05 and len(during) >= 10, (t1 - t0, len(during))
