@@ -16,7 +16,8 @@ extern "C" {
  * over the pool; returns a value that depends on every byte. */
 uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes);
 
-/* y = W x with W int8 [n, k] row-major (k a multiple of 32), x and y fp32:
+/* y = W x with W int8 [n, k] in panels of 2048 columns, row-major within a
+ * panel (k a multiple of 32), x and y fp32:
  * widen, convert, FMA. Rows split over the pool. */
 void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t k,
                           const float *x, float *y);

@@ -62,6 +62,8 @@ typedef struct moe_task {
     const float *weights;           /* per assignment: routing weight */
 } moe_task;
 
+static inline unsigned long round_up(unsigned long v, unsigned long a) { return (v + a - 1) / a * a; }
+
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* Phase 1: gate/up rows of every job, split evenly by row pair. */
@@ -74,8 +76,11 @@ static void phase_gate_up(void *arg, unsigned w, unsigned nw)
         const duck_expert_slice *e = &t->a->experts[t->jobs[j].expert];
         unsigned long pairs = e->gate_up.row_pairs;
         if (base + pairs > begin) {
-            uint32_t pb = (uint32_t)(begin > base ? begin - base : 0);
-            uint32_t pe = (uint32_t)(end < base + pairs ? end - base : pairs);
+            /* cut inside a job at multiples of DUCK_ROW_PAIR_ALIGN, like duck_split_aligned */
+            uint32_t pb = (uint32_t)(begin > base ? round_up(begin - base, DUCK_ROW_PAIR_ALIGN) : 0);
+            uint32_t pe = (uint32_t)(end < base + pairs ? round_up(end - base, DUCK_ROW_PAIR_ALIGN) : pairs);
+            pb = pb < pairs ? pb : (uint32_t)pairs;
+            pe = pe < pairs ? pe : (uint32_t)pairs;
             uint32_t first = t->jobs[j].first, n = t->jobs[j].count;
             t->k->gemm(&e->gate_up, pb, pe, n, t->xrows + first, t->gurows + first, 0);
             for (uint32_t i = first; i < first + n; i++) {
@@ -95,7 +100,7 @@ static void phase_down(void *arg, unsigned w, unsigned nw)
     const moe_task *t = arg;
     const duck_moe_args *a = t->a;
     unsigned long begin, end;
-    duck_split((a->hidden + 1) / 2, w, nw, &begin, &end);
+    duck_split_aligned((a->hidden + 1) / 2, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
     uint32_t r0 = 2 * (uint32_t)begin, r1 = 2 * (uint32_t)end < a->hidden ? 2 * (uint32_t)end : a->hidden;
     for (uint32_t tok = 0; tok < a->ntok && r1 > r0; tok++)
         memset(a->y + (size_t)tok * a->hidden + r0, 0, (r1 - r0) * sizeof(float));
@@ -224,7 +229,7 @@ static void matmul_part(void *arg, unsigned w, unsigned nw)
 {
     const matmul_task *t = arg;
     unsigned long begin, end;
-    duck_split(t->m->row_pairs, w, nw, &begin, &end);
+    duck_split_aligned(t->m->row_pairs, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
     t->k->gemm(t->m, (uint32_t)begin, (uint32_t)end, t->ntok, t->x, t->y, 0);
 }
 

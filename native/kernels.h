@@ -9,6 +9,11 @@
 extern "C" {
 #endif
 
+/* Callers splitting a matrix between threads cut at multiples of this many
+ * row pairs: kernels may group pairs (up to 4) and the grouping must not
+ * depend on the split, so that results do not depend on the thread count. */
+#define DUCK_ROW_PAIR_ALIGN 4
+
 /* Most tokens one kernel call, one wire forward or one prefill batch holds. */
 #define DUCK_MAX_TOKENS 64
 

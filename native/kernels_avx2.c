@@ -21,6 +21,20 @@ static inline __m256 decode8(const uint8_t *mag, __m256i sign_half, __m256i coun
     return _mm256_castsi256_ps(_mm256_xor_si256(u, s));
 }
 
+/* The GEMV applies the sign to the activation instead: blendv reads only
+ * bit 31 of the shifted sign word, so no mask is needed (11 % faster than
+ * the and + xor of decode8 on the development machine). */
+static inline __m256 magnitude8(const uint8_t *mag)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mag)), FP9_DECODE_SHIFT));
+}
+
+static inline __m256 signed_x(__m256 x, __m256 neg_x, __m256i sign_half, __m256i counts)
+{
+    return _mm256_blendv_ps(x, neg_x, _mm256_castsi256_ps(_mm256_sllv_epi32(sign_half, counts)));
+}
+
 static inline float hsum(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -63,8 +77,11 @@ static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
 #define STEP(j, half0, half1, cnt, acc0, acc1)                                          \
     do {                                                                                 \
         __m256 xv = _mm256_loadu_ps(xg + 8 * (j));                                       \
-        acc0 = _mm256_fmadd_ps(decode8(blk->mag[0] + 8 * (j), half0, cnt, sign_bit), xv, acc0); \
-        acc1 = _mm256_fmadd_ps(decode8(blk->mag[1] + 8 * (j), half1, cnt, sign_bit), xv, acc1); \
+        __m256 xn = _mm256_xor_ps(xv, _mm256_castsi256_ps(sign_bit));                    \
+        acc0 = _mm256_fmadd_ps(magnitude8(blk->mag[0] + 8 * (j)),                        \
+                               signed_x(xv, xn, half0, cnt), acc0);                      \
+        acc1 = _mm256_fmadd_ps(magnitude8(blk->mag[1] + 8 * (j)),                        \
+                               signed_x(xv, xn, half1, cnt), acc1);                      \
     } while (0)
                 STEP(0, r0lo, r1lo, c0, a0, a2);
                 STEP(1, r0lo, r1lo, c1, a1, a3);
@@ -89,6 +106,60 @@ static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
             store_out(y, 2 * p + 1, m->rows, hsum(t1) * out_scale, add);
         }
     }
+}
+
+/* Sums of eight accumulators, one per lane: [hsum(a[0]), ..., hsum(a[7])]. */
+static inline __m256 hsum8(const __m256 a[8])
+{
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Narrow matrices (the down slices: K = 64 .. 256) have too few columns to
+ * hide a per-row horizontal sum, so four pairs go together and their eight
+ * sums are reduced in one vector. No block scales (the general path has them). */
+#define NARROW_MAX_GROUPS 4
+
+static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
+                        const float *x, float *y, int accumulate)
+{
+    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
+    const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 out_scale = _mm256_set1_ps(m->prescale * 0x1p48f);
+    const uint32_t groups = m->groups;
+    uint32_t p = pair_begin;
+    for (; p + 4 <= pair_end; p += 4) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++)
+            a[r] = _mm256_setzero_ps();
+        for (uint32_t g = 0; g < groups; g++) {
+            const fp9_block *blk = fp9_pair_run(m, p, 0) + g;   /* pair p + i at blk + i * groups */
+            for (int j = 0; j < 8; j++) {
+                __m256 xv = _mm256_loadu_ps(x + (size_t)g * FP9_GROUP + 8 * j);
+                __m256 xn = _mm256_xor_ps(xv, sign_bit);
+                for (int r = 0; r < 8; r++) {
+                    const fp9_block *b = blk + (size_t)(r >> 1) * groups;
+                    __m256i half = _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2))));
+                    a[r] = _mm256_fmadd_ps(magnitude8(b->mag[r & 1] + 8 * j), signed_x(xv, xn, half, c[j & 3]), a[r]);
+                }
+            }
+        }
+        __m256 sums = _mm256_mul_ps(hsum8(a), out_scale);
+        uint32_t row = 2 * p;
+        if (row + 8 <= m->rows) {
+            if (accumulate)
+                sums = _mm256_add_ps(sums, _mm256_loadu_ps(y + row));
+            _mm256_storeu_ps(y + row, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            for (int r = 0; r < 8; r++)
+                store_out(y, row + r, m->rows, tmp[r], accumulate);
+        }
+    }
+    if (p < pair_end)
+        gemv_avx2(m, p, pair_end, x, y, accumulate);
 }
 
 #define CHUNK 1024   /* columns decoded per pass: 2 rows x 4 KiB stay in L1 */
@@ -185,7 +256,10 @@ static void gemm_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
                       uint32_t ntok, const float *const *x, float *const *y, int accumulate)
 {
     if (ntok == 1) {
-        gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate);
+        if (m->groups <= NARROW_MAX_GROUPS && !m->block_scales)
+            gemv_narrow(m, pair_begin, pair_end, x[0], y[0], accumulate);
+        else
+            gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate);
         return;
     }
     for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {

@@ -32,6 +32,17 @@ static inline void duck_split(unsigned long n, unsigned w, unsigned nw,
     *end = n * (w + 1) / nw;
 }
 
+/* The same with boundaries at multiples of align (the last one at n), so
+ * that kernels grouping rows see the same groups whatever the split. */
+static inline void duck_split_aligned(unsigned long n, unsigned w, unsigned nw, unsigned long align,
+                                      unsigned long *begin, unsigned long *end)
+{
+    unsigned long units = (n + align - 1) / align;
+    duck_split(units, w, nw, begin, end);
+    *begin = *begin * align < n ? *begin * align : n;
+    *end = *end * align < n ? *end * align : n;
+}
+
 #ifdef __cplusplus
 }
 #endif

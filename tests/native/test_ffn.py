@@ -95,11 +95,12 @@ def test_padded_tp_slices_sum_to_the_whole_mlp():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_thread_count_does_not_change_a_bit(threads):
+@pytest.mark.parametrize("hidden", [200, 512])      # 200: gate/up rows take the narrow kernel too
+def test_thread_count_does_not_change_a_bit(threads, hidden):
     rng = np.random.default_rng(22)
-    experts, _ = make_experts(6, 512, 128, rng)
-    layer = MoeSlice(experts, 512)
-    x = rng.standard_normal((5, 512)).astype(np.float32)
+    experts, _ = make_experts(6, hidden, 128, rng)
+    layer = MoeSlice(experts, hidden)
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
     ids = rng.integers(0, 6, size=(5, 3)).astype(np.int32)
     w = rng.uniform(size=(5, 3)).astype(np.float32)
     assert np.array_equal(layer.forward(x, ids, w, Pool(threads)), layer.forward(x, ids, w, None))
