@@ -32,10 +32,14 @@ typedef struct duck_kernels {
 } duck_kernels;
 
 const duck_kernels *duck_kernels_ref(void);
-/* NULL where the build or the CPU lacks AVX2+FMA. */
+/* NULL where the build or the CPU lacks AVX2+FMA. The AVX2 set comes in two
+ * variants that differ in how the GEMV applies signs ("avx2-xor": AND + XOR on
+ * the weight; "avx2-blend": blendv on the activation); duck_kernels_avx2()
+ * picks the one faster on this CPU's vendor. */
 const duck_kernels *duck_kernels_avx2(void);
-/* The fastest the CPU supports; DUCK_KERNELS=ref|avx2 in the environment
- * forces one (an unsupported choice falls back to ref). */
+const duck_kernels *duck_kernels_avx2_variant(int blend);
+/* The fastest the CPU supports; DUCK_KERNELS=ref|avx2-xor|avx2-blend in the
+ * environment forces one (an unsupported choice falls back to ref). */
 const duck_kernels *duck_kernels_best(void);
 
 /* Activation in kernel form: x * 2^FP9_ACT_SHIFT, zero-padded to n_padded

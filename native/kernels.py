@@ -16,18 +16,22 @@ _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out 
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
 
 
+KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend")
+
+
 def kernels(name: str = "best"):
-    """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref' or 'avx2'."""
+    """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref',
+    'avx2' (the variant for this CPU's vendor), 'avx2-xor' or 'avx2-blend'."""
     if name == "best":
         return lib.duck_kernels_best()
     if name == "ref":
         return lib.duck_kernels_ref()
-    if name == "avx2":
-        k = lib.duck_kernels_avx2()
+    if name in ("avx2", "avx2-xor", "avx2-blend"):
+        k = lib.duck_kernels_avx2() if name == "avx2" else lib.duck_kernels_avx2_variant(int(name == "avx2-blend"))
         if k == ffi.NULL:
             raise RuntimeError("AVX2+FMA kernels are not available on this CPU or build")
         return k
-    raise ValueError(f"unknown kernel set {name!r}: expected 'best', 'ref' or 'avx2'")
+    raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
 
 
 def kernels_name(k) -> str:

@@ -35,6 +35,18 @@ static inline __m256 signed_x(__m256 x, __m256 neg_x, __m256i sign_half, __m256i
     return _mm256_blendv_ps(x, neg_x, _mm256_castsi256_ps(_mm256_sllv_epi32(sign_half, counts)));
 }
 
+/* acc + (+-w) * x for eight weights. Two ways to apply the sign, chosen per
+ * CPU vendor: blendv costs one op on AMD Zen but 2-3 on Intel cores, where
+ * the AND + XOR on the weight measured faster. */
+static inline __attribute__((always_inline)) __m256 fma_signed(int blend, __m256 acc, const uint8_t *mag,
+                                                               __m256 x, __m256 neg_x, __m256i sign_half,
+                                                               __m256i counts, __m256i sign_bit)
+{
+    if (blend)
+        return _mm256_fmadd_ps(magnitude8(mag), signed_x(x, neg_x, sign_half, counts), acc);
+    return _mm256_fmadd_ps(decode8(mag, sign_half, counts, sign_bit), x, acc);
+}
+
 static inline float hsum(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -50,8 +62,9 @@ static inline void store_out(float *y, uint32_t row, uint32_t rows, float v, int
 }
 
 /* One token: each block is decoded into registers and consumed at once. */
-static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
-                      const float *x, float *y, int accumulate)
+static inline __attribute__((always_inline)) void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin,
+                                                            uint32_t pair_end, const float *x, float *y,
+                                                            int accumulate, int blend)
 {
     const __m256i c0 = SIGN_COUNTS(0), c1 = SIGN_COUNTS(1), c2 = SIGN_COUNTS(2), c3 = SIGN_COUNTS(3);
     const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
@@ -78,10 +91,8 @@ static void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
     do {                                                                                 \
         __m256 xv = _mm256_loadu_ps(xg + 8 * (j));                                       \
         __m256 xn = _mm256_xor_ps(xv, _mm256_castsi256_ps(sign_bit));                    \
-        acc0 = _mm256_fmadd_ps(magnitude8(blk->mag[0] + 8 * (j)),                        \
-                               signed_x(xv, xn, half0, cnt), acc0);                      \
-        acc1 = _mm256_fmadd_ps(magnitude8(blk->mag[1] + 8 * (j)),                        \
-                               signed_x(xv, xn, half1, cnt), acc1);                      \
+        acc0 = fma_signed(blend, acc0, blk->mag[0] + 8 * (j), xv, xn, half0, cnt, sign_bit); \
+        acc1 = fma_signed(blend, acc1, blk->mag[1] + 8 * (j), xv, xn, half1, cnt, sign_bit); \
     } while (0)
                 STEP(0, r0lo, r1lo, c0, a0, a2);
                 STEP(1, r0lo, r1lo, c1, a1, a3);
@@ -121,11 +132,13 @@ static inline __m256 hsum8(const __m256 a[8])
  * sums are reduced in one vector. No block scales (the general path has them). */
 #define NARROW_MAX_GROUPS 4
 
-static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
-                        const float *x, float *y, int accumulate)
+static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin,
+                                                              uint32_t pair_end, const float *x, float *y,
+                                                              int accumulate, int blend)
 {
     const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
-    const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256i sign_int = _mm256_set1_epi32((int)0x80000000u);
+    const __m256 sign_bit = _mm256_castsi256_ps(sign_int);
     const __m256 out_scale = _mm256_set1_ps(m->prescale * 0x1p48f);
     const uint32_t groups = m->groups;
     uint32_t p = pair_begin;
@@ -141,7 +154,7 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
                 for (int r = 0; r < 8; r++) {
                     const fp9_block *b = blk + (size_t)(r >> 1) * groups;
                     __m256i half = _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2))));
-                    a[r] = _mm256_fmadd_ps(magnitude8(b->mag[r & 1] + 8 * j), signed_x(xv, xn, half, c[j & 3]), a[r]);
+                    a[r] = fma_signed(blend, a[r], b->mag[r & 1] + 8 * j, xv, xn, half, c[j & 3], sign_int);
                 }
             }
         }
@@ -159,7 +172,7 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
         }
     }
     if (p < pair_end)
-        gemv_avx2(m, p, pair_end, x, y, accumulate);
+        gemv_avx2(m, p, pair_end, x, y, accumulate, blend);
 }
 
 #define CHUNK 1024   /* columns decoded per pass: 2 rows x 4 KiB stay in L1 */
@@ -252,14 +265,15 @@ static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     }
 }
 
-static void gemm_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
-                      uint32_t ntok, const float *const *x, float *const *y, int accumulate)
+static inline __attribute__((always_inline)) void gemm_variant(
+    const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+    const float *const *x, float *const *y, int accumulate, int blend)
 {
     if (ntok == 1) {
         if (m->groups <= NARROW_MAX_GROUPS && !m->block_scales)
-            gemv_narrow(m, pair_begin, pair_end, x[0], y[0], accumulate);
+            gemv_narrow(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
         else
-            gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate);
+            gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
         return;
     }
     for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {
@@ -268,20 +282,40 @@ static void gemm_avx2(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_en
     }
 }
 
+static void gemm_avx2_xor(const fp9_matrix *m, uint32_t pb, uint32_t pe, uint32_t ntok,
+                          const float *const *x, float *const *y, int accumulate)
+{
+    gemm_variant(m, pb, pe, ntok, x, y, accumulate, 0);
+}
+
+static void gemm_avx2_blend(const fp9_matrix *m, uint32_t pb, uint32_t pe, uint32_t ntok,
+                            const float *const *x, float *const *y, int accumulate)
+{
+    gemm_variant(m, pb, pe, ntok, x, y, accumulate, 1);
+}
+
 #pragma GCC pop_options
 
-static const duck_kernels k_avx2 = {"avx2", gemm_avx2};
+static const duck_kernels k_avx2_xor = {"avx2-xor", gemm_avx2_xor};
+static const duck_kernels k_avx2_blend = {"avx2-blend", gemm_avx2_blend};
+
+const duck_kernels *duck_kernels_avx2_variant(int blend)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+        return NULL;
+    return blend ? &k_avx2_blend : &k_avx2_xor;
+}
 
 const duck_kernels *duck_kernels_avx2(void)
 {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return &k_avx2;
-    return NULL;
+    return duck_kernels_avx2_variant(__builtin_cpu_is("amd"));
 }
 
 #else
 
+const duck_kernels *duck_kernels_avx2_variant(int blend) { (void)blend; return NULL; }
 const duck_kernels *duck_kernels_avx2(void) { return NULL; }
 
 #endif

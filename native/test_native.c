@@ -135,10 +135,11 @@ int main(void)
 {
     test_codec();
     test_kernels_agree(duck_kernels_ref());
-    const duck_kernels *avx2 = duck_kernels_avx2();
-    if (avx2)
+    const duck_kernels *avx2 = duck_kernels_avx2_variant(0);
+    if (avx2) {
         test_kernels_agree(avx2);
-    else
+        test_kernels_agree(duck_kernels_avx2_variant(1));
+    } else
         printf("note: no AVX2+FMA on this CPU; only the reference was tested\n");
     test_moe_pool();
     printf("%d passed, %d failed\n", checks - failures, failures);

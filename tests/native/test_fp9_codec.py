@@ -44,7 +44,7 @@ def test_every_code_and_sign_through_unpack_and_kernels(negative_odd):
     t, values = _all_codes_tensor(negative_odd)
     assert np.array_equal(t.to_float().astype(np.float64), values)
     eye = np.eye(128, dtype=np.float32)
-    for kernel_set in ("ref", "avx2"):
+    for kernel_set in ("ref", "avx2-xor", "avx2-blend"):
         # each unit vector picks one weight: the kernels must decode it exactly
         assert np.array_equal(gemm(t, eye, kernel_set).T.astype(np.float64), values), kernel_set
 
