@@ -32,6 +32,7 @@ typedef void (*fp9_gemm_fn)(const fp9_matrix *m, uint32_t pair_begin, uint32_t p
 typedef struct duck_kernels { const char *name; fp9_gemm_fn gemm; } duck_kernels;
 const duck_kernels *duck_kernels_ref(void);
 const duck_kernels *duck_kernels_avx2(void);
+const duck_kernels *duck_kernels_avx2_variant(int blend);
 const duck_kernels *duck_kernels_best(void);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
