@@ -46,6 +46,14 @@ def random_fp9(rows: int, cols: int, rng: np.random.Generator, name: str) -> Fp9
     return Fp9Tensor(buf, name)
 
 
+def measure_read_gbps(threads: int, mib: int = 256, seconds: float = 0.2) -> float:
+    """Streaming read bandwidth of this host with `threads` threads reading at once."""
+    buf = _aligned_bytes(mib * MiB)
+    buf[:] = 1
+    pool = Pool(threads)
+    return buf.size / _timed(lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(buf), buf.size), seconds) / 1e9
+
+
 def _timed(fn, min_seconds: float) -> float:
     """Seconds per call of fn, repeated until min_seconds have passed."""
     n, t0 = 0, time.perf_counter()
@@ -115,9 +123,9 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
     layer, xm = shared["moe"]
     per_call = layer.experts[0].weight_bytes * 8
 
-    def moe_call():
-        ids = rng.choice(len(layer.experts), size=(1, 8), replace=False)
-        layer.forward(xm, ids, np.full((1, 8), 0.125, dtype=np.float32), pool, ws)
+    routes = [rng.choice(len(layer.experts), size=(1, 8), replace=False).astype(np.int32) for _ in range(1024)]
+    weights = np.full((1, 8), 0.125, dtype=np.float32)
+    moe_call = _rotating([(lambda ids=ids: layer.forward(xm, ids, weights, pool, ws)) for ids in routes])
     cases.append(Case("moe_slice", moe_call, per_call, per_call * 8 // 9,
                       shape=[len(layer.experts), 3, 64, 7168], threads=threads, experts_per_call=8))
     return cases
@@ -139,17 +147,17 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
     result = {"machine": {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version()},
               "kernels": kernels_name(kernels()), "rounds": rounds, "read_gbps": {}, "cases": []}
     for t in threads_list:
-        med = {c.name + str(c.info.get("shape")): statistics.median(c.gbps) for c in by_threads[t]}
-        read = med["readNone"]
+        med = {(c.name, str(c.info.get("shape"))): statistics.median(c.gbps) for c in by_threads[t]}
+        read = med[("read", "None")]
         result["read_gbps"][str(t)] = round(read, 3)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            gbps = med[c.name + str(c.info.get("shape"))]
+            gbps = med[(c.name, str(c.info.get("shape")))]
             entry = {"name": c.name, **c.info, "gbps": round(gbps, 3),
                      "gparams": round(gbps * c.params / c.work_bytes, 3), "ratio_to_read": round(gbps / read, 3)}
             if c.name == "fp9_gemv":
-                peer = med["int8_gemv" + str(c.info["shape"])]
+                peer = med[("int8_gemv", str(c.info["shape"]))]
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
             result["cases"].append(entry)

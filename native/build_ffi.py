@@ -1,4 +1,5 @@
 """cffi out-of-line API build of native/: compiled by the install, never at import."""
+import importlib.util
 from pathlib import Path
 
 from cffi import FFI
@@ -62,12 +63,19 @@ void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t
                           const float *x, float *y);
 """
 
+# The wire protocol and host transport declare themselves in their own file.
+_spec = importlib.util.spec_from_file_location("transport_cdef", HERE / "transport_cdef.py")
+transport_cdef = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(transport_cdef)
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
+ffibuilder.cdef(transport_cdef.CDEF)
 ffibuilder.set_source(
     "native._native",
-    '#include "fp9.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n',
-    sources=SOURCES,
+    '#include "fp9.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
+    + transport_cdef.INCLUDES,
+    sources=SOURCES + transport_cdef.SOURCES,
     include_dirs=["native"],
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],
     libraries=["pthread", "m"],

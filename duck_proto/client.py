@@ -1,0 +1,135 @@
+"""The client side of duckd's API, shared by duckctl and duck-console: where
+the daemon is and its token (arguments, environment, config file, or the
+runtime file a running daemon writes), and an authenticated channel.
+
+Order of precedence: explicit arguments > DUCK_ADDRESS / DUCK_TOKEN >
+the config file (--config or $DUCK_CONFIG: daemon.listen, daemon.token or
+daemon.token_file) > the runtime file <state dir>/duckd.json of a daemon
+running with the default state dir.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+RUNTIME_FILE = "duckd.json"
+DEFAULT_LISTEN = "127.0.0.1:7433"
+
+
+class DiscoveryError(RuntimeError):
+    """No daemon address or token could be found; the message says where we looked."""
+
+
+def default_state_dir() -> Path:
+    """Where duckd keeps its state when the config names none."""
+    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # a systemd service
+        return Path("/var/lib/duckd")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "duck"
+
+
+@dataclass(slots=True)
+class Endpoint:
+    address: str
+    token: str
+    source: str      # where it came from, for messages
+
+
+def _from_config(path: Path) -> tuple[str | None, str | None, Path | None]:
+    data = tomllib.loads(path.read_text())
+    daemon = data.get("daemon", {})
+    token = daemon.get("token") or None
+    if not token and daemon.get("token_file"):
+        token = Path(daemon["token_file"]).expanduser().read_text().strip()
+    state = Path(daemon["state_dir"]).expanduser() if daemon.get("state_dir") else None
+    return daemon.get("listen"), token, state
+
+
+def discover(address: str | None = None, token: str | None = None, config: str | None = None,
+             state_dir: str | os.PathLike | None = None) -> Endpoint:
+    address = address or os.environ.get("DUCK_ADDRESS") or None
+    token = token or os.environ.get("DUCK_TOKEN") or None
+    source = "arguments/environment"
+    config = config or os.environ.get("DUCK_CONFIG")
+    state = Path(state_dir) if state_dir else None
+    if config and (not address or not token):
+        cfg_addr, cfg_token, cfg_state = _from_config(Path(config))
+        state = state or cfg_state
+        runtime = (state or default_state_dir()) / RUNTIME_FILE
+        if not runtime.exists() or (cfg_addr and not cfg_addr.endswith(":0")):
+            # the address as configured (a port of 0 is only known to the running daemon)
+            address = address or (cfg_addr if cfg_addr and not cfg_addr.endswith(":0") else None)
+            token = token or cfg_token
+            source = f"config {config}"
+    if not address or not token:
+        runtime = (state or default_state_dir()) / RUNTIME_FILE
+        try:
+            info = json.loads(runtime.read_text())
+            address = address or info["address"]
+            token = token or Path(info["token_file"]).read_text().strip()
+            source = f"runtime file {runtime}"
+        except FileNotFoundError:
+            raise DiscoveryError(f"no running duckd found: {runtime} does not exist; start duckd, or pass "
+                                 "--address and --token (or DUCK_ADDRESS / DUCK_TOKEN)") from None
+        except (KeyError, ValueError, OSError) as e:
+            raise DiscoveryError(f"cannot read the daemon's runtime file {runtime}: {e}") from None
+    return Endpoint(address, token, source)
+
+
+def channel(endpoint: Endpoint) -> grpc.aio.Channel:
+    """An asyncio channel that sends the bearer token with every call (plaintext
+    transport: the daemon listens on loopback unless configured otherwise)."""
+    # grpc.aio files each interceptor under one kind only: one object per kind
+    return grpc.aio.insecure_channel(endpoint.address, interceptors=[_UnaryAuth(endpoint.token),
+                                                                     _StreamAuth(endpoint.token)])
+
+
+def sync_channel(endpoint: Endpoint) -> grpc.Channel:
+    return grpc.intercept_channel(grpc.insecure_channel(endpoint.address), _SyncAuth(endpoint.token))
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata):
+        self.method, self.timeout, self.metadata = d.method, d.timeout, metadata
+        self.credentials, self.wait_for_ready = d.credentials, getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)
+
+
+class _UnaryAuth(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_aio_details(details, self.token), request)
+
+
+class _StreamAuth(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_aio_details(details, self.token), request)
+
+
+def _aio_details(d, token):
+    metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()))
+    metadata.add("authorization", f"Bearer {token}")
+    return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+
+class _SyncAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.token = token
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]),
+                            request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_Details(details, list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]),
+                            request)

@@ -1,0 +1,255 @@
+/* The portable core: every datagram is checked, authenticated where its type
+ * demands, deduplicated against the last-reply cache, reassembled, handled
+ * and answered. Nothing here trusts a byte it has not bounds-checked, and
+ * nothing here exits: the loop goes back to serving after any error. */
+#define _POSIX_C_SOURCE 200809L
+#include "duckfw.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define SEND_BATCH 64
+
+static int needs_mac(const duck_core *c, unsigned type)
+{
+    switch (type) {
+    case WIRE_T_CACHE_INVALIDATE:
+    case WIRE_T_UPLOAD:
+    case WIRE_T_SESSION_OPEN:
+    case WIRE_T_LAYER_PLAN:
+    case WIRE_T_SESSION_CLOSE:
+    case WIRE_T_SHUTDOWN:
+        return 1;
+    case WIRE_T_FORWARD:
+        return c->cfg.data_mac;
+    default:
+        return 0;
+    }
+}
+
+int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *send_ctx)
+{
+    memset(c, 0, sizeof *c);
+    c->cfg = *cfg;
+    c->send = send;
+    c->send_ctx = send_ctx;
+    c->rng = 0x9E3779B97F4A7C15ull ^ cfg->fault_seed;
+    c->kernels = duck_kernels_best();
+    c->ws = duck_ffn_workspace_create();
+    c->out = malloc((size_t)SEND_BATCH * (cfg->mtu + 64));
+    c->out_ptrs = calloc(SEND_BATCH, sizeof *c->out_ptrs);
+    c->out_lens = calloc(SEND_BATCH, sizeof *c->out_lens);
+    if (!c->ws || !c->out || !c->out_ptrs || !c->out_lens) {
+        dlog(DLOG_ERROR, "out of memory at start");
+        return -1;
+    }
+    c->cache = cache_open(cfg->cache_dir, cfg->cache_capacity, &c->stats.cache_corrupt);
+    if (!c->cache)
+        return -1;
+    if (cfg->threads > 1) {
+        c->pool = duck_pool_create(cfg->threads, cfg->pin, cfg->spin_us);
+        if (!c->pool) {
+            dlog(DLOG_ERROR, "cannot start %u worker threads", cfg->threads);
+            return -1;
+        }
+    }
+    dlog(DLOG_INFO, "kernels %s, %u worker thread(s)%s, idle %s", c->kernels->name, cfg->threads,
+         cfg->pin ? " pinned" : "", cfg->spin_us ? "spin-then-block" : "block");
+    return 0;
+}
+
+void core_free(duck_core *c)
+{
+    session_close(&c->session);
+    msgs_free(&c->msgs);
+    cache_close(c->cache);
+    if (c->pool)
+        duck_pool_destroy(c->pool);
+    duck_ffn_workspace_destroy(c->ws);
+    free(c->out);
+    free(c->out_ptrs);
+    free(c->out_lens);
+    c->cache = NULL;
+    c->pool = NULL;
+    c->ws = NULL;
+    c->out = NULL;
+}
+
+int core_fault_drop(duck_core *c)
+{
+    if (!c->cfg.faults || c->cfg.drop_rate <= 0)
+        return 0;
+    c->rng ^= c->rng << 13;   /* xorshift64: reproducible with --fault-seed */
+    c->rng ^= c->rng >> 7;
+    c->rng ^= c->rng << 17;
+    if ((double)(c->rng >> 11) * 0x1p-53 >= c->cfg.drop_rate)
+        return 0;
+    c->stats.injected_drops++;
+    return 1;
+}
+
+/* Seals fragments [0, count) of one message, skipping those marked in
+ * `have`, and sends them in batches. */
+static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
+                         uint32_t total, int with_mac, const uint8_t *have, uint32_t have_bits)
+{
+    uint32_t maxp = wire_max_payload(c->cfg.mtu, 1);
+    uint32_t count = total ? (total + maxp - 1) / maxp : 1;
+    uint32_t fsize = wire_frag_size(total, count);
+    if (have && have_bits != count)
+        have = NULL;   /* the peer's view of the geometry is not ours: send all */
+    unsigned n = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        if (have && (have[i / 8] & (1u << (i % 8))))
+            continue;
+        wire_header h = *base;
+        h.frag_index = (uint16_t)i;
+        h.frag_count = (uint16_t)count;
+        h.total_len = total;
+        uint32_t off = fsize * i, len = total - off < fsize ? total - off : fsize;
+        uint8_t *dst = c->out + (size_t)n * (c->cfg.mtu + 64);
+        size_t dlen = wire_seal(&h, payload + off, len, &c->cfg.key, with_mac, dst);
+        if (core_fault_drop(c))
+            continue;
+        c->out_ptrs[n] = dst;
+        c->out_lens[n] = dlen;
+        if (++n == SEND_BATCH) {
+            c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, n);
+            c->stats.datagrams_tx += n;
+            n = 0;
+        }
+    }
+    if (n) {
+        c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, n);
+        c->stats.datagrams_tx += n;
+    }
+}
+
+void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits)
+{
+    wire_header h = {0};
+    h.type = r->key.type;
+    h.flags = WIRE_F_REPLY;
+    h.session = r->key.session;
+    h.sequence = r->key.sequence;
+    send_message(c, &r->key.peer, &h, r->buf, r->len, r->with_mac, have, have_bits);
+}
+
+static void send_nack(duck_core *c, const msg_key *k, const reasm_slot *s, int with_mac)
+{
+    uint8_t buf[sizeof(wire_nack) + WIRE_MAX_FRAGMENTS / 8];
+    wire_nack n = {0};
+    n.sequence = k->sequence;
+    n.type = k->type;
+    n.frag_count = s ? s->frag_count : 0;
+    memcpy(buf, &n, sizeof n);
+    uint32_t bytes = s ? (s->frag_count + 7u) / 8u : 0;
+    if (s)
+        memcpy(buf + sizeof n, s->bitmap, bytes);
+    wire_header h = {0};
+    h.type = WIRE_T_NACK;
+    h.flags = WIRE_F_REPLY;
+    h.session = k->session;
+    h.sequence = k->sequence;
+    send_message(c, &k->peer, &h, buf, (uint32_t)sizeof n + bytes, with_mac, NULL, 0);
+}
+
+static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h, const uint8_t *p)
+{
+    wire_resend rs;
+    if (h->frag_count != 1 || h->payload_len < sizeof rs) {
+        c->stats.malformed++;
+        return;
+    }
+    memcpy(&rs, p, sizeof rs);
+    uint32_t bytes = (rs.reply_frags + 7u) / 8u;
+    if (rs.reply_frags > WIRE_MAX_FRAGMENTS || h->payload_len != sizeof rs + bytes) {
+        c->stats.malformed++;
+        return;
+    }
+    msg_key k = {*from, h->session, rs.sequence, rs.type};
+    c->stats.resends++;
+    reply_slot *r = msgs_find_reply(&c->msgs, &k);
+    if (r) {
+        core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
+        return;
+    }
+    send_nack(c, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
+}
+
+static void refuse(duck_core *c, uint64_t *counter, const char *why, const duck_peer *from, size_t len)
+{
+    uint64_t n = ++*counter;
+    /* a flood of garbage must not become a flood of log lines */
+    if (n <= 10 || (n & (n - 1)) == 0)
+        dlog(DLOG_WARN, "dropped a %zu-byte datagram from port %u: %s (%llu so far)", len,
+             (unsigned)((from->port >> 8) | ((from->port & 0xFF) << 8)), why, (unsigned long long)n);
+}
+
+/* Fault injection: a slow duck, once per complete request. */
+static void fault_delay(const duck_core *c)
+{
+    if (c->cfg.faults && c->cfg.delay_us) {
+        struct timespec d = {c->cfg.delay_us / 1000000u, (long)(c->cfg.delay_us % 1000000u) * 1000L};
+        nanosleep(&d, NULL);
+    }
+}
+
+void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size_t len)
+{
+    wire_header h;
+    const uint8_t *payload = NULL;
+    c->stats.datagrams_rx++;
+    c->mid_message = 0;
+    int rc = wire_check(buf, len, &c->cfg.key, 0, &h, &payload);
+    if (rc != WIRE_CHECK_OK) {
+        refuse(c, rc == WIRE_CHECK_MAC ? &c->stats.unauthenticated : &c->stats.malformed, wire_check_str(rc),
+               from, len);
+        return;
+    }
+    if (h.flags & WIRE_F_REPLY || h.type == WIRE_T_NACK) {
+        refuse(c, &c->stats.malformed, "a reply sent to a duck", from, len);
+        return;
+    }
+    if (needs_mac(c, h.type) && !(h.flags & WIRE_F_MAC)) {
+        refuse(c, &c->stats.unauthenticated, "no MAC on a message that needs one", from, len);
+        return;
+    }
+    if (h.type == WIRE_T_RESEND) {
+        on_resend(c, from, &h, payload);
+        return;
+    }
+    msg_key k = {*from, h.session, h.sequence, h.type};
+    reply_slot *done = msgs_find_reply(&c->msgs, &k);
+    if (done) {
+        c->stats.duplicates++;
+        if (h.frag_index == 0)
+            core_send_reply(c, done, NULL, 0);
+        return;
+    }
+    reply_slot *r;
+    if (h.frag_count == 1) {
+        fault_delay(c);
+        r = handle_request(c, &k, &h, payload, h.payload_len);
+    } else {
+        int evicted = 0;
+        reasm_slot *s = msgs_add_fragment(&c->msgs, &k, &h, payload, &evicted);
+        if (evicted > 0)
+            c->stats.stale++;
+        if (evicted < 0)
+            c->stats.malformed++;
+        if (!s) {
+            c->mid_message = evicted >= 0;
+            return;
+        }
+        fault_delay(c);
+        r = handle_request(c, &k, &h, s->buf, s->total_len);
+        msgs_release(s);
+    }
+    if (!r) {
+        dlog(DLOG_ERROR, "no memory for the reply to %s seq %u", wire_type_str(h.type), h.sequence);
+        return;
+    }
+    core_send_reply(c, r, NULL, 0);
+}

@@ -1,0 +1,182 @@
+/* duckfw: the duck runtime. The portable core (core.c, handlers.c,
+ * cache.c, session.c, reasm.c) takes datagrams and hands replies to a send
+ * callback; the platform layer (net_linux.c, main.c) owns sockets, threads
+ * and signals. The wire format is native/wire.h; the kernels are native/. */
+#ifndef DUCKFW_H
+#define DUCKFW_H
+
+#include <stdarg.h>
+#include <stdint.h>
+
+#include "ffn.h"
+#include "wire.h"
+
+#define DUCKFW_VERSION_MAJOR 1
+#define DUCKFW_VERSION_MINOR 0
+#define DUCKFW_NAME "duckfw 1.0"
+
+/* --- logging (log.c): one line per event on stderr --------------------- */
+enum { DLOG_ERROR = 0, DLOG_WARN = 1, DLOG_INFO = 2, DLOG_DEBUG = 3 };
+void dlog_init(uint32_t duck_id, int level);
+int dlog_enabled(int level);
+void dlog(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* --- configuration (main.c fills it) ----------------------------------- */
+typedef struct duck_config {
+    const char *bind_addr;
+    uint16_t port;
+    const char *port_file;     /* where the bound port is written, or NULL */
+    uint32_t duck_id;
+    const char *cache_dir;
+    uint64_t cache_capacity;   /* bytes */
+    unsigned threads;
+    int pin;
+    unsigned spin_us;          /* 0: block when idle */
+    uint32_t mtu;
+    int data_mac;              /* require a MAC on forwards too */
+    wire_key key;
+    int faults;                /* fault injection allowed and on */
+    double drop_rate;          /* of datagrams, each direction */
+    uint32_t delay_us;         /* before handling each request */
+    uint32_t fault_seed;
+} duck_config;
+
+/* --- weight cache (cache.c) -------------------------------------------- */
+typedef struct cache_entry {
+    uint8_t digest[WIRE_DIGEST_BYTES];
+    void *data;                /* 64-byte aligned serialized fp9 tensor */
+    uint64_t len;
+    fp9_matrix m;
+    unsigned refs;             /* layer plans using it */
+} cache_entry;
+
+typedef struct duck_cache duck_cache;
+/* Loads and verifies every entry under dir (creating dir if needed). A
+ * corrupt entry is reported, counted in *corrupt and deleted. */
+duck_cache *cache_open(const char *dir, uint64_t capacity, uint64_t *corrupt);
+void cache_close(duck_cache *c);
+cache_entry *cache_find(duck_cache *c, const uint8_t digest[WIRE_DIGEST_BYTES]);
+uint64_t cache_used(const duck_cache *c);
+uint64_t cache_capacity(const duck_cache *c);
+uint32_t cache_count(const duck_cache *c);
+/* Handles one UPLOAD part; returns a wire status, fills *rep and *accepted
+ * (bytes taken: 0 for a part that is not at `have`), and writes an error
+ * text into err on failure. */
+int cache_upload(duck_cache *c, const wire_upload *u, const uint8_t *data,
+                 wire_upload_reply *rep, uint64_t *accepted, char *err, size_t errlen);
+/* Drops one entry (or all with digest NULL); entries in use are kept and
+ * reported as WIRE_E_BUSY. *dropped receives the count. */
+int cache_invalidate(duck_cache *c, const uint8_t *digest, uint32_t *dropped, char *err, size_t errlen);
+
+/* --- session: resident layer plans (session.c) -------------------------- */
+typedef struct duck_layer {
+    uint32_t n_experts, hidden;
+    duck_expert_slice *experts;
+    cache_entry **refs;        /* 2 * n_experts */
+} duck_layer;
+
+typedef struct duck_session {
+    uint32_t id;               /* 0: none open */
+    uint32_t hidden;
+    duck_layer *layers[WIRE_MAX_LAYERS];
+    uint32_t n_layers;
+} duck_session;
+
+void session_close(duck_session *s);
+int session_set_layer(duck_session *s, duck_cache *c, const wire_layer_plan *p,
+                      const uint8_t *digests, char *err, size_t errlen);
+
+/* --- reassembly and the last-reply cache (reasm.c) ---------------------- */
+typedef struct duck_peer {
+    uint32_t addr;             /* IPv4, network order */
+    uint16_t port;             /* network order */
+} duck_peer;
+
+#define REASM_SLOTS 4
+#define REPLY_SLOTS 8
+
+typedef struct msg_key {
+    duck_peer peer;
+    uint32_t session, sequence;
+    uint8_t type;
+} msg_key;
+
+typedef struct reasm_slot {
+    int used;
+    msg_key key;
+    uint16_t frag_count, received;
+    uint32_t total_len;
+    uint16_t flags;            /* header flags of the fragments */
+    uint64_t touched;
+    uint8_t bitmap[WIRE_MAX_FRAGMENTS / 8];
+    uint8_t *buf;
+    uint32_t cap;
+} reasm_slot;
+
+typedef struct reply_slot {
+    int used;
+    msg_key key;
+    int with_mac;
+    uint64_t touched;
+    uint8_t *buf;              /* reply payload (wire_reply_head + body) */
+    uint32_t len, cap;
+} reply_slot;
+
+typedef struct duck_msgs {
+    reasm_slot rs[REASM_SLOTS];
+    reply_slot rp[REPLY_SLOTS];
+    uint64_t clock;
+} duck_msgs;
+
+void msgs_free(duck_msgs *m);
+reply_slot *msgs_find_reply(duck_msgs *m, const msg_key *k);
+/* The least recently used reply slot, reset for k, with room for cap bytes
+ * (NULL if out of memory). */
+reply_slot *msgs_take_reply(duck_msgs *m, const msg_key *k, uint32_t cap);
+reasm_slot *msgs_find_reasm(duck_msgs *m, const msg_key *k);
+/* Adds a fragment; returns the slot when the message is complete, NULL
+ * otherwise. *evicted is 1 when an incomplete message was dropped for room,
+ * -1 when the fragment contradicts its message's geometry (dropped). */
+reasm_slot *msgs_add_fragment(duck_msgs *m, const msg_key *k, const wire_header *h,
+                              const uint8_t *payload, int *evicted);
+void msgs_release(reasm_slot *s);
+
+/* --- the core (core.c, handlers.c) -------------------------------------- */
+typedef void (*duck_send_fn)(void *ctx, const duck_peer *to, uint8_t *const *dgrams,
+                             const size_t *lens, unsigned n);
+
+typedef struct duck_core {
+    duck_config cfg;
+    duck_cache *cache;
+    duck_session session;
+    duck_msgs msgs;
+    duck_pool *pool;
+    const duck_kernels *kernels;
+    duck_ffn_workspace *ws;
+    wire_stats stats;
+    duck_send_fn send;
+    void *send_ctx;
+    uint8_t *out;              /* sealed datagrams of one batch */
+    uint8_t **out_ptrs;
+    size_t *out_lens;
+    uint64_t rng;
+    int shutdown;              /* a SHUTDOWN was accepted */
+    int mid_message;           /* the last datagram left a message incomplete */
+    uint64_t cores, mem_bytes;
+} duck_core;
+
+int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *send_ctx);
+void core_free(duck_core *c);
+/* Everything that arrives goes through here; never trusts the bytes. */
+void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size_t len);
+/* Fault injection: 1 when this datagram is to be dropped. */
+int core_fault_drop(duck_core *c);
+/* Seals and sends reply fragments; bitmap (or NULL: all) marks those the
+ * peer already has. */
+void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits);
+/* Runs one complete request and returns its reply, kept in the last-reply
+ * cache under k (handlers.c); NULL when out of memory. */
+reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
+                           const uint8_t *payload, uint32_t len);
+
+#endif

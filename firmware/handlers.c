@@ -1,0 +1,273 @@
+/* One handler per request type. Each parses its payload with explicit
+ * bounds checks and answers with a wire_reply_head: status 0 and a body,
+ * or a status and a message saying what was wrong. */
+#define _POSIX_C_SOURCE 200809L
+#include "duckfw.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+_Static_assert(WIRE_MAX_TOKENS == DUCK_MAX_TOKENS, "the wire and the kernels disagree on tokens per forward");
+_Static_assert(WIRE_MAX_TOPK == DUCK_MAX_TOPK, "the wire and the kernels disagree on experts per token");
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static reply_slot *reply_new(duck_core *c, const msg_key *k, const wire_header *h, uint32_t body)
+{
+    uint32_t room = body > WIRE_MAX_ERROR_TEXT + 1 ? body : WIRE_MAX_ERROR_TEXT + 1;
+    reply_slot *r = msgs_take_reply(&c->msgs, k, (uint32_t)sizeof(wire_reply_head) + room);
+    if (!r)
+        return NULL;
+    r->with_mac = (h->flags & WIRE_F_MAC) != 0;
+    memset(r->buf, 0, sizeof(wire_reply_head));
+    r->len = (uint32_t)sizeof(wire_reply_head) + body;
+    return r;
+}
+
+static uint8_t *body(reply_slot *r) { return r->buf + sizeof(wire_reply_head); }
+
+__attribute__((format(printf, 3, 4))) static reply_slot *fail(reply_slot *r, int status, const char *fmt, ...)
+{
+    wire_reply_head head = {status, 0};
+    memcpy(r->buf, &head, sizeof head);
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf((char *)body(r), WIRE_MAX_ERROR_TEXT + 1, fmt, ap);
+    va_end(ap);
+    n = n < 0 ? 0 : n > WIRE_MAX_ERROR_TEXT ? WIRE_MAX_ERROR_TEXT : n;
+    r->len = (uint32_t)sizeof head + (uint32_t)n;
+    dlog(DLOG_WARN, "%s seq %u refused: %s", wire_type_str(r->key.type), r->key.sequence, (char *)body(r));
+    return r;
+}
+
+static reply_slot *on_hello(duck_core *c, reply_slot *r)
+{
+    wire_hello_reply hr = {0};
+    hr.duck_id = c->cfg.duck_id;
+    hr.fw_version = DUCKFW_VERSION_MAJOR << 16 | DUCKFW_VERSION_MINOR;
+    hr.abi = WIRE_ABI;
+    hr.cores = (uint16_t)c->cores;
+    hr.threads = (uint16_t)c->cfg.threads;
+    hr.mem_bytes = c->mem_bytes;
+    hr.cache_bytes = cache_used(c->cache);
+    hr.cache_capacity = cache_capacity(c->cache);
+    hr.cache_entries = cache_count(c->cache);
+    hr.session = c->session.id;
+    hr.mtu = c->cfg.mtu;
+    hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
+    snprintf(hr.name, sizeof hr.name, "%s", DUCKFW_NAME);
+    memcpy(body(r), &hr, sizeof hr);
+    return r;
+}
+
+static reply_slot *on_cache_query(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    uint32_t n;
+    if (len < 4 || (memcpy(&n, p, 4), (uint64_t)n * WIRE_DIGEST_BYTES != len - 4u))
+        return fail(r, WIRE_E_MALFORMED, "cache query of %u bytes is not a count and that many digests", len);
+    memcpy(body(r), &n, 4);
+    uint8_t *bits = body(r) + 4;
+    memset(bits, 0, (n + 7) / 8);
+    for (uint32_t i = 0; i < n; i++)
+        if (cache_find(c->cache, p + 4 + (size_t)i * WIRE_DIGEST_BYTES))
+            bits[i / 8] |= (uint8_t)(1u << (i % 8));
+    return r;
+}
+
+static reply_slot *on_invalidate(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    wire_invalidate inv;
+    char err[WIRE_MAX_ERROR_TEXT];
+    if (len != sizeof inv)
+        return fail(r, WIRE_E_MALFORMED, "invalidate payload is %u bytes, expected %zu", len, sizeof inv);
+    memcpy(&inv, p, sizeof inv);
+    uint32_t dropped = 0;
+    int all = (inv.flags & WIRE_INVALIDATE_ALL) != 0;
+    int st = cache_invalidate(c->cache, all ? NULL : inv.digest, &dropped, err, sizeof err);
+    c->stats.cache_evictions += dropped;
+    dlog(DLOG_INFO, "cache: invalidated %u entr%s (%s)", dropped, dropped == 1 ? "y" : "ies", all ? "all" : "one");
+    if (st != WIRE_OK)
+        return fail(r, st, "%s", err);
+    memcpy(body(r), &dropped, 4);
+    return r;
+}
+
+static reply_slot *on_upload(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    wire_upload u;
+    wire_upload_reply rep;
+    char err[WIRE_MAX_ERROR_TEXT];
+    if (len < sizeof u || (memcpy(&u, p, sizeof u), u.len != len - sizeof u) || u.len > WIRE_UPLOAD_PART_MAX)
+        return fail(r, WIRE_E_MALFORMED, "upload of %u bytes does not match its part header", len);
+    uint64_t accepted = 0;
+    int st = cache_upload(c->cache, &u, p + sizeof u, &rep, &accepted, err, sizeof err);
+    if (st != WIRE_OK)
+        return fail(r, st, "%s", err);
+    c->stats.upload_bytes += accepted;
+    c->stats.uploads_done += rep.complete && u.len;
+    memcpy(body(r), &rep, sizeof rep);
+    return r;
+}
+
+static reply_slot *on_session_open(duck_core *c, reply_slot *r, const wire_header *h, const uint8_t *p,
+                                   uint32_t len)
+{
+    wire_session_open so;
+    if (len != sizeof so)
+        return fail(r, WIRE_E_MALFORMED, "session open payload is %u bytes, expected %zu", len, sizeof so);
+    memcpy(&so, p, sizeof so);
+    if (h->session == 0 || so.hidden == 0 || so.hidden > (1u << 16))
+        return fail(r, WIRE_E_RANGE, "session id must be nonzero and hidden in 1..65536 (got %u, %u)",
+                    h->session, so.hidden);
+    if (c->session.id == h->session && c->session.hidden == so.hidden)
+        return r;   /* reopened: keep the resident plans */
+    if (c->session.id)
+        dlog(DLOG_INFO, "session %08x closed (replaced)", c->session.id);
+    session_close(&c->session);
+    c->session.id = h->session;
+    c->session.hidden = so.hidden;
+    dlog(DLOG_INFO, "session %08x opened (hidden %u)", h->session, so.hidden);
+    return r;
+}
+
+static reply_slot *on_layer_plan(duck_core *c, reply_slot *r, const wire_header *h, const uint8_t *p,
+                                 uint32_t len)
+{
+    wire_layer_plan lp;
+    char err[WIRE_MAX_ERROR_TEXT];
+    if (!c->session.id || h->session != c->session.id)
+        return fail(r, WIRE_E_NO_SESSION, "no open session %08x (open: %08x)", h->session, c->session.id);
+    if (len < sizeof lp || (memcpy(&lp, p, sizeof lp),
+                            (uint64_t)lp.n_experts * 2 * WIRE_DIGEST_BYTES != len - sizeof lp))
+        return fail(r, WIRE_E_MALFORMED, "layer plan of %u bytes does not match its expert count", len);
+    int st = session_set_layer(&c->session, c->cache, &lp, p + sizeof lp, err, sizeof err);
+    if (st != WIRE_OK)
+        return fail(r, st, "%s", err);
+    dlog(DLOG_INFO, "session %08x layer %u planned (%u experts)", c->session.id, lp.layer, lp.n_experts);
+    return r;
+}
+
+static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header *h, const uint8_t *p,
+                              uint32_t len)
+{
+    wire_forward f;
+    memset(&f, 0, sizeof f);
+    if (len >= sizeof f)
+        memcpy(&f, p, sizeof f);
+    uint64_t slots = (uint64_t)f.ntok * f.topk, xsize = f.x_dtype == WIRE_X_BF16 ? 2 : 4;
+    uint64_t ybytes = (uint64_t)f.ntok * f.hidden * 4;
+    int ok_shape = len >= sizeof f && f.ntok <= WIRE_MAX_TOKENS && f.topk <= WIRE_MAX_TOPK && f.x_dtype <= 1 &&
+                   f.hidden <= (1u << 16) &&
+                   ybytes + sizeof(wire_reply_head) + sizeof(wire_forward_reply) <= WIRE_MAX_MESSAGE && len == sizeof f + 8 * slots + (uint64_t)f.ntok * f.hidden * xsize;
+    reply_slot *r = reply_new(c, k, h, (uint32_t)sizeof(wire_forward_reply) + (ok_shape ? (uint32_t)ybytes : 0));
+    if (!r)
+        return NULL;
+    if (!ok_shape)
+        return fail(r, WIRE_E_MALFORMED, "forward of %u bytes does not match ntok %u, topk %u, hidden %u, "
+                    "dtype %u", len, f.ntok, f.topk, f.hidden, f.x_dtype);
+    if (!c->session.id || h->session != c->session.id)
+        return fail(r, WIRE_E_NO_SESSION, "no open session %08x (open: %08x)", h->session, c->session.id);
+    const duck_layer *l = f.layer < WIRE_MAX_LAYERS ? c->session.layers[f.layer] : NULL;
+    if (!l)
+        return fail(r, WIRE_E_UNKNOWN_LAYER, "layer %u has no plan in session %08x", f.layer, c->session.id);
+    if (f.hidden != l->hidden)
+        return fail(r, WIRE_E_RANGE, "forward hidden %u, layer %u has %u", f.hidden, f.layer, l->hidden);
+    const int32_t *ids = (const int32_t *)(p + sizeof f);
+    int any = 0;
+    for (uint64_t i = 0; i < slots; i++) {
+        int32_t id;
+        memcpy(&id, ids + i, 4);
+        if (id >= 0 && (uint32_t)id >= l->n_experts)
+            return fail(r, WIRE_E_RANGE, "expert id %d out of range: layer %u has %u experts", id, f.layer,
+                        l->n_experts);
+        any |= id >= 0;
+    }
+    wire_forward_reply fr = {f.layer, f.ntok, 0, f.hidden, 0, 0};
+    wire_reply_head head = {WIRE_OK, 0};
+    c->stats.forwards++;
+    if (!any || f.ntok == 0) {
+        head.flags = WIRE_R_ZERO;   /* nothing routed here: no bytes to send back */
+        r->len = (uint32_t)(sizeof head + sizeof fr);
+    } else {
+        duck_moe_args a = {0};
+        a.experts = l->experts;
+        a.n_experts = l->n_experts;
+        a.ntok = f.ntok;
+        a.topk = f.topk;
+        a.hidden = f.hidden;
+        a.expert_ids = ids;
+        a.expert_weights = (const float *)(p + sizeof f + 4 * slots);
+        a.x = p + sizeof f + 8 * slots;
+        a.x_is_bf16 = f.x_dtype == WIRE_X_BF16;
+        a.y = (float *)(body(r) + sizeof fr);
+        uint64_t t0 = now_ns(), bytes = 0;
+        int rc = duck_moe_forward(c->pool, c->kernels, c->ws, &a, &bytes);
+        uint64_t dt = now_ns() - t0;
+        if (rc != DUCK_FFN_OK)
+            return fail(r, rc == DUCK_FFN_ENOMEM ? WIRE_E_NOMEM : WIRE_E_RANGE,
+                        "forward layer %u: kernel error %d", f.layer, rc);
+        fr.kernel_us = (uint32_t)(dt / 1000);
+        fr.bytes_streamed = bytes;
+        c->stats.kernel_ns += dt;
+        c->stats.bytes_streamed += bytes;
+    }
+    memcpy(r->buf, &head, sizeof head);
+    memcpy(body(r), &fr, sizeof fr);
+    return r;
+}
+
+reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
+                           const uint8_t *payload, uint32_t len)
+{
+    c->stats.requests++;
+    if (h->type == WIRE_T_FORWARD) {
+        reply_slot *r = on_forward(c, k, h, payload, len);
+        if (r && ((const wire_reply_head *)r->buf)->status != WIRE_OK)
+            c->stats.errors++;
+        return r;
+    }
+    uint32_t sizes[WIRE_T_COUNT] = {0, sizeof(wire_hello_reply), sizeof(wire_ping), sizeof(wire_stats),
+                                    0, 4, sizeof(wire_upload_reply), 0, 0, 0, 0, 0, 0, 0};
+    uint32_t n = h->type < WIRE_T_COUNT ? sizes[h->type] : 0;
+    if (h->type == WIRE_T_CACHE_QUERY)
+        n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
+    reply_slot *r = reply_new(c, k, h, n);
+    if (!r)
+        return NULL;
+    memset(body(r), 0, n);
+    switch (h->type) {
+    case WIRE_T_HELLO: r = on_hello(c, r); break;
+    case WIRE_T_PING:
+        if (len != sizeof(wire_ping))
+            r = fail(r, WIRE_E_MALFORMED, "ping payload is %u bytes, expected %zu", len, sizeof(wire_ping));
+        else
+            memcpy(body(r), payload, len);
+        break;
+    case WIRE_T_STATS: memcpy(body(r), &c->stats, sizeof c->stats); break;
+    case WIRE_T_CACHE_QUERY: r = on_cache_query(c, r, payload, len); break;
+    case WIRE_T_CACHE_INVALIDATE: r = on_invalidate(c, r, payload, len); break;
+    case WIRE_T_UPLOAD: r = on_upload(c, r, payload, len); break;
+    case WIRE_T_SESSION_OPEN: r = on_session_open(c, r, h, payload, len); break;
+    case WIRE_T_LAYER_PLAN: r = on_layer_plan(c, r, h, payload, len); break;
+    case WIRE_T_SESSION_CLOSE:
+        if (c->session.id && h->session == c->session.id) {
+            dlog(DLOG_INFO, "session %08x closed", c->session.id);
+            session_close(&c->session);
+        }
+        break;
+    case WIRE_T_SHUTDOWN:
+        dlog(DLOG_INFO, "shutdown requested by the host");
+        c->shutdown = 1;
+        break;
+    default: r = fail(r, WIRE_E_UNSUPPORTED, "type %u is not a request", h->type); break;
+    }
+    if (((const wire_reply_head *)r->buf)->status != WIRE_OK)
+        c->stats.errors++;
+    return r;
+}

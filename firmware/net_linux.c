@@ -1,0 +1,176 @@
+/* Linux platform layer: one UDP socket, recvmmsg/sendmmsg batches, and the
+ * serve loop. Idle strategy: block in recvmmsg (the default: ducks that
+ * share a host must not spin), or spin for spin_us on MSG_DONTWAIT first. */
+#define _GNU_SOURCE
+#include "net_linux.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RECV_BATCH 64
+#define SOCKET_BUFFER (16 << 20)
+/* The rest of a message whose first fragments arrived is microseconds
+ * away: poll for it this long rather than sleep and wake per fragment. */
+#define MID_MESSAGE_SPIN_US 50
+
+static volatile sig_atomic_t stop_signal;
+
+static void on_signal(int sig) { stop_signal = sig; }
+
+void net_install_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;   /* no SA_RESTART: recvmmsg returns EINTR */
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+static void grow_buffer(int fd, int opt, int force_opt, const char *what)
+{
+    int want = SOCKET_BUFFER, got = 0;
+    socklen_t len = sizeof got;
+    if (setsockopt(fd, SOL_SOCKET, force_opt, &want, sizeof want) != 0)
+        setsockopt(fd, SOL_SOCKET, opt, &want, sizeof want);
+    getsockopt(fd, SOL_SOCKET, opt, &got, &len);
+    if (got < want / 4)
+        dlog(DLOG_WARN, "socket %s buffer is %d bytes (wanted %d); raise net.core.%cmem_max to avoid drops",
+             what, got, want, opt == SO_RCVBUF ? 'r' : 'w');
+}
+
+int net_open(const char *addr, uint16_t port, uint16_t *bound_port)
+{
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    if (inet_pton(AF_INET, addr, &sa.sin_addr) != 1) {
+        dlog(DLOG_ERROR, "bind address %s is not an IPv4 address", addr);
+        return -1;
+    }
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        dlog(DLOG_ERROR, "socket: %s", strerror(errno));
+        return -1;
+    }
+    grow_buffer(fd, SO_RCVBUF, SO_RCVBUFFORCE, "receive");
+    grow_buffer(fd, SO_SNDBUF, SO_SNDBUFFORCE, "send");
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        dlog(DLOG_ERROR, "cannot bind %s:%u: %s", addr, port, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    socklen_t len = sizeof sa;
+    getsockname(fd, (struct sockaddr *)&sa, &len);
+    *bound_port = ntohs(sa.sin_port);
+    return fd;
+}
+
+void net_send(void *ctx, const duck_peer *to, uint8_t *const *dgrams, const size_t *lens, unsigned n)
+{
+    int fd = *(int *)ctx;
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = to->addr;
+    sa.sin_port = to->port;
+    struct mmsghdr msgs[64];
+    struct iovec iov[64];
+    unsigned sent = 0;
+    while (sent < n) {
+        unsigned k = n - sent < 64 ? n - sent : 64;
+        for (unsigned i = 0; i < k; i++) {
+            iov[i].iov_base = dgrams[sent + i];
+            iov[i].iov_len = lens[sent + i];
+            memset(&msgs[i], 0, sizeof msgs[i]);
+            msgs[i].msg_hdr.msg_name = &sa;
+            msgs[i].msg_hdr.msg_namelen = sizeof sa;
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+        }
+        int r = sendmmsg(fd, msgs, k, 0);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == ENOBUFS || errno == EAGAIN) {   /* the host retransmits what was lost */
+                struct timespec d = {0, 50000};
+                nanosleep(&d, NULL);
+                continue;
+            }
+            dlog(DLOG_WARN, "sendmmsg: %s; %u datagram(s) not sent", strerror(errno), n - sent);
+            return;
+        }
+        sent += (unsigned)r;
+    }
+}
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+int net_serve(duck_core *core, int fd)
+{
+    static uint8_t bufs[RECV_BATCH][WIRE_MAX_DATAGRAM + 1] __attribute__((aligned(64)));
+    struct mmsghdr msgs[RECV_BATCH];
+    struct iovec iov[RECV_BATCH];
+    struct sockaddr_in from[RECV_BATCH];
+    for (int i = 0; i < RECV_BATCH; i++) {
+        iov[i].iov_base = bufs[i];
+        iov[i].iov_len = sizeof bufs[i];
+        memset(&msgs[i], 0, sizeof msgs[i]);
+        msgs[i].msg_hdr.msg_name = &from[i];
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    int n = 0;
+    while (!stop_signal && !core->shutdown) {
+        for (int i = 0; i < (n > 0 ? n : RECV_BATCH); i++)
+            msgs[i].msg_hdr.msg_namelen = sizeof from[i];   /* the kernel overwrote it */
+        n = -1;
+        unsigned spin_us = core->mid_message ? MID_MESSAGE_SPIN_US : 0;
+        if (core->cfg.spin_us > spin_us)
+            spin_us = core->cfg.spin_us;
+        if (spin_us) {
+            double until = now_us() + spin_us;
+            do
+                n = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT, NULL);
+            while (n < 0 && errno == EAGAIN && now_us() < until && !stop_signal);
+        }
+        if (n < 0)
+            n = recvmmsg(fd, msgs, RECV_BATCH, MSG_WAITFORONE, NULL);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            dlog(DLOG_ERROR, "recvmmsg: %s; serving on", strerror(errno));
+            struct timespec d = {0, 1000000};
+            nanosleep(&d, NULL);
+            continue;
+        }
+        for (int i = 0; i < n && !core->shutdown; i++) {
+            duck_peer peer = {from[i].sin_addr.s_addr, from[i].sin_port};
+            if (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) {   /* larger than any datagram of ours */
+                core->stats.datagrams_rx++;
+                core->stats.malformed++;
+                continue;
+            }
+            if (core_fault_drop(core))
+                continue;
+            core_datagram(core, &peer, bufs[i], msgs[i].msg_len);
+        }
+    }
+    if (stop_signal)
+        dlog(DLOG_INFO, "signal %d: stopping", (int)stop_signal);
+    return 0;
+}

@@ -1,0 +1,101 @@
+/* Host side of the wire: one UDP socket to a fleet of ducks, scatter of
+ * requests, gather of replies with reassembly, retransmission on a
+ * deadline, and a failure deadline after which the silent duck is named.
+ * One caller at a time per transport; no call blocks past its deadline.
+ * Python binds it through cffi (native/transport_cdef.py, transport.py). */
+#ifndef DUCK_TRANSPORT_H
+#define DUCK_TRANSPORT_H
+
+#include <stdint.h>
+
+#include "wire.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct duck_transport_config {
+    uint32_t n_ducks;
+    const uint32_t *addrs;       /* IPv4, network byte order */
+    const uint16_t *ports;       /* host byte order */
+    const uint8_t *key;          /* shared key, WIRE_KEY_MIN..WIRE_KEY_MAX bytes */
+    uint32_t key_len;
+    uint32_t mtu;                /* WIRE_MTU_MIN..WIRE_MTU_MAX */
+    uint32_t retransmit_us;      /* first retransmit after this long without the reply */
+    uint32_t deadline_us;        /* a duck silent this long has failed */
+    int32_t mac_data;            /* MAC forwards too (the ducks may require it) */
+    uint32_t spin_us;            /* 0: block in ppoll while waiting (shared hosts) */
+} duck_transport_config;
+
+/* Results of a call, besides the duck's own status inside the reply. */
+#define DUCK_T_OK 0
+#define DUCK_T_ETIMEOUT -1       /* no (complete) reply within the failure deadline */
+#define DUCK_T_ETOOBIG -2        /* the reply does not fit the buffer given */
+#define DUCK_T_EARG -3           /* bad call (duck index, sizes, two calls to one duck) */
+#define DUCK_T_ESOCKET -4        /* the socket failed (errno in the transport stats) */
+#define DUCK_T_EDUCK -5          /* the duck answered with an error status (forward) */
+
+/* One request to one duck. Calls that share payload, type and session in
+ * one run are sealed once and share a sequence number (a forward's scatter). */
+typedef struct duck_call {
+    uint32_t duck;
+    uint32_t type;               /* enum wire_type */
+    uint32_t session;
+    uint32_t payload_len;
+    const void *payload;
+    void *reply;                 /* receives wire_reply_head + body */
+    uint32_t reply_cap;
+    uint32_t reply_len;          /* out */
+    int32_t result;              /* out: DUCK_T_* */
+    uint32_t retransmits;        /* out */
+    uint64_t rtt_ns;             /* out: send to last reply fragment */
+} duck_call;
+
+typedef struct duck_transport_stats {
+    uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks;
+    uint64_t timeouts, stale, malformed, unauthenticated;
+    int32_t last_errno;
+    uint32_t reserved;
+} duck_transport_stats;
+
+typedef struct duck_transport duck_transport;
+
+/* NULL on failure with the reason in err. */
+duck_transport *duck_transport_create(const duck_transport_config *cfg, char *err, uint32_t errlen);
+void duck_transport_destroy(duck_transport *t);
+uint32_t duck_transport_ducks(const duck_transport *t);
+uint16_t duck_transport_local_port(const duck_transport *t);
+
+/* Runs the calls concurrently until every one has a reply or has failed.
+ * Returns DUCK_T_OK when all got replies, else the first failing result. */
+int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n);
+
+typedef struct duck_forward_args {
+    uint32_t session, layer, ntok, topk, hidden;
+    const int32_t *expert_ids;   /* [ntok][topk], negative: skip */
+    const float *expert_weights; /* [ntok][topk] */
+    const void *x;               /* [ntok][hidden] fp32, or bf16 bits */
+    int32_t x_is_bf16;
+    float *y;                    /* [ntok][hidden]: sum of every duck's partial */
+} duck_forward_args;
+
+typedef struct duck_forward_result {
+    int32_t failed_duck;         /* -1, or the first duck that failed */
+    int32_t result;              /* its DUCK_T_* result */
+    int32_t duck_status;         /* its wire status, when it answered with an error */
+    uint32_t kernel_us_max;      /* slowest duck's kernel time */
+    uint64_t bytes_streamed;     /* all ducks */
+    uint32_t retransmits;
+    uint32_t reserved;
+    char message[WIRE_MAX_ERROR_TEXT + 1];
+} duck_forward_result;
+
+/* One layer of the FFN over every duck: scatter, gather, sum in duck order. */
+int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
+
+void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,96 @@
+"""cffi declarations of native/wire.h and native/transport.h, imported by
+native/build_ffi.py. Constants are declared with `...` so their values come
+from the C headers at build time: Python never holds a second copy of the
+wire format. Struct layouts end in `...;` so cffi checks them against C."""
+
+SOURCES = ["native/wire.c", "native/transport.c", "native/transport_run.c", "native/transport_forward.c"]
+INCLUDES = '#include "wire.h"\n#include "transport.h"\n'
+
+_CONSTANTS = """
+WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
+WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
+WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_MAX_TOPK
+WIRE_UPLOAD_PART_MAX WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
+WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16
+DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK
+""".split()
+
+CDEF = "\n".join(f"#define {name} ..." for name in _CONSTANTS) + """
+enum wire_type { WIRE_T_HELLO, WIRE_T_PING, WIRE_T_STATS, WIRE_T_CACHE_QUERY, WIRE_T_CACHE_INVALIDATE,
+                 WIRE_T_UPLOAD, WIRE_T_SESSION_OPEN, WIRE_T_LAYER_PLAN, WIRE_T_SESSION_CLOSE, WIRE_T_FORWARD,
+                 WIRE_T_SHUTDOWN, WIRE_T_RESEND, WIRE_T_NACK, WIRE_T_COUNT, ... };
+enum wire_status { WIRE_OK, WIRE_E_MALFORMED, WIRE_E_UNSUPPORTED, WIRE_E_NO_SESSION, WIRE_E_UNKNOWN_LAYER,
+                   WIRE_E_UNKNOWN_DIGEST, WIRE_E_CACHE_FULL, WIRE_E_HASH_MISMATCH, WIRE_E_BAD_TENSOR,
+                   WIRE_E_RANGE, WIRE_E_BUSY, WIRE_E_NOMEM, WIRE_E_IO, ... };
+enum wire_check_result { WIRE_CHECK_OK, WIRE_CHECK_SHORT, WIRE_CHECK_MAGIC, WIRE_CHECK_LENGTH,
+                         WIRE_CHECK_FRAGMENT, WIRE_CHECK_CHECKSUM, WIRE_CHECK_MAC, WIRE_CHECK_TYPE, ... };
+
+typedef struct wire_header {
+    uint32_t magic; uint8_t version; uint8_t type; uint16_t flags; uint32_t session; uint32_t sequence;
+    uint16_t frag_index; uint16_t frag_count; uint32_t payload_len; uint32_t total_len; uint32_t checksum; ...;
+} wire_header;
+typedef struct wire_reply_head { int32_t status; uint32_t flags; ...; } wire_reply_head;
+typedef struct wire_hello_reply {
+    uint32_t duck_id; uint32_t fw_version; uint32_t abi; uint16_t cores; uint16_t threads; uint64_t mem_bytes;
+    uint64_t cache_bytes; uint64_t cache_capacity; uint32_t cache_entries; uint32_t session; uint32_t mtu;
+    uint32_t flags; char name[...]; ...;
+} wire_hello_reply;
+typedef struct wire_ping { uint64_t t_ns; ...; } wire_ping;
+typedef struct wire_stats {
+    uint64_t datagrams_rx, datagrams_tx, requests, forwards, duplicates, resends, malformed, unauthenticated,
+             stale, injected_drops, errors, bytes_streamed, kernel_ns, uploads_done, upload_bytes,
+             cache_evictions, cache_corrupt;
+    ...;
+} wire_stats;
+typedef struct wire_invalidate { uint32_t flags; uint8_t digest[...]; ...; } wire_invalidate;
+typedef struct wire_upload { uint8_t digest[...]; uint64_t total; uint64_t offset; uint32_t len; ...; } wire_upload;
+typedef struct wire_upload_reply { uint64_t have; uint32_t complete; ...; } wire_upload_reply;
+typedef struct wire_session_open { uint32_t hidden; uint32_t flags; ...; } wire_session_open;
+typedef struct wire_layer_plan { uint32_t layer; uint32_t n_experts; uint32_t hidden; ...; } wire_layer_plan;
+typedef struct wire_forward { uint32_t layer; uint16_t ntok; uint8_t topk; uint8_t x_dtype; uint32_t hidden; ...; }
+    wire_forward;
+typedef struct wire_forward_reply {
+    uint32_t layer; uint16_t ntok; uint32_t hidden; uint32_t kernel_us; uint64_t bytes_streamed; ...;
+} wire_forward_reply;
+typedef struct wire_key { uint8_t bytes[...]; uint32_t len; ...; } wire_key;
+
+uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);
+void wire_digest(const void *data, size_t len, uint8_t *out);
+void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t *out);
+size_t wire_seal(const wire_header *h, const void *payload, uint32_t len, const wire_key *key, int with_mac,
+                 uint8_t *out);
+int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_mac, wire_header *h,
+               const uint8_t **payload);
+const char *wire_check_str(int result);
+const char *wire_type_str(unsigned type);
+
+typedef struct duck_transport_config {
+    uint32_t n_ducks; const uint32_t *addrs; const uint16_t *ports; const uint8_t *key; uint32_t key_len;
+    uint32_t mtu; uint32_t retransmit_us; uint32_t deadline_us; int32_t mac_data; uint32_t spin_us; ...;
+} duck_transport_config;
+typedef struct duck_call {
+    uint32_t duck; uint32_t type; uint32_t session; uint32_t payload_len; const void *payload; void *reply;
+    uint32_t reply_cap; uint32_t reply_len; int32_t result; uint32_t retransmits; uint64_t rtt_ns; ...;
+} duck_call;
+typedef struct duck_transport_stats {
+    uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
+             unauthenticated;
+    int32_t last_errno; ...;
+} duck_transport_stats;
+typedef struct duck_transport duck_transport;
+duck_transport *duck_transport_create(const duck_transport_config *cfg, char *err, uint32_t errlen);
+void duck_transport_destroy(duck_transport *t);
+uint32_t duck_transport_ducks(const duck_transport *t);
+uint16_t duck_transport_local_port(const duck_transport *t);
+int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n);
+typedef struct duck_forward_args {
+    uint32_t session, layer, ntok, topk, hidden; const int32_t *expert_ids; const float *expert_weights;
+    const void *x; int32_t x_is_bf16; float *y; ...;
+} duck_forward_args;
+typedef struct duck_forward_result {
+    int32_t failed_duck; int32_t result; int32_t duck_status; uint32_t kernel_us_max; uint64_t bytes_streamed;
+    uint32_t retransmits; char message[...]; ...;
+} duck_forward_result;
+int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
+void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
+"""

@@ -1,0 +1,299 @@
+/* The duck wire protocol: the one definition, shared by the firmware
+ * (firmware/) and the host transport (native/transport.c). docs/wire.md is
+ * the prose spec.
+ *
+ * A datagram is a 32-byte header, the fragment's payload, and, when
+ * WIRE_F_MAC is set, a 16-byte MAC: keyed BLAKE2b-128 over the header (with
+ * checksum 0) and the payload. The checksum is CRC-32C over the header (with
+ * checksum 0), the payload and the MAC. All fields are little-endian; the
+ * structs below are the in-memory form on little-endian hosts, which is the
+ * only kind we build for (checked at compile time). Python reads every
+ * constant and layout below from the compiled cffi module (native/
+ * transport_cdef.py declares the names with `...` values), never from a
+ * second hand-written copy.
+ */
+#ifndef DUCK_WIRE_H
+#define DUCK_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#define WIRE_STATIC_ASSERT(c, m) static_assert(c, m)
+#else
+#define WIRE_STATIC_ASSERT(c, m) _Static_assert(c, m)
+#endif
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the wire structs are little-endian in memory; add byte swaps for this target"
+#endif
+
+#define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
+#define WIRE_VERSION 1
+#define WIRE_ABI 1                      /* bump on any change of a message layout */
+#define WIRE_HEADER_BYTES 32
+#define WIRE_MAC_BYTES 16
+#define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
+#define WIRE_KEY_MIN 16
+#define WIRE_KEY_MAX 64
+#define WIRE_IP_UDP_BYTES 28            /* IPv4 + UDP headers, counted in the MTU */
+#define WIRE_MTU_DEFAULT 1500
+#define WIRE_MTU_MIN 1280
+#define WIRE_MTU_MAX 65535
+#define WIRE_MAX_DATAGRAM 65507         /* largest UDP payload over IPv4 */
+#define WIRE_MAX_MESSAGE (4u << 20)     /* reassembled payload bound */
+#define WIRE_MAX_FRAGMENTS 4096         /* (4 MiB / 1224 B at MTU 1280) < 4096 */
+#define WIRE_MAX_ERROR_TEXT 200
+#define WIRE_MAX_LAYERS 4096
+#define WIRE_MAX_EXPERTS 1024           /* per layer plan */
+#define WIRE_MAX_TOKENS 64              /* = DUCK_MAX_TOKENS */
+#define WIRE_MAX_TOPK 32                /* = DUCK_MAX_TOPK */
+#define WIRE_UPLOAD_PART_MAX (1u << 20) /* bytes of tensor data in one UPLOAD */
+
+/* Message types. Requests go host -> duck; a reply has the same type with
+ * WIRE_F_REPLY set and starts with a wire_reply_head. */
+enum wire_type {
+    WIRE_T_HELLO = 1,            /* -> wire_hello_reply */
+    WIRE_T_PING = 2,             /* wire_ping -> wire_ping (echo) */
+    WIRE_T_STATS = 3,            /* -> wire_stats */
+    WIRE_T_CACHE_QUERY = 4,      /* u32 count + digests -> u32 count + bitmap (1 = cached) */
+    WIRE_T_CACHE_INVALIDATE = 5, /* wire_invalidate -> u32 entries dropped      (MAC) */
+    WIRE_T_UPLOAD = 6,           /* wire_upload + data -> wire_upload_reply    (MAC) */
+    WIRE_T_SESSION_OPEN = 7,     /* wire_session_open ->                       (MAC) */
+    WIRE_T_LAYER_PLAN = 8,       /* wire_layer_plan + digests ->               (MAC) */
+    WIRE_T_SESSION_CLOSE = 9,    /* ->                                         (MAC) */
+    WIRE_T_FORWARD = 10,         /* wire_forward + ids + weights + x -> wire_forward_reply + y */
+    WIRE_T_SHUTDOWN = 11,        /* ->                                         (MAC) */
+    WIRE_T_RESEND = 12,          /* wire_resend + bitmap of reply fragments held */
+    WIRE_T_NACK = 13,            /* duck -> host: wire_nack + bitmap of request fragments held */
+    WIRE_T_COUNT = 14
+};
+
+/* Header flags. */
+#define WIRE_F_MAC 0x1u      /* a MAC trails the payload */
+#define WIRE_F_REPLY 0x2u    /* sent by a duck */
+#define WIRE_F_KNOWN 0x3u    /* any other bit set is malformed */
+
+/* Reply status (wire_reply_head.status); on a nonzero status the body is a
+ * UTF-8 message of at most WIRE_MAX_ERROR_TEXT bytes saying what was wrong. */
+enum wire_status {
+    WIRE_OK = 0,
+    WIRE_E_MALFORMED = 1,     /* payload does not parse */
+    WIRE_E_UNSUPPORTED = 2,   /* unknown type or version */
+    WIRE_E_NO_SESSION = 3,    /* forward/plan without the open session */
+    WIRE_E_UNKNOWN_LAYER = 4,
+    WIRE_E_UNKNOWN_DIGEST = 5,
+    WIRE_E_CACHE_FULL = 6,
+    WIRE_E_HASH_MISMATCH = 7,
+    WIRE_E_BAD_TENSOR = 8,    /* not a valid fp9 tensor, or shapes that do not fit */
+    WIRE_E_RANGE = 9,         /* a count or id out of range */
+    WIRE_E_BUSY = 10,         /* an entry in use by the open session */
+    WIRE_E_NOMEM = 11,
+    WIRE_E_IO = 12            /* cache file could not be written */
+};
+
+typedef struct wire_header {
+    uint32_t magic;
+    uint8_t version;
+    uint8_t type;
+    uint16_t flags;
+    uint32_t session;        /* 0 outside a session */
+    uint32_t sequence;       /* request id; a duplicate gets the cached reply */
+    uint16_t frag_index;
+    uint16_t frag_count;     /* >= 1 */
+    uint32_t payload_len;    /* bytes of payload in this datagram */
+    uint32_t total_len;      /* bytes of the whole message payload */
+    uint32_t checksum;       /* CRC-32C, see above */
+} wire_header;
+WIRE_STATIC_ASSERT(sizeof(wire_header) == WIRE_HEADER_BYTES, "wire_header must be 32 bytes");
+
+/* Fragmentation rule: count = ceil(total / max_payload) (1 when total is 0),
+ * every fragment but the last carries ceil(total / count) bytes, so a
+ * receiver derives each fragment's offset and length from the header. */
+static inline uint32_t wire_frag_size(uint32_t total_len, uint32_t frag_count)
+{
+    return frag_count ? (uint32_t)(((uint64_t)total_len + frag_count - 1) / frag_count) : 0;
+}
+static inline uint32_t wire_max_payload(uint32_t mtu, int with_mac)
+{
+    return mtu - WIRE_IP_UDP_BYTES - WIRE_HEADER_BYTES - (with_mac ? WIRE_MAC_BYTES : 0);
+}
+
+typedef struct wire_reply_head {
+    int32_t status;          /* enum wire_status */
+    uint32_t flags;          /* WIRE_R_* */
+} wire_reply_head;
+WIRE_STATIC_ASSERT(sizeof(wire_reply_head) == 8, "wire_reply_head must be 8 bytes");
+#define WIRE_R_ZERO 0x1u     /* forward: the partial is all zeros, y omitted */
+
+typedef struct wire_hello_reply {
+    uint32_t duck_id;
+    uint32_t fw_version;     /* major << 16 | minor */
+    uint32_t abi;            /* WIRE_ABI */
+    uint16_t cores, threads;
+    uint64_t mem_bytes;
+    uint64_t cache_bytes, cache_capacity;
+    uint32_t cache_entries;
+    uint32_t session;        /* the open session, 0 if none */
+    uint32_t mtu;
+    uint32_t flags;          /* WIRE_HELLO_* */
+    char name[32];           /* "duckfw 1.0", NUL-padded */
+    uint32_t reserved[2];
+} wire_hello_reply;
+WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 96, "wire_hello_reply must be 96 bytes");
+#define WIRE_HELLO_DATA_MAC 0x1u      /* the duck requires a MAC on forwards too */
+#define WIRE_HELLO_FAULTS 0x2u        /* fault injection is on (tests only) */
+
+typedef struct wire_ping {
+    uint64_t t_ns;           /* echoed */
+} wire_ping;
+WIRE_STATIC_ASSERT(sizeof(wire_ping) == 8, "wire_ping must be 8 bytes");
+
+typedef struct wire_stats {
+    uint64_t datagrams_rx, datagrams_tx;
+    uint64_t requests, forwards, duplicates, resends;
+    uint64_t malformed, unauthenticated, stale, injected_drops;
+    uint64_t errors;         /* requests answered with a nonzero status */
+    uint64_t bytes_streamed, kernel_ns;
+    uint64_t uploads_done, upload_bytes, cache_evictions;
+    uint64_t cache_corrupt;  /* entries discarded at load for a bad hash */
+    uint64_t reserved[3];
+} wire_stats;
+WIRE_STATIC_ASSERT(sizeof(wire_stats) == 160, "wire_stats must be 160 bytes");
+
+#define WIRE_INVALIDATE_ALL 0x1u
+typedef struct wire_invalidate {
+    uint32_t flags;          /* WIRE_INVALIDATE_ALL, or one digest */
+    uint32_t reserved;
+    uint8_t digest[WIRE_DIGEST_BYTES];
+} wire_invalidate;
+WIRE_STATIC_ASSERT(sizeof(wire_invalidate) == 24, "wire_invalidate must be 24 bytes");
+
+/* A part of a serialized fp9 tensor. len 0 asks for the state only. A part
+ * must start at the duck's current `have` (parts are sent in order; a
+ * restarted upload resumes from `have`). */
+typedef struct wire_upload {
+    uint8_t digest[WIRE_DIGEST_BYTES];
+    uint64_t total;          /* bytes of the whole serialized tensor */
+    uint64_t offset;
+    uint32_t len;
+    uint32_t reserved;
+} wire_upload;
+WIRE_STATIC_ASSERT(sizeof(wire_upload) == 40, "wire_upload must be 40 bytes");
+
+typedef struct wire_upload_reply {
+    uint64_t have;           /* contiguous bytes held; == total when cached */
+    uint32_t complete;       /* 1: verified and in the cache */
+    uint32_t reserved;
+} wire_upload_reply;
+WIRE_STATIC_ASSERT(sizeof(wire_upload_reply) == 16, "wire_upload_reply must be 16 bytes");
+
+/* Opens the session named by the header's session field (nonzero); an open
+ * session of another id is closed first. */
+typedef struct wire_session_open {
+    uint32_t hidden;
+    uint32_t flags;          /* reserved, 0 */
+} wire_session_open;
+WIRE_STATIC_ASSERT(sizeof(wire_session_open) == 8, "wire_session_open must be 8 bytes");
+
+/* A layer of the session: n_experts pairs of digests (gate_up, down). */
+typedef struct wire_layer_plan {
+    uint32_t layer;
+    uint32_t n_experts;
+    uint32_t hidden;
+    uint32_t reserved;
+} wire_layer_plan;
+WIRE_STATIC_ASSERT(sizeof(wire_layer_plan) == 16, "wire_layer_plan must be 16 bytes");
+
+/* Followed by int32 expert_ids[ntok*topk] (negative: skip), float
+ * weights[ntok*topk], x[ntok*hidden] (fp32, or bf16 if x_dtype is 1). */
+typedef struct wire_forward {
+    uint32_t layer;
+    uint16_t ntok;
+    uint8_t topk;
+    uint8_t x_dtype;         /* WIRE_X_F32 | WIRE_X_BF16 */
+    uint32_t hidden;
+    uint32_t reserved;
+} wire_forward;
+WIRE_STATIC_ASSERT(sizeof(wire_forward) == 16, "wire_forward must be 16 bytes");
+#define WIRE_X_F32 0
+#define WIRE_X_BF16 1
+
+/* After the wire_reply_head; then float y[ntok*hidden] unless WIRE_R_ZERO. */
+typedef struct wire_forward_reply {
+    uint32_t layer;
+    uint16_t ntok;
+    uint16_t reserved;
+    uint32_t hidden;
+    uint32_t kernel_us;
+    uint64_t bytes_streamed;
+} wire_forward_reply;
+WIRE_STATIC_ASSERT(sizeof(wire_forward_reply) == 24, "wire_forward_reply must be 24 bytes");
+
+/* Host -> duck: "what of request `sequence` do you have?" The duck resends
+ * the reply fragments not set in the bitmap that follows (reply_frags bits),
+ * or, if it is still missing request fragments, answers WIRE_T_NACK. */
+typedef struct wire_resend {
+    uint32_t sequence;
+    uint8_t type;
+    uint8_t reserved[3];
+    uint32_t reply_frags;    /* bits in the bitmap; 0: nothing of the reply arrived */
+    uint32_t reserved2;
+} wire_resend;
+WIRE_STATIC_ASSERT(sizeof(wire_resend) == 16, "wire_resend must be 16 bytes");
+
+/* Duck -> host: the request fragments held (bitmap of frag_count bits);
+ * frag_count 0 means the request is unknown: send it all again. */
+typedef struct wire_nack {
+    uint32_t sequence;
+    uint8_t type;
+    uint8_t reserved[3];
+    uint32_t frag_count;
+    uint32_t reserved2;
+} wire_nack;
+WIRE_STATIC_ASSERT(sizeof(wire_nack) == 16, "wire_nack must be 16 bytes");
+
+/* --- integrity and header checks: native/wire.c ------------------------- */
+
+/* Why a datagram was refused (wire_check); each has a counter on the duck. */
+enum wire_check_result {
+    WIRE_CHECK_OK = 0,
+    WIRE_CHECK_SHORT = -1,     /* shorter than the header */
+    WIRE_CHECK_MAGIC = -2,     /* bad magic or version */
+    WIRE_CHECK_LENGTH = -3,    /* lengths disagree with the datagram or limits */
+    WIRE_CHECK_FRAGMENT = -4,  /* fragment index/count/size inconsistent */
+    WIRE_CHECK_CHECKSUM = -5,
+    WIRE_CHECK_MAC = -6,       /* MAC missing where required, or wrong */
+    WIRE_CHECK_TYPE = -7       /* unknown type or flags */
+};
+
+typedef struct wire_key {
+    uint8_t bytes[WIRE_KEY_MAX];
+    uint32_t len;            /* 0: no key */
+} wire_key;
+
+uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);
+void wire_digest(const void *data, size_t len, uint8_t out[WIRE_DIGEST_BYTES]);
+void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len,
+              uint8_t out[WIRE_MAC_BYTES]);
+
+/* Writes header + payload (+ MAC if key and with_mac) into out, which holds
+ * at least WIRE_HEADER_BYTES + len + WIRE_MAC_BYTES bytes; returns the
+ * datagram length. h->payload_len is set from len. */
+size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
+                 const wire_key *key, int with_mac, uint8_t *out);
+
+/* Validates a received datagram: sizes, magic, version, type, flags,
+ * fragment geometry, checksum, and the MAC when present (or when
+ * require_mac). On success *h is a copy of the header and *payload points
+ * into buf. Never reads past buf + len. */
+int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_mac,
+               wire_header *h, const uint8_t **payload);
+const char *wire_check_str(int result);
+const char *wire_type_str(unsigned type);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

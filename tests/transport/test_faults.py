@@ -1,0 +1,82 @@
+"""Faults with real ducks: 5 % datagram loss in both directions gives the same
+outputs; a duck killed with SIGKILL mid-forward is named within the failure
+deadline and the fleet recovers once it is back; a dead address is named."""
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from native.transport import DuckError, DuckTimeout, Fleet, split_experts
+from tests.transport.ducks import Ducks, sanitizer_binary, sanitizer_report
+from tests.transport.test_forward import (SUMMATION_ORDER_RTOL, assert_close, flat, local_reference, make_layer,
+                                          routing)
+
+
+@pytest.mark.parametrize("build", ["release", "asan"])
+def test_five_percent_loss_gives_the_same_outputs(tmp_path, build):
+    """Reassembly, RESEND and NACK under loss; the ASan/UBSan build runs it too."""
+    rng = np.random.default_rng(21)
+    n, hidden, n_experts = 3, 1024, 4
+    experts = make_layer(rng, n_experts, 64 * n, hidden)
+    per_duck = split_experts(experts, tp=n)
+    lossy = {i: ["--enable-fault-injection", "--drop-rate", "0.05", "--fault-seed", str(i + 1)] for i in range(n)}
+    binary = sanitizer_binary() if build == "asan" else None
+    with Ducks(n, tmp_path, binary=binary, per_duck_args=lossy, retransmit_ms=5, deadline_ms=5000) as ducks:
+        assert all(info.fault_injection for info in ducks.fleet.hello())
+        ducks.fleet.upload(flat(per_duck))                 # 100+ fragments per part: NACK/RESEND paths
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        for step, ntok in enumerate([1, 8, 1, 33, 1, 8] * 3):
+            x = (rng.standard_normal((ntok, hidden)) * 0.1).astype(np.float32)
+            ids, w = routing(rng, ntok, 2, n_experts)
+            y = session.forward(0, x, ids, w)
+            assert_close(y, local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, f"step {step}")
+        stats = ducks.fleet.stats()
+        assert all(s["injected_drops"] > 0 for s in stats)
+        assert sum(s["resends"] + s["duplicates"] for s in stats) > 0
+        t = ducks.fleet.transport_stats()
+        assert t["retransmits"] > 0 and t["timeouts"] == 0 and t["nacks"] > 0
+    for duck in ducks.ducks:
+        assert not sanitizer_report(duck.log()), duck.log()[-3000:]
+
+
+def test_kill9_mid_forward_names_the_duck_within_the_deadline(tmp_path):
+    hidden, deadline_ms = 256, 1000
+    slow = {1: ["--enable-fault-injection", "--delay-us", "200000"]}    # its forwards are in flight a while
+    with Ducks(3, tmp_path, per_duck_args=slow, retransmit_ms=20, deadline_ms=deadline_ms) as ducks:
+        session = ducks.fleet.open_session({0: [[], [], []]}, hidden)   # no experts: overhead only
+        x = np.ones((1, hidden), np.float32)
+        no_expert = (np.full((1, 1), -1, np.int32), np.zeros((1, 1), np.float32))
+        assert not session.forward(0, x, *no_expert).any()
+        killer = threading.Timer(0.1, ducks[1].kill9)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(DuckTimeout, match=r"duck 1 .*127\.0\.0\.1:\d+.* did not answer forward") as e:
+            session.forward(0, x, *no_expert)
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert e.value.duck == 1
+        assert deadline_ms / 1000 <= elapsed <= deadline_ms / 1000 + 0.5, elapsed
+
+        ducks[1].start()                                   # same port, same cache dir
+        # recovery is not about timing: a patient fleet, so a loaded CI machine cannot fail it
+        fleet = Fleet([d.address for d in ducks.ducks], ducks.key, retransmit_ms=50, deadline_ms=10000)
+        fleet.hello()
+        with pytest.raises(DuckError, match="duck 1 .*no open session"):
+            session.fleet = fleet
+            session.forward(0, x, *no_expert)
+        session = fleet.open_session({0: [[], [], []]}, hidden)
+        assert not session.forward(0, x, *no_expert).any()
+        fleet.close()
+
+
+def test_silent_address_is_named(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # bound, never answers
+        s.bind(("127.0.0.1", 0))
+        fleet = Fleet([s.getsockname()], b"k" * 32, retransmit_ms=20, deadline_ms=300)
+        t0 = time.monotonic()
+        with pytest.raises(DuckTimeout, match=r"duck 0 \(127\.0\.0\.1:\d+\) did not answer hello within 300 ms"):
+            fleet.hello()
+        assert time.monotonic() - t0 < 0.8
+        fleet.close()

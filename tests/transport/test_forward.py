@@ -1,0 +1,128 @@
+"""Fleet forward against the local fp9 reference, with real ducks on loopback:
+N = 1, 3, 8 in the DeepSeek slice shape (hidden 7168, 64 units per duck) and
+a padded shape (intermediate not a multiple of tp * 64)."""
+import numpy as np
+import pytest
+import torch
+
+from native.kernels import MoeSlice
+from native.transport import slice_width, split_expert, split_experts
+from tests.transport.ducks import Ducks
+
+# The fleet sums the same fp32 partials as the reference, in duck order: only
+# the summation order may differ, bounded relative to the output's magnitude.
+SUMMATION_ORDER_RTOL = 1e-6
+# Weights on the fp9 grid make the split exact: fleet vs float64 dense math
+# differs by fp32 accumulation only.
+DENSE_RTOL = 1e-4
+
+DEEPSEEK_HIDDEN = 7168
+
+
+def grid_weights(rng, shape):
+    """Values k/64, |k| <= 8: exactly representable in fp9 (and bf16)."""
+    return (rng.integers(-8, 9, shape) / 64).astype(np.float32)
+
+
+def make_layer(rng, n_experts, inter, hidden):
+    return [(grid_weights(rng, (inter, hidden)), grid_weights(rng, (inter, hidden)),
+             grid_weights(rng, (hidden, inter))) for _ in range(n_experts)]
+
+
+def local_reference(per_duck, hidden, x, ids, w):
+    return sum(MoeSlice(slices, hidden).forward(x, ids, w) for slices in per_duck)
+
+
+def dense_reference(experts, x, ids, w):
+    x64 = x.astype(np.float64)
+    y = np.zeros_like(x64)
+    for t in range(x.shape[0]):
+        for e, wt in zip(ids[t], w[t]):
+            if e < 0:
+                continue
+            g, u, dn = (a.astype(np.float64) for a in experts[e])
+            a = g @ x64[t]
+            y[t] += wt * (dn @ (a / (1 + np.exp(-a)) * (u @ x64[t])))
+    return y
+
+
+def routing(rng, ntok, topk, n_experts):
+    ids = np.stack([rng.choice(n_experts, topk, replace=False) for _ in range(ntok)]).astype(np.int32)
+    if ntok > 1:
+        ids[-1, -1] = -1                  # a skipped slot
+    return ids, rng.random((ntok, topk)).astype(np.float32)
+
+
+def flat(per_duck):
+    return [[t for e in slices for t in (e.gate_up, e.down)] for slices in per_duck]
+
+
+def assert_close(y, ref, rtol, what):
+    scale = float(np.abs(ref).max())
+    err = float(np.abs(y - ref).max())
+    assert scale > 0 and err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("n_ducks", [1, 3, 8])
+def test_deepseek_slice_shape(tmp_path, n_ducks):
+    rng = np.random.default_rng(n_ducks)
+    hidden, n_experts = DEEPSEEK_HIDDEN, 3
+    experts = make_layer(rng, n_experts, 64 * n_ducks, hidden)
+    per_duck = split_experts(experts, tp=n_ducks)
+    assert per_duck[0][0].gate_up.shape == (128, hidden) and per_duck[0][0].down.shape == (hidden, 64)
+    with Ducks(n_ducks, tmp_path, retransmit_ms=50, deadline_ms=5000) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({7: per_duck}, hidden)
+        for ntok in (1, 9):
+            x = (rng.standard_normal((ntok, hidden)) * 0.1).astype(np.float32)
+            ids, w = routing(rng, ntok, 2, n_experts)
+            y = session.forward(7, x, ids, w)
+            assert_close(y, local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, f"N={n_ducks}")
+            if ntok == 1:
+                assert_close(y, dense_reference(experts, x, ids, w), DENSE_RTOL, "dense")
+        assert session.bytes_streamed > 0
+        stats = ducks.fleet.stats()
+        assert all(s["forwards"] == 2 and s["malformed"] == 0 for s in stats)
+        session.close()
+
+
+def test_padded_shape_prefill_and_bf16(tmp_path):
+    """inter 200 over tp 3: S = 128, the third duck's slice is all padding."""
+    rng = np.random.default_rng(11)
+    hidden, inter, tp, n_experts = 320, 200, 3, 5
+    assert slice_width(inter, tp) == 128
+    experts = make_layer(rng, n_experts, inter, hidden)
+    per_duck = split_experts(experts, tp=tp)
+    assert not per_duck[2][0].gate_up.to_float().any()
+    with Ducks(tp, tmp_path, retransmit_ms=50, deadline_ms=5000) as ducks:
+        # layer 1 puts the slices on the ducks in reverse order
+        ducks.fleet.upload([a + b for a, b in zip(flat(per_duck), flat(per_duck[::-1]))])
+        session = ducks.fleet.open_session({0: per_duck, 1: per_duck[::-1]}, hidden)
+        x = (rng.standard_normal((64, hidden)) * 0.1).astype(np.float32)     # a prefill batch
+        ids, w = routing(rng, 64, 4, n_experts)
+        y = session.forward(0, x, ids, w)
+        assert_close(y, local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, "prefill")
+        assert_close(y, dense_reference(experts, x, ids, w), DENSE_RTOL, "prefill dense")
+        xb = torch.from_numpy(x[:3]).to(torch.bfloat16)
+        yb = session.forward(0, xb, ids[:3], w[:3])
+        assert_close(yb, local_reference(per_duck, hidden, xb, ids[:3], w[:3]), SUMMATION_ORDER_RTOL, "bf16")
+        # more than 64 tokens are chunked; an empty routing gives zeros
+        x2 = np.concatenate([x, x[:6]])
+        ids2, w2 = np.concatenate([ids, ids[:6]]), np.concatenate([w, w[:6]])
+        assert_close(session.forward(1, x2, ids2, w2), local_reference(per_duck[::-1], hidden, x2, ids2, w2),
+                     SUMMATION_ORDER_RTOL, "chunked")
+        assert not session.forward(0, x[:2], np.full((2, 2), -1), np.zeros((2, 2))).any()
+
+
+def test_dense_mlp_is_one_expert(tmp_path):
+    rng = np.random.default_rng(5)
+    hidden, inter = 192, 256
+    g, u, dn = make_layer(rng, 1, inter, hidden)[0]
+    slices = split_expert(torch.from_numpy(g).to(torch.bfloat16), torch.from_numpy(u).to(torch.bfloat16),
+                          torch.from_numpy(dn).to(torch.bfloat16), tp=2)
+    with Ducks(2, tmp_path) as ducks:
+        ducks.fleet.upload(flat([[s] for s in slices]))
+        session = ducks.fleet.open_session({0: [[s] for s in slices]}, hidden)
+        x = rng.standard_normal((4, hidden)).astype(np.float32)
+        y = session.forward(0, x, np.zeros((4, 1), np.int32), np.ones((4, 1), np.float32))
+        assert_close(y, dense_reference([(g, u, dn)], x, [[0]] * 4, [[1.0]] * 4), DENSE_RTOL, "dense MLP")

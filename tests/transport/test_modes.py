@@ -1,0 +1,45 @@
+"""Options of the transport and the firmware: MACs on forwards, spin-then-block
+idling, and the GIL released while a forward waits on the ducks."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from native.transport import DuckError, Fleet
+from tests.transport.ducks import Ducks
+
+HIDDEN = 128
+NO_EXPERT = (np.full((1, 1), -1, np.int32), np.zeros((1, 1), np.float32))
+
+
+def test_data_mac_is_required_when_the_duck_asks(tmp_path):
+    with Ducks(2, tmp_path, args=["--data-mac"], mac_data=True) as ducks:
+        assert all(i.data_mac for i in ducks.fleet.hello())
+        session = ducks.fleet.open_session({0: [[], []]}, HIDDEN)
+        assert not session.forward(0, np.ones((1, HIDDEN), np.float32), *NO_EXPERT).any()
+        plain = Fleet([d.address for d in ducks.ducks], ducks.key)
+        with pytest.raises(DuckError, match=r"requires a MAC on forwards .*mac_data=True"):
+            plain.hello()
+        plain.close()
+
+
+def test_spin_then_block_idle(tmp_path):
+    with Ducks(1, tmp_path, args=["--idle", "spin", "--spin-us", "20"]) as ducks:
+        rtts = [ducks.fleet.ping()[0] for _ in range(20)]
+        assert min(rtts) > 0
+        assert "idle spin-then-block" in ducks[0].log()
+
+
+def test_forward_releases_the_gil(tmp_path):
+    slow = {0: ["--enable-fault-injection", "--delay-us", "150000"]}
+    with Ducks(1, tmp_path, per_duck_args=slow, retransmit_ms=400, deadline_ms=3000) as ducks:
+        session = ducks.fleet.open_session({0: [[]]}, HIDDEN)
+        worker = threading.Thread(target=session.forward, args=(0, np.ones((1, HIDDEN), np.float32), *NO_EXPERT))
+        spins = 0
+        worker.start()
+        t0 = time.monotonic()
+        while worker.is_alive():
+            spins += 1
+        assert time.monotonic() - t0 > 0.1
+        assert spins > 10_000, f"the main thread ran only {spins} loops while a forward waited"
