@@ -1,0 +1,182 @@
+"""FFN backends: where the expert FFNs (routed experts and dense MLPs) run.
+
+Every FFN of a model is seen as a list of experts (gate [I, H], up [I, H],
+down [H, I]); a dense MLP is one expert with id 0 and weight 1. The router,
+shared experts, attention and everything else stay in the model on the host.
+
+    backend.load_layer(FfnLayer)                         once per FFN layer
+    backend.finish_loading()                             once, after the last layer
+    backend.forward(layer, x[T,H], ids[T,k], w[T,k])     -> y[T,H] = sum_e w_e * down_e(silu(gate_e x) * up_e x)
+
+Backends: TorchFfn (the reference, in the model's dtype on its device),
+Fp9Ffn (native fp9 kernels on this host: the math the ducks run) and
+engine.fleet.FleetFfn (the ducks, through native.transport).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    gate: torch.Tensor   # [I, H]
+    up: torch.Tensor     # [I, H]
+    down: torch.Tensor   # [H, I]
+
+    def __post_init__(self):
+        i, h = self.gate.shape
+        if self.up.shape != (i, h) or self.down.shape != (h, i):
+            raise ValueError(f"expert shapes do not agree: gate {tuple(self.gate.shape)}, "
+                             f"up {tuple(self.up.shape)}, down {tuple(self.down.shape)}")
+
+
+@dataclass(slots=True)
+class FfnLayer:
+    index: int                     # decoder layer index
+    experts: list[ExpertWeights]   # a dense MLP has exactly one
+    hidden: int
+
+    def __post_init__(self):
+        if not self.experts:
+            raise ValueError(f"FFN layer {self.index} has no experts")
+        for e in self.experts:
+            if e.gate.shape[1] != self.hidden:
+                raise ValueError(f"FFN layer {self.index}: expert hidden size {e.gate.shape[1]} != {self.hidden}")
+
+
+class FfnBackend:
+    """One interface for every place the FFNs can run (see the module docstring)."""
+    name = "abstract"
+
+    def load_layer(self, layer: FfnLayer) -> None:
+        raise NotImplementedError
+
+    def finish_loading(self) -> None:
+        """Called once after every layer was loaded (the fleet uploads and opens its session here)."""
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def frees_torch_weights(self) -> bool:
+        """Whether the model's own expert tensors may be released once loaded."""
+        return False
+
+
+def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+    """The reference: x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype."""
+    if len(experts) == 1:
+        e = experts[0]
+        y = F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down)   # [T, H]
+        return y * weights.sum(-1, keepdim=True).to(y.dtype)                   # ids are all 0
+    out = torch.zeros_like(x)
+    hit = F.one_hot(ids, num_classes=len(experts)).permute(2, 1, 0)  # [E, k, T]
+    for e_id in torch.nonzero(hit.sum(dim=(1, 2)) > 0).flatten().tolist():
+        slot, tok = torch.where(hit[e_id])                           # [n], [n]
+        e, xs = experts[e_id], x[tok]                                # [n, H]
+        y = F.linear(F.silu(F.linear(xs, e.gate)) * F.linear(xs, e.up), e.down)  # [n, H]
+        out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+    return out
+
+
+class TorchFfn(FfnBackend):
+    """Reference backend: the model's own tensors, in its dtype, on its device."""
+    name = "torch"
+
+    def __init__(self):
+        self.layers: dict[int, list[ExpertWeights]] = {}
+
+    def load_layer(self, layer: FfnLayer) -> None:
+        self.layers[layer.index] = layer.experts
+
+    def forward(self, layer, x, ids, weights):
+        return torch_experts_forward(self.layers[layer], x, ids, weights)
+
+
+def _to_fp9(w: torch.Tensor, what: str):
+    """Packs a weight to fp9; from its fp8 codes bit-exactly when it came from an fp8 checkpoint."""
+    from native.fp9 import Fp9Tensor
+
+    src = getattr(w, "fp8_source", None)
+    if src is not None:
+        ckpt, cname, sname = src
+        return Fp9Tensor.from_fp8(ckpt.get(cname), ckpt.get(sname), name=cname)
+    if w.dtype == torch.bfloat16:
+        return Fp9Tensor.from_float(w.detach().cpu(), name=what)
+    return Fp9Tensor.from_float(w.detach().float().cpu().numpy(), name=what)
+
+
+def pack_expert_fp9(e: ExpertWeights, what: str):
+    """One whole expert as an fp9 ExpertSlice (gate/up rows interleaved)."""
+    from native.fp9 import Fp9Tensor, pack_gate_up
+    from native.kernels import ExpertSlice
+
+    if any(getattr(t, "fp8_source", None) is not None for t in (e.gate, e.up)):
+        # fp8 blocks span 128 rows of gate and of up separately: decode bit-exact, then interleave
+        g, u = _to_fp9(e.gate, what + ".gate").to_float(), _to_fp9(e.up, what + ".up").to_float()
+        gate_up = Fp9Tensor.from_float(pack_gate_up(g, u), name=what + ".gate_up")
+    else:
+        gate_up = Fp9Tensor.from_float(pack_gate_up(e.gate.detach().float().cpu().numpy(),
+                                                    e.up.detach().float().cpu().numpy()), name=what + ".gate_up")
+    return ExpertSlice(gate_up, _to_fp9(e.down, what + ".down"))
+
+
+class Fp9Ffn(FfnBackend):
+    """Local fp9 backend: each layer's experts packed once, run by native.kernels
+    on a worker pool of this host (the same slice forward a duck runs, tp=1)."""
+    name = "fp9"
+
+    def __init__(self, threads: int | None = None, kernel_set: str = "best"):
+        from native.kernels import Pool, Workspace
+
+        self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)
+        self.ws = Workspace()
+        self.kernel_set = kernel_set
+        self.slices: dict[int, object] = {}
+
+    @property
+    def frees_torch_weights(self) -> bool:
+        return True
+
+    def load_layer(self, layer: FfnLayer) -> None:
+        from native.kernels import MoeSlice
+
+        experts = [pack_expert_fp9(e, f"layers.{layer.index}.experts.{i}") for i, e in enumerate(layer.experts)]
+        self.slices[layer.index] = MoeSlice(experts, layer.hidden, name=f"layer {layer.index} FFN")
+
+    def forward(self, layer, x, ids, weights):
+        xs = x.detach()
+        xs = xs.cpu() if xs.dtype == torch.bfloat16 else xs.float().cpu().numpy()
+        y = self.slices[layer].forward(xs, ids.to(torch.int32).cpu().numpy(),
+                                       weights.float().cpu().numpy(), self.pool, self.ws, self.kernel_set)
+        return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
+
+    @property
+    def bytes_streamed(self) -> int:
+        return sum(s.bytes_streamed for s in self.slices.values())
+
+
+def install(model, backend: FfnBackend, release_weights: bool | None = None) -> FfnBackend:
+    """Hands every FFN of model to backend. With release_weights (default: when the
+    backend keeps its own copy) the model's expert tensors are freed afterwards."""
+    release = backend.frees_torch_weights if release_weights is None else release_weights
+    for module, layer in model.ffn_layers():
+        backend.load_layer(layer)
+        module.ffn = backend
+        if release:
+            for p in module.expert_parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    backend.finish_loading()
+    log.info("FFN backend %s installed on %s", backend.name, type(model).__name__)
+    return backend

@@ -1,0 +1,129 @@
+"""The fleet FFN backend: a thin adapter over native.transport. Every FFN layer
+is split into tp = n_ducks tensor-parallel fp9 slices of width multiple_of
+(zero-padded), uploaded once (what a duck's cache holds is skipped), made
+resident in one session, and run per layer as one request whose partials the
+transport sums."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.ffn import FfnBackend, FfnLayer
+
+log = logging.getLogger(__name__)
+
+
+class FleetFfn(FfnBackend):
+    name = "fleet"
+
+    def __init__(self, fleet=None, *, addresses=None, key: bytes | None = None, key_file: str | None = None,
+                 multiple_of: int = 64, local_ducks: int = 0, **fleet_options):
+        """fleet: an open native.transport.Fleet; or addresses [(host, port)] with key /
+        key_file; or local_ducks=N to start N duckfw processes on this host (development)."""
+        from native.transport import Fleet, read_key_file
+
+        self.local = None
+        if fleet is None:
+            if local_ducks:
+                self.local = LocalDucks(local_ducks)
+                addresses, key = self.local.addresses, self.local.key
+            if key is None and key_file:
+                key = read_key_file(key_file)
+            if not addresses or key is None:
+                raise ValueError("the fleet backend needs a Fleet, or duck addresses and a key (or key_file), "
+                                 "or local_ducks=N")
+            fleet = Fleet(addresses, key, **fleet_options)
+        self.fleet = fleet
+        self.multiple_of = multiple_of
+        self.hidden = 0
+        self.layers: dict[int, list] = {}
+        self.session = None
+        self.fleet.hello()  # link check: a duck that is down raises DuckTimeout naming it
+
+    @property
+    def frees_torch_weights(self) -> bool:
+        return True
+
+    def load_layer(self, layer: FfnLayer) -> None:
+        from native.transport import split_experts
+
+        if self.hidden and layer.hidden != self.hidden:
+            raise ValueError(f"FFN layer {layer.index} has hidden size {layer.hidden}, others {self.hidden}")
+        self.hidden = layer.hidden
+        experts = [(e.gate.detach().cpu(), e.up.detach().cpu(), e.down.detach().cpu()) for e in layer.experts]
+        self.layers[layer.index] = split_experts(experts, self.fleet.n_ducks, self.multiple_of,
+                                                 name=f"layers.{layer.index}")
+
+    def finish_loading(self) -> None:
+        per_duck = [[t for slices in self.layers.values() for e in slices[d] for t in (e.gate_up, e.down)]
+                    for d in range(self.fleet.n_ducks)]
+        done = self.fleet.upload(per_duck)
+        log.info("fleet of %d ducks: %d tensors uploaded (%.1f MB), %d already cached", self.fleet.n_ducks,
+                 done["uploaded"], done["bytes"] / 1e6, done["skipped"])
+        self.session = self.fleet.open_session(self.layers, self.hidden)
+
+    def forward(self, layer, x, ids, weights):
+        xs = x.detach()
+        xs = xs.cpu() if xs.dtype == torch.bfloat16 else xs.float().cpu().numpy()
+        y = self.session.forward(layer, xs, ids.to(torch.int32).cpu().numpy(), weights.float().cpu().numpy())
+        return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
+
+    @property
+    def bytes_streamed(self) -> int:
+        return self.session.bytes_streamed if self.session else 0
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self.fleet.close()
+        if self.local:
+            self.local.stop()
+            self.local = None
+
+
+class LocalDucks:
+    """N duckfw processes on 127.0.0.1 for development runs (duckd's 'local' boot
+    driver is the product's way): one worker thread each, blocking when idle."""
+
+    def __init__(self, n: int, workdir: str | None = None, threads: int = 1, timeout: float = 20.0):
+        from native.transport import duckfw_path, write_key_file
+
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="duck-local-"))
+        key_file = self.workdir / "key"
+        self.key = write_key_file(key_file)
+        self.procs, self.addresses = [], []
+        try:
+            for i in range(n):
+                port_file = self.workdir / f"port{i}"
+                cmd = [str(duckfw_path()), "--bind", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+                       "--id", str(i), "--cache-dir", str(self.workdir / f"cache{i}"), "--key-file", str(key_file),
+                       "--threads", str(threads), "--idle", "block"]
+                with open(self.workdir / f"duck{i}.log", "ab") as out:
+                    self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
+                deadline = time.monotonic() + timeout
+                while not port_file.exists() or not port_file.read_text().strip():
+                    if self.procs[-1].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"local duck {i} did not start; see {self.workdir / f'duck{i}.log'}")
+                    time.sleep(0.01)
+                self.addresses.append(("127.0.0.1", int(port_file.read_text())))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self.procs = []

@@ -1,0 +1,163 @@
+"""Generation as plain functions: prefill, then one token at a time over a
+static KV cache; greedy or temperature / top-k / top-p sampling with a seed;
+stops on EOS, stop strings or max_tokens; streams text deltas."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0      # 0: greedy
+    top_k: int = 0                # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    input_len: int
+    output_len: int
+    time: float   # seconds, request start to last token
+    ttft: float   # seconds, request start to first token
+
+    @property
+    def tpot(self) -> float:
+        return (self.time - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.input_len / self.ttft if self.ttft > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.output_len - 1) / (self.time - self.ttft) if self.output_len > 1 and self.time > self.ttft else 0.0
+
+    def __str__(self) -> str:
+        return (f"Generation stats: time {self.time:.3f}s, input_len {self.input_len}, "
+                f"output_len {self.output_len}, ttft {self.ttft:.3f}s, tpot {self.tpot:.3f}s, "
+                f"prefill {self.prefill_tps:.3f} tok/s, decode {self.decode_tps:.3f} tok/s")
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str   # "eos", "stop" or "length"
+    stats: GenerationStats
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [V] -> a token id."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+             on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
+             keep_logits: bool = False) -> GenerationResult:
+    """Runs one request. on_text receives text deltas as they become final
+    (text that might begin a stop string is held back until it cannot)."""
+    params = params or SamplingParams()
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    max_model_len = max_model_len or min(len(prompt_ids) + params.max_tokens, model.config.max_position_embeddings)
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len={max_model_len}")
+    device = model.model.embed_tokens.weight.device
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+    eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+    cache = model.make_cache(max_model_len)
+    stream = StreamDecoder(tokenizer)
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    out_ids: list[int] = []
+    logits_kept: list[torch.Tensor] = []
+    text, emitted, finish = "", 0, "length"
+
+    start = time.perf_counter()
+    ids = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(len(prompt_ids), device=device)
+    ttft = 0.0
+    while True:
+        hidden = model(ids, positions, cache)
+        logits = model.compute_logits(hidden[-1:])[0]       # [V]
+        if keep_logits:
+            logits_kept.append(logits.float().cpu())
+        token = sample(logits, params, generator)
+        if not out_ids:
+            ttft = time.perf_counter() - start
+        out_ids.append(token)
+        if token in eos:
+            finish = "eos"
+            break
+        text += stream.push(token)
+        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+            break
+        if on_text and len(text) - hold > emitted:
+            on_text(text[emitted:len(text) - hold])
+            emitted = len(text) - hold
+        pos = int(positions[-1]) + 1
+        if len(out_ids) >= params.max_tokens or pos >= max_model_len:
+            break
+        ids = torch.tensor([token], dtype=torch.int64, device=device)
+        positions = torch.tensor([pos], device=device)
+    elapsed = time.perf_counter() - start
+    if finish != "stop":
+        body = out_ids[:-1] if finish == "eos" else out_ids
+        text = tokenizer.decode(body, skip_special_tokens=True)
+    if on_text and len(text) > emitted:
+        on_text(text[emitted:])
+    stats = GenerationStats(len(prompt_ids), len(out_ids), elapsed, ttft)
+    log.info("%s", stats)
+    return GenerationResult(out_ids, text, finish, stats, logits_kept)
+
+
+@torch.inference_mode()
+def forward_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] for every position of token_ids in one prefill (tests, scoring)."""
+    device = model.model.embed_tokens.weight.device
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    hidden = model(ids, torch.arange(len(token_ids), device=device), model.make_cache(len(token_ids)))
+    return model.compute_logits(hidden)

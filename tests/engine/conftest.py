@@ -1,0 +1,77 @@
+"""Fixtures of the engine tests: tiny random checkpoints written by transformers,
+and a report of measured agreements printed at the end of the run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Odd sizes on purpose: intermediate sizes that no tp*64 divides, an expert count
+# that is not a power of two, head_dim * heads != hidden, a dense layer inside an MoE model.
+TINY = {
+    "llama": dict(vocab_size=211, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False),
+    "qwen3": dict(vocab_size=223, hidden_size=80, intermediate_size=136, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                  max_position_embeddings=256, tie_word_embeddings=True),
+    "qwen3_moe": dict(vocab_size=197, hidden_size=64, intermediate_size=120, moe_intermediate_size=72,
+                      num_experts=7, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=False),
+}
+
+_REPORT: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """report(line): a measured figure worth seeing in every run's summary."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("engine measurements")
+        for line in _REPORT:
+            terminalreporter.write_line(line)
+
+
+def hf_model(kind: str, seed: int = 0):
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**TINY[kind]))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """kind -> (folder of a saved random transformers model, the transformers model)."""
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(f"tiny_{kind}")
+            model = hf_model(kind)
+            model.save_pretrained(folder)
+            write_word_tokenizer(folder, TINY[kind]["vocab_size"])
+            made[kind] = (folder, model)
+        return made[kind]
+
+    return make
+
+
+def write_word_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer.json ('w0' ... 'wN'; 'w1' is EOS) for the random models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "w1"}')

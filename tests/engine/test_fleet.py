@@ -1,0 +1,41 @@
+"""The fleet backend (4 local duckfw processes, tensor-parallel fp9 slices)
+against the local fp9 backend and the fp32 reference on the tiny models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.fleet import FleetFfn
+from engine.generate import SamplingParams, forward_logits, generate
+from engine.loader import load_model
+from tests.engine.conftest import TINY
+from tests.engine.test_models import FP9_MIN_TOP1_AGREEMENT, FP9_STEPS, _prompt
+
+DUCKS = 4
+# fleet vs local fp9 logits: max |diff| / max |fp9|. Slices decode to the same fp9
+# values, but the partials of the ducks are summed in another order: not bit-equal.
+FLEET_VS_FP9_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_fleet_matches_local_fp9_and_agrees_with_fp32(kind, tiny_checkpoint, report):
+    folder, _ = tiny_checkpoint(kind)
+    ref = load_model(folder, backend="torch")
+    fp9 = load_model(folder, backend="fp9")
+    fleet = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        prompt = _prompt(kind, seed=3)
+        gold = generate(ref.model, ref.tokenizer, prompt, SamplingParams(max_tokens=FP9_STEPS, ignore_eos=True)).token_ids
+        seq = prompt + gold
+        l9 = forward_logits(fp9.model, seq)
+        lf = forward_logits(fleet.model, seq)
+        rel = ((lf - l9).abs().max() / l9.abs().max()).item()
+        top1 = lf[len(prompt) - 1:-1].argmax(-1).tolist()
+        agree = sum(a == b for a, b in zip(top1, gold)) / FP9_STEPS
+        report(f"tiny {kind}: fleet ({DUCKS} ducks) vs local fp9 logits rel err {rel:.1e}; "
+               f"fleet top-1 agreement with fp32 {agree:.1%} over {FP9_STEPS} steps")
+        assert fleet.ffn.bytes_streamed > 0
+        assert rel <= FLEET_VS_FP9_RTOL
+        assert agree >= FP9_MIN_TOP1_AGREEMENT
+    finally:
+        fleet.ffn.close()
