@@ -1,0 +1,230 @@
+"""duckd's configuration: one TOML file, validated at start.
+
+docs/duckd-config.md is the reference of every field. An invalid file fails
+with ConfigError naming the field and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSTEM_CONFIG = Path("/etc/duckd/duckd.toml")
+
+
+class ConfigError(ValueError):
+    """A config field with a bad value; the message names both."""
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # under systemd
+        return Path("/var/lib/duckd")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "duck"
+
+
+@dataclass(slots=True)
+class DaemonConfig:
+    listen: str = "127.0.0.1:7433"     # gRPC host:port; port 0 picks a free one
+    token: str = ""                    # bearer token; empty: token_file, else generated
+    token_file: str = ""               # a file holding the token
+    state_dir: str = ""                # host caches, token, runtime file; "" = default
+    log_level: str = "info"
+    shutdown_grace_s: float = 10.0     # SIGTERM: time in-flight streams get to finish
+    watch_interval_s: float = 1.0      # Watch stream period (at most 1 s)
+    allow_remote: bool = False         # listen on a non-loopback address
+
+    def __post_init__(self):
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"daemon.listen = {self.listen!r}: expected host:port")
+        if not self.allow_remote and not _is_loopback(host):
+            raise ConfigError(f"daemon.listen = {self.listen!r}: not a loopback address; "
+                              "set daemon.allow_remote = true to listen beyond this host")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"daemon.log_level = {self.log_level!r}: expected debug, info, warning or error")
+        _positive("daemon.shutdown_grace_s", self.shutdown_grace_s)
+        if not 0 < self.watch_interval_s <= 1.0:
+            raise ConfigError(f"daemon.watch_interval_s = {self.watch_interval_s!r}: expected 0 < value <= 1")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: str = "default"              # "default" (SmolLM2-135M-Instruct), a HF folder or a .gguf
+    backend: str = "fleet"             # fleet | fp9 | torch
+    max_model_len: int = 2048
+    max_tokens: int = 256              # a chat's default limit
+    device: str = "auto"               # auto | cpu | cuda
+
+    def __post_init__(self):
+        if self.backend not in ("fleet", "fp9", "torch"):
+            raise ConfigError(f"model.backend = {self.backend!r}: expected fleet, fp9 or torch")
+        if self.path != "default" and not Path(self.path).expanduser().exists():
+            raise ConfigError(f"model.path = {self.path!r}: no such file or folder")
+        _positive("model.max_model_len", self.max_model_len)
+        _positive("model.max_tokens", self.max_tokens)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"model.device = {self.device!r}: expected auto, cpu or cuda")
+
+
+@dataclass(slots=True)
+class NetnsConfig:
+    subnets: int = 4                   # broadcast domains, ducks spread round-robin
+    prefix: str = "10.77"              # subnet i is <prefix>.<i+1>.0/24, host .1
+    name: str = "duck"                 # namespace/bridge name prefix
+
+    def __post_init__(self):
+        if not 1 <= self.subnets <= 64:
+            raise ConfigError(f"fleet.netns.subnets = {self.subnets!r}: expected 1..64")
+        try:
+            ipaddress.ip_network(f"{self.prefix}.0.0/16")
+        except ValueError:
+            raise ConfigError(f"fleet.netns.prefix = {self.prefix!r}: expected two octets like 10.77") from None
+
+
+@dataclass(slots=True)
+class WolDuck:
+    mac: str
+    address: str                       # ip:port the duck answers on once awake
+
+    def __post_init__(self):
+        parts = self.mac.replace("-", ":").split(":")
+        if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
+            raise ConfigError(f"fleet.wol.ducks.mac = {self.mac!r}: expected six hex octets like 00:11:22:33:44:55")
+        if ":" not in self.address:
+            raise ConfigError(f"fleet.wol.ducks.address = {self.address!r}: expected ip:port")
+
+
+@dataclass(slots=True)
+class WolConfig:
+    broadcast: str = "127.255.255.255:9"   # where magic packets go
+    ducks: list[WolDuck] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    driver: str = "local"              # local | netns | wol
+    ducks: int = 4
+    threads_per_duck: int = 1
+    tp: int = 0                        # tensor-parallel ranks; 0 = one per duck
+    multiple_of: int = 64
+    mtu: int = 1500
+    link_timeout_s: float = 20.0
+    health_interval_s: float = 0.5
+    fail_after_s: float = 1.5          # no answer for this long -> FAILED
+    restart: bool = True               # restart failed ducks where the driver can
+    restart_delay_s: float = 1.0       # wait before a restart (no restart storms)
+    cache_capacity_mb: int = 0         # per duck; 0 = unbounded
+    spin: bool = False                 # dedicated hardware only
+    netns: NetnsConfig = field(default_factory=NetnsConfig)
+    wol: WolConfig = field(default_factory=WolConfig)
+
+    def __post_init__(self):
+        if self.driver not in ("local", "netns", "wol"):
+            raise ConfigError(f"fleet.driver = {self.driver!r}: expected local, netns or wol")
+        if self.driver == "wol":
+            self.ducks = len(self.wol.ducks)
+            if not self.ducks:
+                raise ConfigError("fleet.wol.ducks = []: the wol driver needs at least one duck")
+        if not 1 <= self.ducks <= 256:
+            raise ConfigError(f"fleet.ducks = {self.ducks!r}: expected 1..256")
+        _positive("fleet.threads_per_duck", self.threads_per_duck)
+        if self.tp < 0:
+            raise ConfigError(f"fleet.tp = {self.tp!r}: expected >= 0")
+        self.tp = self.tp or self.ducks
+        if self.tp != self.ducks:
+            raise ConfigError(f"fleet.tp = {self.tp!r}: must equal fleet.ducks ({self.ducks}); "
+                              "each duck holds one tensor-parallel slice")
+        if self.multiple_of <= 0 or self.multiple_of % 64:
+            raise ConfigError(f"fleet.multiple_of = {self.multiple_of!r}: expected a positive multiple of 64")
+        if not 576 <= self.mtu <= 9000:
+            raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 576..9000")
+        if self.restart_delay_s < 0:
+            raise ConfigError(f"fleet.restart_delay_s = {self.restart_delay_s!r}: expected >= 0")
+        for name in ("link_timeout_s", "health_interval_s", "fail_after_s"):
+            _positive(f"fleet.{name}", getattr(self, name))
+
+
+@dataclass(slots=True)
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    source: str = "<embedded default>"
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.daemon.state_dir).expanduser() if self.daemon.state_dir else default_state_dir()
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} = {value!r}: expected a positive number")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _build(cls, table: dict, where: str):
+    """A dataclass from a TOML table, naming unknown keys and bad types."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown field (known: {', '.join(sorted(known))})".lstrip("."))
+        sub = _SUBTABLES.get((cls, key))
+        if sub is not None:
+            value = _build(sub, value, f"{where}.{key}".lstrip("."))
+        elif (cls, key) == (WolConfig, "ducks"):
+            if not isinstance(value, list):
+                raise ConfigError(f"{where}.ducks = {value!r}: expected an array of tables")
+            value = [_build(WolDuck, v, f"{where}.ducks") for v in value]
+        else:
+            default = getattr(cls(), key) if cls not in (WolDuck,) else None
+            if default is not None and not _same_kind(default, value):
+                raise ConfigError(f"{where}.{key} = {value!r}: expected {type(default).__name__}".lstrip("."))
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _same_kind(default, value) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(default)) and not (isinstance(value, bool) and not isinstance(default, bool))
+
+
+_SUBTABLES = {(Config, "daemon"): DaemonConfig, (Config, "model"): ModelConfig, (Config, "fleet"): FleetConfig,
+              (FleetConfig, "netns"): NetnsConfig, (FleetConfig, "wol"): WolConfig}
+
+
+def load(path: str | os.PathLike | None) -> Config:
+    """The config at path, or the embedded default when path is None."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r}: not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r}: not valid TOML: {e}") from None
+    data.pop("source", None)
+    cfg = _build(Config, data, "")
+    cfg.source = str(p)
+    return cfg

@@ -1,0 +1,192 @@
+"""`duckctl`: the command-line client of duckd.
+
+    duckctl status [--json]
+    duckctl chat [PROMPT] [--json] [--temperature T] [--max-tokens N] [--system TEXT]
+    duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
+    duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
+    duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
+
+With no --address/--token it finds the running daemon (see duck_proto.client).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from duck_proto import duck_pb2 as pb
+from duck_proto import duck_pb2_grpc as rpc
+from duck_proto.client import DiscoveryError, discover, sync_channel
+
+STATES = {v: k for k, v in pb.DuckState.items()}
+
+
+def _stubs(args):
+    ch = sync_channel(discover(args.address, args.token, args.config))
+    return ch
+
+
+def cmd_status(args) -> int:
+    ch = _stubs(args)
+    ducks = rpc.FleetStub(ch).List(pb.ListDucksRequest(), timeout=10).ducks
+    try:
+        info = rpc.ModelStub(ch).Info(pb.ModelInfoRequest(), timeout=10)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        info = None
+    if args.json:
+        print(json.dumps({"model": MessageToDict(info) if info else None,
+                          "ducks": [MessageToDict(d, always_print_fields_with_no_presence=True) for d in ducks]},
+                         indent=2))
+        return 0
+    if info:
+        print(f"model {info.name} ({info.architecture}, {info.layers} layers), backend {info.backend}, "
+              f"tp {info.tp}, multiple_of {info.multiple_of}")
+    else:
+        print("model: loading")
+    print(f"{'id':>3} {'address':21} {'state':10} {'link ms':>8} {'rtt us':>8} {'GB/s':>7} {'kern ms':>8} "
+          f"{'cache':>6} {'hits':>5} {'errors':>6}  reason")
+    for d in ducks:
+        print(f"{d.id:>3} {d.address:21} {STATES[d.state]:10} {d.time_to_link_ms:8.0f} {d.rtt_us:8.0f} "
+              f"{d.gbps:7.2f} {d.kernel_ms:8.2f} {d.cache_entries:6d} {d.cache_hits:5d} {d.errors:6d}  {d.reason}")
+    return 0
+
+
+def _chat_once(stub, messages, args, out) -> tuple[str, pb.GenerationStats | None]:
+    req = pb.ChatRequest(messages=messages, temperature=args.temperature, max_tokens=args.max_tokens,
+                         seed=args.seed)
+    text, stats = [], None
+    for ev in stub.Chat(req):
+        if ev.WhichOneof("event") == "token":
+            text.append(ev.token)
+            if args.json:
+                out.write(json.dumps({"token": ev.token}) + "\n")
+            else:
+                out.write(ev.token)
+            out.flush()
+        else:
+            stats = ev.stats
+    if args.json:
+        out.write(json.dumps({"text": "".join(text), "stats": MessageToDict(stats) if stats else None}) + "\n")
+    elif stats is not None:
+        out.write("\n" + stats.line + "\n")
+    out.flush()
+    return "".join(text), stats
+
+
+def cmd_chat(args) -> int:
+    stub = rpc.ChatStub(_stubs(args))
+    history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    prompts = [args.prompt] if args.prompt else None
+    interactive = prompts is None and sys.stdin.isatty()
+    while True:
+        if prompts is not None:
+            if not prompts:
+                return 0
+            line = prompts.pop(0)
+        else:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+        history.append(pb.ChatMessage(role="user", content=line))
+        answer, _ = _chat_once(stub, history, args, sys.stdout)
+        history.append(pb.ChatMessage(role="assistant", content=answer))
+
+
+def cmd_cache(args) -> int:
+    stub = rpc.CacheStub(_stubs(args))
+    if args.action == "ls":
+        req = pb.CacheListRequest(duck_id=args.duck) if args.duck is not None else pb.CacheListRequest(all_ducks=True)
+        resp = stub.List(req, timeout=30)
+        if args.json:
+            print(json.dumps(MessageToDict(resp), indent=2))
+        else:
+            for e in resp.entries:
+                print(f"{e.digest}  {e.bytes:>10d}  ducks {','.join(map(str, e.ducks)):12s} {e.name}")
+            print(f"{len(resp.entries)} entries; host pack cache {resp.host_cache_bytes / 1e6:.1f} MB")
+        return 0
+    if args.duck is not None:
+        req = pb.InvalidateRequest(duck_id=args.duck)
+    elif args.model:
+        req = pb.InvalidateRequest(model=args.model)
+    elif args.all:
+        req = pb.InvalidateRequest(all=True)
+    else:
+        print("duckctl: cache invalidate needs --duck N, --model NAME or --all", file=sys.stderr)
+        return 2
+    print(stub.Invalidate(req, timeout=60).message)
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    if args.what == "kernels":
+        from native.bench import main as bench_main
+        return bench_main(rest)
+    if args.what == "transport":
+        from native.bench_transport import main as bench_main
+        return bench_main(rest)
+    from duckd.bench_e2e import main as bench_main
+    return bench_main(rest, _stubs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="duckctl", description="Client of duckd: fleet status, chat, cache, benchmarks.")
+    ap.add_argument("--address", help="host:port of duckd (default: found from the running daemon)")
+    ap.add_argument("--token", help="bearer token (default: found from the running daemon)")
+    ap.add_argument("--config", help="duckd's config file, to find its address and token")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="the fleet and the model")
+    s.add_argument("--json", action="store_true")
+    c = sub.add_parser("chat", help="chat with the model (multi-turn from stdin when no PROMPT)")
+    c.add_argument("prompt", nargs="?")
+    c.add_argument("--json", action="store_true", help="JSON lines: tokens, then text and stats")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--max-tokens", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--system", default="")
+    k = sub.add_parser("cache", help="weight cache: ls, invalidate")
+    k.add_argument("action", choices=["ls", "invalidate"])
+    k.add_argument("--duck", type=int)
+    k.add_argument("--model")
+    k.add_argument("--all", action="store_true")
+    k.add_argument("--json", action="store_true")
+    b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon)")
+    b.add_argument("what", choices=["kernels", "transport", "e2e"])
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.cmd == "status":
+            return cmd_status(args)
+        if args.cmd == "chat":
+            return cmd_chat(args)
+        if args.cmd == "cache":
+            return cmd_cache(args)
+        return cmd_bench(args, rest)
+    except DiscoveryError as e:
+        print(f"duckctl: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"duckctl: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

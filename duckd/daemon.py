@@ -1,0 +1,196 @@
+"""The daemon's core: fleet + weights + engine, behind the API of
+duckd.server. Everything that blocks (model load, generation, uploads)
+runs in threads; the asyncio loop stays free for the API and the monitor."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from duck_proto import duck_pb2 as pb
+from duck_proto.client import RUNTIME_FILE
+from duckd.drivers import make_driver
+from duckd.events import EventLog
+from duckd.fleet import FleetManager, State
+from duckd.model_host import ModelHost
+from duckd.packcache import PackCache, model_key
+from duckd.server import ApiError
+
+log = logging.getLogger("duckd")
+
+
+class Cancelled(Exception):
+    """Raised inside a generation to stop it (client gone, daemon stopping)."""
+
+
+class Daemon:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.state_dir = cfg.state_path
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog()
+        from native.transport import read_key_file, write_key_file
+        self.key_file = self.state_dir / "fleet.key"
+        key = read_key_file(self.key_file) if self.key_file.exists() else write_key_file(self.key_file)
+        self.driver = make_driver(cfg.fleet, self.state_dir, self.key_file)
+        self.key = key
+        self.fleet = FleetManager(cfg.fleet, self.driver, key, self.events,
+                                  on_ready=self._duck_ready)
+        self.model = ModelHost(cfg.model, cfg.fleet, self.state_dir)
+        self.packs: PackCache | None = None
+        self.transport = None
+        self.stopping = threading.Event()
+        self.active_chats = 0
+        self.ready = False
+        self.roofline_gbps = 0.0
+
+    def _measure_roofline(self) -> None:
+        """Ducks on this host (local, netns) share its memory: their roofline is the
+        host's read bandwidth with all their threads reading at once. Real ducks
+        (wol) would have to measure their own: unknown (0) here."""
+        if self.cfg.fleet.driver in ("local", "netns"):
+            from native.bench import measure_read_gbps
+            threads = min(self.cfg.fleet.ducks * self.cfg.fleet.threads_per_duck, len(os.sched_getaffinity(0)))
+            self.roofline_gbps = measure_read_gbps(threads)
+            self.events.add("fleet", f"roofline: {self.roofline_gbps:.1f} GB/s read bandwidth "
+                            f"({threads} threads on this host)")
+
+    # -- start / stop ---------------------------------------------------------
+    async def start(self) -> None:
+        self.events.add("boot", f"booting {self.cfg.fleet.ducks} ducks ({self.cfg.fleet.driver} driver)")
+        await asyncio.to_thread(self._measure_roofline)
+        await self.fleet.start()
+        if self.cfg.model.backend == "fleet":
+            from native.transport import Fleet
+            from native._native import lib
+            self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
+                                   deadline_ms=self.cfg.fleet.fail_after_s * 1000)
+            path = self._model_path()
+            self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
+                                                                        self.cfg.fleet.multiple_of, lib.WIRE_ABI))
+            await asyncio.to_thread(self._implied_invalidation)
+            for d in self.fleet.ducks:
+                self.fleet.set_state(d, State.SYNCING)
+        await asyncio.to_thread(self.model.load, self.transport, self.packs)
+        if self.transport is not None:
+            for d in self.fleet.ducks:
+                d.cache_hits = self.model.ffn.cache_hits[d.id]
+            self._write_manifest()
+        for d in self.fleet.ducks:
+            if d.state in (State.READY, State.SYNCING):
+                self.fleet.set_state(d, State.SERVING)
+        self.ready = True
+        self.events.add("state", f"serving {self.model.name} on {self.cfg.fleet.ducks} ducks")
+
+    def _model_path(self) -> Path:
+        from engine.loader import default_model_path
+        return default_model_path() if self.cfg.model.path == "default" else Path(self.cfg.model.path).expanduser()
+
+    def _implied_invalidation(self) -> None:
+        """A different model, tp, multiple_of or ABI than last time: the old slices go."""
+        manifest = self.state_dir / "manifest.json"
+        old = json.loads(manifest.read_text()).get("key") if manifest.exists() else None
+        if old and old != self.packs.key:
+            counts = self.transport.invalidate(None)
+            removed = self.packs.drop_others()
+            self.events.add("cache", f"model, tp, multiple_of or firmware ABI changed: dropped {sum(counts)} "
+                            f"duck cache entries and {removed} host packs")
+
+    def _write_manifest(self) -> None:
+        per_duck = [[(t.digest(), t.name, t.nbytes) for t in self.model.ffn.tensors(d)]
+                    for d in range(self.transport.n_ducks)]
+        (self.state_dir / "manifest.json").write_text(json.dumps({"key": self.packs.key, "model": self.model.name,
+                                                                  "ducks": per_duck}))
+
+    async def _duck_ready(self, duck) -> None:
+        """A restarted duck is READY: sync what it lacks, reopen the session."""
+        if self.model.ffn is None or self.transport is None:
+            self.fleet.set_state(duck, State.SERVING)
+            return
+        self.fleet.set_state(duck, State.SYNCING)
+        before = self.model.ffn.uploaded_bytes[duck.id]
+        await asyncio.to_thread(self.model.resync, duck.id)
+        uploaded = self.model.ffn.uploaded_bytes[duck.id] - before
+        duck.cache_hits = self.model.ffn.cache_hits[duck.id]
+        self.events.add("upload", "cache hit: nothing to upload" if uploaded == 0 else
+                        f"uploaded {uploaded / 1e6:.1f} MB", duck.id)
+        self.fleet.set_state(duck, State.SERVING)
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        self.ready = False
+        await asyncio.to_thread(self.model.close)
+        if self.transport is not None:
+            self.transport.close()
+        await self.fleet.stop()
+
+    def write_runtime_file(self, address: str, token_file: Path) -> Path:
+        path = self.state_dir / RUNTIME_FILE
+        path.write_text(json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid()}))
+        return path
+
+    # -- the API (duckd.server.Core) -----------------------------------------
+    def snapshot(self) -> pb.FleetSnapshot:
+        p = self.model.progress
+        ducks = [d.status() for d in self.fleet.ducks]
+        return pb.FleetSnapshot(
+            ducks=ducks, aggregate_gbps=sum(d.gbps for d in ducks), roofline_gbps=self.roofline_gbps,
+            decode_tok_s=self.model.last_decode_tps, model=self.model.name, unix_time=time.time(),
+            sync=pb.SyncProgress(bytes_done=p.done if p.phase == "uploading" else 0,
+                                 bytes_total=p.total if p.phase == "uploading" else 0,
+                                 bytes_per_s=p.rate(), eta_s=p.eta(), phase=p.phase))
+
+    def events_since(self, cursor: int):
+        return self.events.since(cursor)
+
+    def _duck(self, duck_id: int):
+        if not 0 <= duck_id < len(self.fleet.ducks):
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"duck {duck_id}: no such duck (the fleet has "
+                           f"{len(self.fleet.ducks)}, ids 0..{len(self.fleet.ducks) - 1})")
+        return self.fleet.ducks[duck_id]
+
+    async def restart_duck(self, duck_id: int) -> pb.DuckStatus:
+        duck = self._duck(duck_id)
+        try:
+            await self.fleet.restart(duck)
+        except RuntimeError as e:
+            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        return duck.status()
+
+    def model_info(self) -> pb.ModelInfo:
+        if self.model.loaded is None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        c = self.model.loaded.config
+        experts = getattr(c, "num_experts", 0) or 0
+        k = getattr(c, "num_experts_per_tok", 0) or 0
+        ffn = self.model.ffn
+        per_token = ffn.ffn_bytes_per_token(k or 1) if hasattr(ffn, "ffn_bytes_per_token") else 0
+        return pb.ModelInfo(name=self.model.name, architecture=c.model_type, layers=c.num_hidden_layers,
+                            hidden_size=c.hidden_size, experts=experts, experts_per_token=k,
+                            tp=self.cfg.fleet.tp, multiple_of=self.cfg.fleet.multiple_of,
+                            ffn_bytes_per_token=per_token, max_model_len=self.cfg.model.max_model_len,
+                            backend=ffn.name)
+
+    def cache_list(self, duck_id: int | None) -> pb.CacheListResponse:
+        from duckd.cache_api import cache_list
+        return cache_list(self, duck_id)
+
+    async def cache_invalidate(self, request: pb.InvalidateRequest) -> pb.InvalidateResponse:
+        from duckd.cache_api import cache_invalidate
+        return await cache_invalidate(self, request)
+
+    async def chat(self, request: pb.ChatRequest):
+        from duckd.chat import run_chat
+        async for event in run_chat(self, request):
+            yield event
+
+    def drop_host_packs(self) -> None:
+        if self.packs is not None:
+            shutil.rmtree(self.packs.root, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""Boot drivers: how ducks are started, restarted and stopped.
+
+    local  duckfw processes on this host (the embedded default)
+    netns  duckfw in network namespaces behind veth pairs and per-subnet bridges
+    wol    real hardware woken by a Wake-on-LAN magic packet
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class DuckSpec:
+    """What a driver needs to know of one duck, and what it reports back."""
+    index: int
+    subnet: str = "loopback"
+    address: tuple[str, int] | None = None      # known once booted
+    handle: object = None                       # the driver's own (a process, ...)
+    notes: dict = field(default_factory=dict)
+
+
+class Driver:
+    """can_restart: whether restart() brings a failed duck back."""
+    name = "abstract"
+    can_restart = False
+
+    def __init__(self, cfg, state_dir: Path, key_file: Path):
+        self.cfg, self.state_dir, self.key_file = cfg, state_dir, key_file
+
+    def specs(self) -> list[DuckSpec]:
+        return [DuckSpec(i) for i in range(self.cfg.ducks)]
+
+    async def boot(self, duck: DuckSpec) -> None:
+        """Starts (or wakes) the duck and sets duck.address."""
+        raise NotImplementedError
+
+    def exited(self, duck: DuckSpec) -> str | None:
+        """Why the duck is known to be gone (a process that exited), else None."""
+        return None
+
+    async def restart(self, duck: DuckSpec) -> None:
+        await self.stop(duck)
+        await self.boot(duck)
+
+    async def stop(self, duck: DuckSpec) -> None:
+        pass
+
+    async def close(self) -> None:
+        """Removes what the driver made (namespaces, bridges)."""
+
+
+def make_driver(cfg, state_dir: Path, key_file: Path) -> Driver:
+    if cfg.driver == "local":
+        from duckd.drivers.local import LocalDriver
+        return LocalDriver(cfg, state_dir, key_file)
+    if cfg.driver == "netns":
+        from duckd.drivers.netns import NetnsDriver
+        return NetnsDriver(cfg, state_dir, key_file)
+    if cfg.driver == "wol":
+        from duckd.drivers.wol import WolDriver
+        return WolDriver(cfg, state_dir, key_file)
+    raise ValueError(f"fleet.driver = {cfg.driver!r}: expected local, netns or wol")

@@ -1,0 +1,169 @@
+"""`duckd`: the daemon's entry point and lifecycle.
+
+Signal handlers only set events. The first SIGTERM (or SIGINT) drains: no
+new calls, in-flight chats get shutdown_grace_s to finish (they are ended at
+the next token shortly before it runs out, so their streams still close
+cleanly), sessions close, spawned ducks stop, exit 0. A second one forces.
+SIGHUP reloads what can change safely (log level, Watch interval, the chat
+token limit). READY=1 goes to systemd once the fleet is SERVING and the API
+is bound; WATCHDOG=1 keep-alives while the loop is healthy; STOPPING=1 on
+the way out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from duckd.config import Config, ConfigError, load
+
+log = logging.getLogger("duckd")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def resolve_token(cfg: Config) -> tuple[str, Path]:
+    """The bearer token and the file a client reads it from."""
+    state = cfg.state_path
+    if cfg.daemon.token_file:
+        path = Path(cfg.daemon.token_file).expanduser()
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"daemon.token_file = {str(path)!r}: cannot read it ({e.strerror})") from None
+        if not token:
+            raise ConfigError(f"daemon.token_file = {str(path)!r}: the file is empty")
+        return token, path
+    path = state / "token"
+    token = cfg.daemon.token or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(24)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+async def run(cfg: Config, config_path: str | None) -> int:
+    from duckd.daemon import Daemon
+    from duckd.sdnotify import Notifier
+    from duckd.server import ApiServer
+
+    notifier = Notifier()
+    token, token_file = resolve_token(cfg)
+    daemon = Daemon(cfg)
+    server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s)
+    await server.start()
+    runtime = daemon.write_runtime_file(server.address, token_file)
+    loop = asyncio.get_running_loop()
+    stop, force, hup = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def on_term(signame: str):
+        if stop.is_set():
+            log.warning("second %s: forcing shutdown", signame)
+            force.set()
+        else:
+            log.info("%s: draining (grace %.0f s)", signame, cfg.daemon.shutdown_grace_s)
+            stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_term, sig.name)
+    loop.add_signal_handler(signal.SIGHUP, hup.set)
+
+    code = 0
+    starting = asyncio.create_task(daemon.start(), name="daemon-start")
+    waiting = asyncio.create_task(stop.wait())
+    await asyncio.wait([starting, waiting], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and starting.exception() is not None:
+        log.error("start failed: %s", starting.exception())
+        code = 1
+        stop.set()
+    elif starting.done():
+        await server.set_serving(True)
+        notifier.ready(f"serving {daemon.model.name} on {cfg.fleet.ducks} ducks at {server.address}")
+        log.info("ready: %s on %d ducks, API at %s", daemon.model.name, cfg.fleet.ducks, server.address)
+    side = [asyncio.create_task(_watchdog(notifier)), asyncio.create_task(_reloader(hup, cfg, config_path))]
+
+    await stop.wait()
+    notifier.stopping()
+    starting.cancel()
+    grace = cfg.daemon.shutdown_grace_s
+    await server.set_serving(False)
+    # end running generations shortly before the grace runs out, so they close cleanly
+    late = loop.call_later(max(0.0, grace - 1.0), daemon.stopping.set)
+    stopping = asyncio.create_task(server.stop(grace))
+    forced = asyncio.create_task(force.wait())
+    await asyncio.wait([stopping, forced], return_when=asyncio.FIRST_COMPLETED)
+    if force.is_set():
+        daemon.stopping.set()
+        await server.stop(0)
+    late.cancel()
+    for t in side:
+        t.cancel()
+    await daemon.stop()
+    runtime.unlink(missing_ok=True)
+    log.info("stopped")
+    return code
+
+
+async def _watchdog(notifier) -> None:
+    if not notifier.watchdog_s:
+        return
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(notifier.watchdog_s / 2)
+
+
+async def _reloader(hup: asyncio.Event, cfg: Config, config_path: str | None) -> None:
+    while True:
+        await hup.wait()
+        hup.clear()
+        if not config_path:
+            log.info("SIGHUP: no config file to reload (embedded default)")
+            continue
+        try:
+            new = load(config_path)
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded: %s", e)
+            continue
+        logging.getLogger().setLevel(getattr(logging, new.daemon.log_level.upper()))
+        cfg.daemon.log_level = new.daemon.log_level
+        cfg.daemon.watch_interval_s = new.daemon.watch_interval_s
+        cfg.model.max_tokens = new.model.max_tokens
+        if (new.fleet, new.model.path, new.model.backend) != (cfg.fleet, cfg.model.path, cfg.model.backend):
+            log.warning("SIGHUP: fleet and model changes need a restart of duckd; applied only log level, "
+                        "watch interval and max_tokens")
+        log.info("SIGHUP: configuration reloaded from %s", config_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="duckd", description="The duck daemon: owns the fleet, hosts the engine, "
+                                 "serves the gRPC API.")
+    ap.add_argument("--config", help="TOML config (default: the embedded default: 4 local ducks, SmolLM2)")
+    ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        print(f"duckd: config error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"duckd: {cfg.source}: OK")
+        return 0
+    _setup_logging(cfg.daemon.log_level)
+    log.info("config: %s; state in %s", cfg.source, cfg.state_path)
+    try:
+        return asyncio.run(run(cfg, args.config))
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The engine inside the daemon: the model loaded with its FFNs on the fleet
+(packed through the host's pack cache, synced to the ducks' caches with
+progress), and generation for the Chat API. Blocking work; the daemon runs
+it in threads."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.fleet import FleetFfn
+
+from duckd.packcache import PackCache
+
+log = logging.getLogger("duckd.model")
+
+
+@dataclass(slots=True)
+class Progress:
+    phase: str = "idle"          # packing, uploading, done
+    done: int = 0
+    total: int = 0
+    started: float = 0.0
+
+    def rate(self) -> float:
+        dt = time.monotonic() - self.started
+        return self.done / dt if dt > 0 and self.phase == "uploading" else 0.0
+
+    def eta(self) -> float:
+        r = self.rate()
+        return (self.total - self.done) / r if r > 0 else 0.0
+
+
+class SyncedFleetFfn(FleetFfn):
+    """The fleet backend with the daemon's pack cache, upload progress and
+    per-duck resync after a restart."""
+
+    def __init__(self, fleet, packs: PackCache, progress: Progress, n_layers: int, multiple_of: int):
+        super().__init__(fleet=fleet, multiple_of=multiple_of)
+        self.packs, self.progress, self.n_layers = packs, progress, n_layers
+        self.cache_hits = [0] * fleet.n_ducks
+        self.uploaded_bytes = [0] * fleet.n_ducks
+
+    def load_layer(self, layer) -> None:
+        tp = self.fleet.n_ducks
+        if self.progress.phase != "packing":
+            self.progress.phase, self.progress.done, self.progress.total = "packing", 0, self.n_layers
+            self.progress.started = time.monotonic()
+        cached = [self.packs.load(layer.index, r, f"layers.{layer.index}") for r in range(tp)]
+        if all(c is not None for c in cached):
+            self.hidden = layer.hidden
+            self.layers[layer.index] = cached
+        else:
+            super().load_layer(layer)
+            for r, slices in enumerate(self.layers[layer.index]):
+                self.packs.store(layer.index, r, slices)
+        self.progress.done += 1
+        if self.progress.done % max(1, self.n_layers // 10) == 0 or self.progress.done == self.n_layers:
+            log.info("packing: %d/%d layers (%d from the pack cache)", self.progress.done, self.n_layers,
+                     self.packs.hits // tp)
+
+    def tensors(self, duck: int):
+        return [t for layer in sorted(self.layers) for e in self.layers[layer][duck] for t in (e.gate_up, e.down)]
+
+    def sync(self, ducks: list[int] | None = None) -> dict:
+        """Uploads what the ducks' caches lack, layer by layer, with progress."""
+        ducks = list(range(self.fleet.n_ducks)) if ducks is None else ducks
+        wanted = [self.tensors(d) if d in ducks else [] for d in range(self.fleet.n_ducks)]
+        held = self.fleet.cache_query([[t.digest() for t in ts] for ts in wanted])
+        missing = [[t for t in ts if t.digest() not in h] for ts, h in zip(wanted, held)]
+        for d in ducks:
+            self.cache_hits[d] += len(held[d])
+        p = self.progress
+        p.phase, p.done, p.total, p.started = "uploading", 0, sum(t.nbytes for ts in missing for t in ts), time.monotonic()
+        last_log = 0.0
+        batch = 64
+        while any(missing):
+            part = [ts[:batch] for ts in missing]
+            missing = [ts[batch:] for ts in missing]
+            result = self.fleet.upload(part)
+            p.done += result["bytes"]
+            for d, ts in enumerate(part):
+                self.uploaded_bytes[d] += sum(t.nbytes for t in ts)
+            if time.monotonic() - last_log > 1.0 or not any(missing):
+                last_log = time.monotonic()
+                log.info("upload: %.1f/%.1f MB, %.1f MB/s, ETA %.0f s", p.done / 1e6, p.total / 1e6,
+                         p.rate() / 1e6, p.eta())
+        p.phase = "done"
+        return {"cached": sum(len(h) for h in held), "uploaded_bytes": p.total}
+
+    def finish_loading(self) -> None:
+        self.sync()
+        self.session = self.fleet.open_session(self.layers, self.hidden)
+
+    def reopen(self) -> None:
+        """A new session on every duck (after one restarted and lost its own)."""
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception as e:      # the restarted duck does not know the old session
+                log.debug("closing the old session: %s", e)
+        self.session = self.fleet.open_session(self.layers, self.hidden)
+
+    def ffn_bytes_per_token(self, experts_per_token: int) -> int:
+        per_layer = []
+        for slices_per_duck in self.layers.values():
+            n = len(slices_per_duck[0])
+            per_expert = sum(slices_per_duck[d][0].weight_bytes for d in range(len(slices_per_duck)))
+            per_layer.append(per_expert * (1 if n == 1 else experts_per_token))
+        return sum(per_layer)
+
+
+class ModelHost:
+    """Owns the loaded model; one generation (or session change) at a time."""
+
+    def __init__(self, model_cfg, fleet_cfg, state_dir: Path):
+        self.cfg, self.fleet_cfg, self.state_dir = model_cfg, fleet_cfg, state_dir
+        self.lock = threading.Lock()
+        self.loaded = None
+        self.ffn = None
+        self.progress = Progress()
+        self.name = ""
+        self.last_decode_tps = 0.0
+
+    def load(self, fleet=None, packs: PackCache | None = None) -> None:
+        from engine.loader import default_model_path, load_model
+
+        path = default_model_path() if self.cfg.path == "default" else Path(self.cfg.path).expanduser()
+        self.name = path.name
+        device = self.cfg.device
+        if device == "auto":
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = self.cfg.backend
+        if backend == "fleet":
+            from engine.config import ModelConfig  # noqa: F401  (layer count for progress)
+            n_layers = _layer_count(path)
+            backend = SyncedFleetFfn(fleet, packs, self.progress, n_layers, self.fleet_cfg.multiple_of)
+        t0 = time.monotonic()
+        self.loaded = load_model(path, device=device, backend=backend)
+        self.ffn = self.loaded.ffn
+        log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
+
+    def resync(self, duck: int) -> dict:
+        with self.lock:
+            result = self.ffn.sync([duck])
+            self.ffn.reopen()
+            return result
+
+    def close(self) -> None:
+        with self.lock:
+            if self.ffn is not None:
+                self.ffn.close()
+                self.ffn = None
+
+
+def _layer_count(path: Path) -> int:
+    import json
+    if path.is_dir():
+        cfg = json.loads((path / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        return int(cfg.get("num_hidden_layers", 0)) or 1
+    from engine.gguf_file import GgufCheckpoint
+    return int(GgufCheckpoint(path).config_dict().get("num_hidden_layers", 1))

@@ -1,0 +1,198 @@
+"""duckd's gRPC server: the servicers of proto/duck.proto, bearer-token auth
+for everything but the standard health service, and server start/stop.
+
+The servicers only translate: the work is the core's (duckd.daemon.Daemon).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from duck_proto import duck_pb2 as pb
+from duck_proto import duck_pb2_grpc as rpc
+
+log = logging.getLogger("duckd.server")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class ApiError(Exception):
+    """An error for the caller: a gRPC status code and a message that says what was wrong."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Core(Protocol):
+    def snapshot(self) -> pb.FleetSnapshot: ...
+    def events_since(self, cursor: int) -> tuple[list[pb.FleetEvent], int]: ...
+    async def restart_duck(self, duck_id: int) -> pb.DuckStatus: ...
+    def cache_list(self, duck_id: int | None) -> pb.CacheListResponse: ...
+    async def cache_invalidate(self, request: pb.InvalidateRequest) -> pb.InvalidateResponse: ...
+    def chat(self, request: pb.ChatRequest): ...          # async iterator of pb.ChatEvent
+    def model_info(self) -> pb.ModelInfo: ...
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Requires "authorization: Bearer <token>" on every call but health checks."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}"
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if hmac.compare_digest(metadata.get("authorization", "").encode(), self._expected.encode()):
+            return await continuation(details)
+        handler = await continuation(details)
+        log.warning("refused %s: missing or wrong bearer token", details.method)
+        return _denied(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+
+
+def _denied(handler, message: str):
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is None:
+        return None
+    kinds = {"unary_unary": grpc.unary_unary_rpc_method_handler, "unary_stream": grpc.unary_stream_rpc_method_handler}
+    if handler.response_streaming:
+        return kinds["unary_stream"](stream, request_deserializer=handler.request_deserializer,
+                                     response_serializer=handler.response_serializer)
+    return kinds["unary_unary"](unary, request_deserializer=handler.request_deserializer,
+                                response_serializer=handler.response_serializer)
+
+
+async def _abort(context, e: ApiError):
+    await context.abort(e.code, str(e))
+
+
+class FleetServicer(rpc.FleetServicer):
+    def __init__(self, core: Core, interval_s: float):
+        self.core, self.interval_s = core, interval_s
+
+    async def List(self, request, context):
+        return pb.ListDucksResponse(ducks=self.core.snapshot().ducks)
+
+    async def Watch(self, request, context):
+        if request.interval_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"interval_s = {request.interval_s}: must be >= 0")
+        interval = min(request.interval_s or self.interval_s, self.interval_s)
+        cursor = 0 if request.with_history else self.core.events_since(1 << 62)[1]
+        while True:
+            snap = self.core.snapshot()
+            events, cursor = self.core.events_since(cursor)
+            snap.events.extend(events)
+            yield snap
+            await asyncio.sleep(interval)
+
+    async def Restart(self, request, context):
+        try:
+            return pb.RestartDuckResponse(duck=await self.core.restart_duck(request.id))
+        except ApiError as e:
+            await _abort(context, e)
+
+
+class CacheServicer(rpc.CacheServicer):
+    def __init__(self, core: Core):
+        self.core = core
+
+    async def List(self, request, context):
+        try:
+            return self.core.cache_list(None if request.all_ducks else request.duck_id)
+        except ApiError as e:
+            await _abort(context, e)
+
+    async def Invalidate(self, request, context):
+        if request.WhichOneof("target") is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "invalidate needs a target: duck_id, model or all")
+        try:
+            return await self.core.cache_invalidate(request)
+        except ApiError as e:
+            await _abort(context, e)
+
+
+class ChatServicer(rpc.ChatServicer):
+    def __init__(self, core: Core):
+        self.core = core
+
+    async def Chat(self, request, context):
+        problem = validate_chat(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            async for event in self.core.chat(request):
+                yield event
+        except ApiError as e:
+            await _abort(context, e)
+
+
+def validate_chat(r: pb.ChatRequest) -> str:
+    """The first thing wrong with a chat request, or ''."""
+    if not r.messages:
+        return "messages is empty: send at least one user message"
+    for i, m in enumerate(r.messages):
+        if m.role not in ("system", "user", "assistant"):
+            return f"messages[{i}].role = {m.role!r}: expected system, user or assistant"
+    if r.messages[-1].role != "user":
+        return f"messages[{len(r.messages) - 1}].role = {r.messages[-1].role!r}: the last message must be the user's"
+    if not 0.0 <= r.temperature <= 10.0:
+        return f"temperature = {r.temperature}: expected 0 (greedy) .. 10"
+    if not 0.0 <= r.top_p <= 1.0:
+        return f"top_p = {r.top_p}: expected 0 (off) .. 1"
+    return ""
+
+
+class ModelServicer(rpc.ModelServicer):
+    def __init__(self, core: Core):
+        self.core = core
+
+    async def Info(self, request, context):
+        try:
+            return self.core.model_info()
+        except ApiError as e:
+            await _abort(context, e)
+
+
+class ApiServer:
+    """The bound server; health says SERVING only while the core is ready."""
+
+    def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0):
+        self.server = grpc.aio.server(interceptors=[TokenAuth(token)])
+        rpc.add_FleetServicer_to_server(FleetServicer(core, watch_interval_s), self.server)
+        rpc.add_CacheServicer_to_server(CacheServicer(core), self.server)
+        rpc.add_ChatServicer_to_server(ChatServicer(core), self.server)
+        rpc.add_ModelServicer_to_server(ModelServicer(core), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot bind the gRPC server to {listen}")
+        self.address = f"{listen.rpartition(':')[0]}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(False)
+        log.info("gRPC API listening on %s", self.address)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set("duck.v1.Chat", status)
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,109 @@
+"""duckd end to end on the shared daemon: duckctl chat, Watch bandwidth,
+auth, health, cache and model info. Real duckd, real duckfw, real gRPC."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duck_proto import duck_pb2 as pb
+from duck_proto import duck_pb2_grpc as rpc
+from duck_proto.client import Endpoint, sync_channel
+
+
+def duckctl(daemon, *args, env=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "duckd.ctl", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
+    # no --address/--token: found from the running daemon's runtime file
+    r = duckctl(duckd_daemon, "chat", "Which city is the capital of France?",
+                env={"XDG_STATE_HOME": str(duckd_daemon.state_dir.parent)})
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "Generation stats: time " in r.stdout and "decode " in r.stdout
+
+
+def test_duckctl_chat_json_and_multi_turn_from_stdin(duckd_daemon):
+    r = subprocess.run([sys.executable, "-m", "duckd.ctl", "--address", duckd_daemon.address, "--token",
+                        duckd_daemon.token, "chat", "--json", "--max-tokens", "8"],
+                       input="Hello!\nAnd what is your name?\n", capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    finals = [json.loads(line) for line in r.stdout.splitlines() if '"stats"' in line]
+    assert len(finals) == 2                         # one per turn
+    assert finals[1]["stats"]["inputLen"] > finals[0]["stats"]["inputLen"]   # history was sent
+
+
+def test_duckctl_status_lists_every_duck_serving(duckd_daemon):
+    r = duckctl(duckd_daemon, "--config", str(duckd_daemon.config), "status", "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert [d["state"] for d in status["ducks"]] == ["SERVING"] * 4
+    assert status["model"]["backend"] == "fleet" and status["model"]["tp"] == 4
+
+
+def test_watch_shows_bandwidth_of_every_duck_during_a_chat(duckd_daemon):
+    ch = duckd_daemon.channel()
+    seen = {}
+    done = threading.Event()
+
+    def watch():
+        for snap in rpc.FleetStub(ch).Watch(pb.WatchRequest(interval_s=0.2), timeout=120):
+            for d in snap.ducks:
+                seen[d.id] = max(seen.get(d.id, 0.0), d.gbps)
+            if done.is_set():
+                return
+    t = threading.Thread(target=watch)
+    t.start()
+    time.sleep(0.5)
+    text, stats = duckd_daemon.chat("Tell me about ducks.", max_tokens=40)
+    time.sleep(1.0)
+    done.set()
+    t.join(30)
+    assert stats.output_len > 0
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(v > 0 for v in seen.values()), seen
+
+
+def test_wrong_token_is_unauthenticated_and_health_needs_none(duckd_daemon):
+    bad = sync_channel(Endpoint(duckd_daemon.address, "not-the-token", "test"))
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.FleetStub(bad).List(pb.ListDucksRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        list(rpc.ChatStub(grpc.insecure_channel(duckd_daemon.address)).Chat(
+            pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(duckd_daemon.address))
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_bad_requests_get_invalid_argument_naming_the_field(duckd_daemon):
+    chat = rpc.ChatStub(duckd_daemon.channel())
+    cases = [(pb.ChatRequest(), "messages is empty"),
+             (pb.ChatRequest(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role = 'robot'"),
+             (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], top_p=2), "top_p = 2")]
+    for req, want in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            list(chat.Chat(req, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.FleetStub(duckd_daemon.channel()).Restart(pb.RestartDuckRequest(id=99), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "duck 99" in e.value.details()
+
+
+def test_cache_lists_every_ducks_slices_and_model_info(duckd_daemon):
+    cache = rpc.CacheStub(duckd_daemon.channel()).List(pb.CacheListRequest(all_ducks=True), timeout=30)
+    info = rpc.ModelStub(duckd_daemon.channel()).Info(pb.ModelInfoRequest(), timeout=10)
+    assert info.layers == 30 and info.architecture == "llama"
+    # 30 dense MLPs x 2 tensors (gate_up, down) on each of 4 ducks
+    assert len(cache.entries) == 30 * 2 * 4
+    assert all(len(e.ducks) == 1 and e.bytes > 0 for e in cache.entries)
+    assert cache.host_cache_bytes > 0
+    assert info.ffn_bytes_per_token > 0
