@@ -1,0 +1,3 @@
+from console.app import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The console's screens: fleet, duck detail, chat, events."""
