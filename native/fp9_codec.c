@@ -198,7 +198,7 @@ static float load_fp8(const void *src, size_t i)
 {
     const fp8_source *s = (const fp8_source *)src;
     size_t r = i / s->stride, c = i % s->stride;
-    float v;
+    float v = 0.0f;   /* NaN codes were refused before packing starts */
     fp8_e4m3_to_f32(s->codes[i], &v);
     if (!s->with_scales)
         v *= s->scale_inv[(r / FP9_SCALE_BLOCK) * s->scale_stride + c / FP9_SCALE_BLOCK];

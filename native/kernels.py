@@ -109,6 +109,20 @@ def matmul(w: Fp9Tensor, x, pool: Pool | None = None, ws: Workspace | None = Non
     return y
 
 
+def _int32_rows(a, ntok: int) -> np.ndarray:
+    a = a if type(a) is np.ndarray else _to_numpy(a)
+    if a.dtype != np.int32 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.int32)
+    return a.reshape(ntok, -1)
+
+
+def _f32_like(a, shape) -> np.ndarray:
+    a = a if type(a) is np.ndarray else _to_numpy(a)
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+    return a.reshape(shape)
+
+
 class ExpertSlice:
     """One expert's tensor-parallel slice: gate_up [2S, H] interleaved, down [H, S]."""
 
@@ -135,43 +149,51 @@ class MoeSlice:
                 raise Fp9Error(f"{name}: expert {i} has gate_up {e.gate_up.shape} and down {e.down.shape}, "
                                f"which do not form a slice of hidden size {hidden}")
         self.bytes_streamed = 0
+        # reused by every call: forward runs once per layer per token
+        self._args = ffi.new("duck_moe_args *")
+        self._args.experts = self._table
+        self._args.n_experts = len(self.experts)
+        self._args.hidden = hidden
+        self._nbytes = ffi.new("uint64_t *")
+        self._ws = Workspace()
 
     def forward(self, x, expert_ids, expert_weights, pool: Pool | None = None,
                 ws: Workspace | None = None, kernel_set: str = "best") -> np.ndarray:
-        """x [T, H] fp32 (or torch bf16), ids/weights [T, k] -> partial y [T, H] fp32."""
-        xn = _to_numpy(x)
+        """x [T, H] fp32 (or torch bf16), ids/weights [T, k] -> partial y [T, H] fp32.
+        Without ws the slice's own workspace is used: pass one per thread for concurrent calls."""
+        xn = x if type(x) is np.ndarray else _to_numpy(x)
         bf16 = xn.dtype == np.uint16
-        if not bf16:
-            xn = np.asarray(xn, dtype=np.float32)
-        xn = np.ascontiguousarray(xn.reshape(1, -1) if xn.ndim == 1 else xn)
-        ids = np.ascontiguousarray(_to_numpy(expert_ids), dtype=np.int32)
-        wts = np.ascontiguousarray(_to_numpy(expert_weights), dtype=np.float32)
-        ids = ids.reshape(xn.shape[0], -1)
-        wts = wts.reshape(ids.shape)
+        if not bf16 and xn.dtype != np.float32:
+            xn = xn.astype(np.float32)
+        if xn.ndim == 1:
+            xn = xn.reshape(1, -1)
+        if not xn.flags.c_contiguous:
+            xn = np.ascontiguousarray(xn)
+        ids = _int32_rows(expert_ids, xn.shape[0])
+        wts = _f32_like(expert_weights, ids.shape)
         if xn.shape[1] != self.hidden:
             raise Fp9Error(f"{self.name}: activation has {xn.shape[1]} columns, hidden size is {self.hidden}")
         if ids.shape[1] > MAX_TOPK:
             raise Fp9Error(f"{self.name}: {ids.shape[1]} experts per token, at most {MAX_TOPK}")
-        ws = ws or Workspace()
+        ws = ws or self._ws
         y = np.empty((xn.shape[0], self.hidden), dtype=np.float32)
-        args = ffi.new("duck_moe_args *")
-        args.experts = self._table
-        args.n_experts = len(self.experts)
+        args = self._args
         args.topk = ids.shape[1]
-        args.hidden = self.hidden
         args.x_is_bf16 = int(bf16)
-        nbytes = ffi.new("uint64_t *")
         k = kernels(kernel_set)
         for t0 in range(0, xn.shape[0], MAX_TOKENS):
-            sl = slice(t0, t0 + MAX_TOKENS)
-            xs, ys, si, sw = xn[sl], y[sl], ids[sl], wts[sl]
+            if xn.shape[0] <= MAX_TOKENS:
+                xs, ys, si, sw = xn, y, ids, wts
+            else:
+                sl = slice(t0, t0 + MAX_TOKENS)
+                xs, ys, si, sw = xn[sl], y[sl], ids[sl], wts[sl]
             args.ntok = xs.shape[0]
-            args.expert_ids = ffi.cast("const int32_t *", ffi.from_buffer(si))
-            args.expert_weights = ffi.cast("const float *", ffi.from_buffer(sw))
+            args.expert_ids = ffi.from_buffer("int32_t[]", si)
+            args.expert_weights = ffi.from_buffer("float[]", sw)
             args.x = ffi.from_buffer(xs)
-            args.y = ffi.cast("float *", ffi.from_buffer(ys))
-            rc = lib.duck_moe_forward(pool.ptr if pool else ffi.NULL, k, ws.ptr, args, nbytes)
+            args.y = ffi.from_buffer("float[]", ys, require_writable=True)
+            rc = lib.duck_moe_forward(pool.ptr if pool else ffi.NULL, k, ws.ptr, args, self._nbytes)
             if rc != 0:
                 raise Fp9Error(f"{self.name}: {_FFN_ERRORS.get(rc, rc)}")
-            self.bytes_streamed += nbytes[0]
+            self.bytes_streamed += self._nbytes[0]
         return y
