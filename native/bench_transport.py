@@ -30,24 +30,23 @@ from pathlib import Path
 import numpy as np
 
 from native.kernels import MoeSlice
-from native.transport import Fleet, duckfw_path, split_experts
+from native.transport import Fleet, duckfw_path, split_experts, write_key_file
 
 log = logging.getLogger("duck.bench_transport")
 
 HIDDEN = 7168
 
 
-def start_ducks(n: int, workdir: Path, key: bytes, threads: int, mtu: int) -> list[subprocess.Popen]:
+def start_ducks(n: int, workdir: Path, threads: int, mtu: int) -> tuple[bytes, list[subprocess.Popen]]:
     key_file = workdir / "key"
-    key_file.write_bytes(key)
-    key_file.chmod(0o600)
+    key = write_key_file(key_file)
     procs = []
     for i in range(n):
         port_file = workdir / f"port{i}"
         procs.append(subprocess.Popen(
             [str(duckfw_path()), "--port-file", str(port_file), "--id", str(i), "--cache-dir", str(workdir / f"c{i}"),
              "--key-file", str(key_file), "--threads", str(threads), "--mtu", str(mtu), "--log-level", "warn"]))
-    return procs
+    return key, procs
 
 
 def wait_ports(n: int, workdir: Path, timeout: float = 20.0) -> list[tuple[str, int]]:
@@ -78,8 +77,7 @@ def timed(fn, iters: int, warmup: int = 50) -> dict:
 
 def overhead(n: int, iters: int, mtu: int, threads: int, hidden: int = HIDDEN) -> dict:
     with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
-        key = os.urandom(32)
-        procs = start_ducks(n, Path(tmp), key, threads, mtu)
+        key, procs = start_ducks(n, Path(tmp), threads, mtu)
         try:
             fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu)
             fleet.hello()
@@ -112,8 +110,7 @@ def deepseek_slice(n: int, iters: int, mtu: int, threads: int) -> dict:
     ref = timed(lambda: local.forward(x, ids, w), max(iters // 4, 20), warmup=5)
     bytes_per_duck = sum(e.weight_bytes for e in per_duck[0])
     with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
-        key = os.urandom(32)
-        procs = start_ducks(n, Path(tmp), key, threads, mtu)
+        key, procs = start_ducks(n, Path(tmp), threads, mtu)
         try:
             fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, deadline_ms=5000)
             fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
@@ -144,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--threads", type=int, default=1, help="worker threads per duck")
     p.add_argument("--skip-deepseek", action="store_true")
+    p.add_argument("--cpus", help="run the host and every duck on these CPUs only (e.g. 0): on a VM whose idle "
+                   "vCPUs take 30-40 us to wake, co-located processes show the software's own overhead")
     args = p.parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})   # the ducks inherit it
     logging.basicConfig(level=logging.WARNING)
-    result = {"cpus": len(os.sched_getaffinity(0)),
+    result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
               "command": " ".join(["python -m native.bench_transport", *(argv if argv is not None else sys.argv[1:])])}
     for n in (args.ducks, 1):
         name = f"overhead_{n}_duck{'s' if n > 1 else ''}"
