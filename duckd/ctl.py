@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:          # `duckctl status | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
