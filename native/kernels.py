@@ -109,18 +109,26 @@ def matmul(w: Fp9Tensor, x, pool: Pool | None = None, ws: Workspace | None = Non
     return y
 
 
-def _int32_rows(a, ntok: int) -> np.ndarray:
-    a = a if type(a) is np.ndarray else _to_numpy(a)
-    if a.dtype != np.int32 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=np.int32)
-    return a.reshape(ntok, -1)
-
-
-def _f32_like(a, shape) -> np.ndarray:
-    a = a if type(a) is np.ndarray else _to_numpy(a)
-    if a.dtype != np.float32 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=np.float32)
-    return a.reshape(shape)
+def ffn_inputs(x, expert_ids, expert_weights) -> tuple[np.ndarray, bool, np.ndarray, np.ndarray]:
+    """The arrays an FFN forward hands to C, converted only where needed:
+    x [T, H] fp32, or bf16 bits as uint16 (torch bf16 is viewed, not converted);
+    ids [T, k] int32; weights [T, k] fp32; all C-contiguous."""
+    xn = x if type(x) is np.ndarray else _to_numpy(x)
+    bf16 = xn.dtype == np.uint16
+    if not bf16 and xn.dtype != np.float32:
+        xn = xn.astype(np.float32)
+    if xn.ndim == 1:
+        xn = xn.reshape(1, -1)
+    if not xn.flags.c_contiguous:
+        xn = np.ascontiguousarray(xn)
+    ids = expert_ids if type(expert_ids) is np.ndarray else _to_numpy(expert_ids)
+    if ids.dtype != np.int32 or not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+    ids = ids.reshape(xn.shape[0], -1)
+    wts = expert_weights if type(expert_weights) is np.ndarray else _to_numpy(expert_weights)
+    if wts.dtype != np.float32 or not wts.flags.c_contiguous:
+        wts = np.ascontiguousarray(wts, dtype=np.float32)
+    return xn, bf16, ids, wts.reshape(ids.shape)
 
 
 class ExpertSlice:
@@ -161,16 +169,7 @@ class MoeSlice:
                 ws: Workspace | None = None, kernel_set: str = "best") -> np.ndarray:
         """x [T, H] fp32 (or torch bf16), ids/weights [T, k] -> partial y [T, H] fp32.
         Without ws the slice's own workspace is used: pass one per thread for concurrent calls."""
-        xn = x if type(x) is np.ndarray else _to_numpy(x)
-        bf16 = xn.dtype == np.uint16
-        if not bf16 and xn.dtype != np.float32:
-            xn = xn.astype(np.float32)
-        if xn.ndim == 1:
-            xn = xn.reshape(1, -1)
-        if not xn.flags.c_contiguous:
-            xn = np.ascontiguousarray(xn)
-        ids = _int32_rows(expert_ids, xn.shape[0])
-        wts = _f32_like(expert_weights, ids.shape)
+        xn, bf16, ids, wts = ffn_inputs(x, expert_ids, expert_weights)
         if xn.shape[1] != self.hidden:
             raise Fp9Error(f"{self.name}: activation has {xn.shape[1]} columns, hidden size is {self.hidden}")
         if ids.shape[1] > MAX_TOPK:

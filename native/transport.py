@@ -29,7 +29,7 @@ import numpy as np
 
 from native._native import ffi, lib
 from native.fp9 import Fp9Error, Fp9Tensor, _to_numpy, pack_gate_up
-from native.kernels import ExpertSlice
+from native.kernels import ExpertSlice, ffn_inputs
 
 log = logging.getLogger("duck.transport")
 
@@ -350,19 +350,8 @@ class Session:
         -> [T, H] fp32: the sum of every duck's partial. T is any count (chunks of 64).
         Raises DuckTimeout naming a duck that did not answer within the deadline,
         DuckError for a duck that refused (unknown layer, expert id out of range)."""
-        xn = x if type(x) is np.ndarray else _to_numpy(x)
-        bf16 = xn.dtype == np.uint16
-        if not bf16 and xn.dtype != np.float32:
-            xn = xn.astype(np.float32)
-        if xn.ndim == 1:
-            xn = xn.reshape(1, -1)
-        if not xn.flags.c_contiguous:
-            xn = np.ascontiguousarray(xn)
+        xn, bf16, ids, wts = ffn_inputs(x, expert_ids, expert_weights)
         ntok = xn.shape[0]
-        ids = np.ascontiguousarray(expert_ids if type(expert_ids) is np.ndarray else _to_numpy(expert_ids),
-                                   dtype=np.int32).reshape(ntok, -1)
-        wts = np.ascontiguousarray(expert_weights if type(expert_weights) is np.ndarray
-                                   else _to_numpy(expert_weights), dtype=np.float32).reshape(ids.shape)
         if xn.ndim != 2 or xn.shape[1] != self.hidden:
             raise ValueError(f"forward layer {layer}: activation {xn.shape} does not have hidden size {self.hidden}")
         if ids.shape[1] > lib.WIRE_MAX_TOPK:

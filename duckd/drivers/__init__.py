@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ class DuckSpec:
     notes: dict = field(default_factory=dict)
 
 
-class Driver:
+class Driver(abc.ABC):
     """can_restart: whether restart() brings a failed duck back."""
     name = "abstract"
     can_restart = False
@@ -31,9 +32,9 @@ class Driver:
     def specs(self) -> list[DuckSpec]:
         return [DuckSpec(i) for i in range(self.cfg.ducks)]
 
+    @abc.abstractmethod
     async def boot(self, duck: DuckSpec) -> None:
         """Starts (or wakes) the duck and sets duck.address."""
-        raise NotImplementedError
 
     def exited(self, duck: DuckSpec) -> str | None:
         """Why the duck is known to be gone (a process that exited), else None."""
