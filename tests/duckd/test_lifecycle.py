@@ -1,5 +1,6 @@
 """Lifecycle: sd_notify to a real NOTIFY_SOCKET, SIGTERM during a chat ends
 the stream cleanly and exits 0, an invalid config names the field."""
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +34,15 @@ def test_sigterm_during_chat_ends_the_stream_cleanly_and_exits_0(tmp_path):
                            env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"}).start()
     try:
         assert any("READY=1" in m for m in messages), messages
+        # SIGHUP reloads what can change safely
+        daemon.config.write_text(daemon.config.read_text().replace("max_tokens = 48", "max_tokens = 5"))
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "configuration reloaded" not in daemon.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "SIGHUP: configuration reloaded" in daemon.log()
+        _, short = daemon.chat("Tell me a long story.", max_tokens=0)       # 0: the daemon's (new) default
+        assert short.output_len <= 5 and short.finish_reason == "length"
         req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Write a long story about a duck.")],
                              max_tokens=400)
         stream = rpc.ChatStub(daemon.channel()).Chat(req, timeout=120)
