@@ -149,7 +149,7 @@ class FleetManager:
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
 
     async def _check(self, duck: Duck, interval: float) -> None:
-        from native.transport import DuckError
+        from native.transport import DuckError, DuckTimeout
 
         gone = self.driver.exited(duck.spec)
         if gone:
@@ -161,8 +161,11 @@ class FleetManager:
             if duck.checks % 4 == 1:        # the cache inventory changes rarely
                 duck.cache_entries = (await asyncio.to_thread(duck.probe.hello))[0].cache_entries
         except DuckError as e:
+            # the probe fleet holds this duck alone: its own message would call it "duck 0"
+            what = "no answer" if isinstance(e, DuckTimeout) else f"error {e.status}"
             if duck.state in LIVE:
-                return self.fail(duck, f"stopped answering: {e}")
+                return self.fail(duck, f"stopped answering: {what} to health pings for "
+                                       f"{duck.probe.deadline_ms:.0f} ms at {duck.spec.address[0]}:{duck.spec.address[1]}")
             return
         now = time.monotonic()
         prev, dt = duck.counters, now - duck.last_ok

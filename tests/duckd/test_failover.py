@@ -1,6 +1,8 @@
 """A duck killed with SIGKILL: FAILED with a reason within 2 s, chats fail
 with UNAVAILABLE naming it, the daemon restarts it and it serves again from
 its cache (no upload)."""
+import os
+import signal
 import time
 
 import grpc
@@ -45,3 +47,12 @@ def test_kill9_fails_the_duck_then_it_recovers_from_its_cache(daemon):
     assert any("cache hit: nothing to upload" in m for m in events), events
     text, stats = daemon.chat("Which city is the capital of France?", max_tokens=12)
     assert "Paris" in text and stats.output_len > 0
+
+
+def test_a_hung_duck_is_failed_for_silence(daemon):
+    os.kill(daemon.duck_pid(2), signal.SIGSTOP)       # alive, but answers nothing
+    t0 = time.monotonic()
+    failed = daemon.wait_duck(2, pb.FAILED, timeout=2.0)
+    assert time.monotonic() - t0 <= 2.0
+    assert "stopped answering: no answer to health pings" in failed.reason, failed.reason
+    assert daemon.wait_duck(2, pb.SERVING, timeout=40).restarts == 1   # the driver replaced it
