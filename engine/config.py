@@ -3,7 +3,7 @@ use, as one slotted dataclass that checks itself."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -13,7 +13,12 @@ class ConfigError(ValueError):
 
 # Hugging Face has renamed a few fields across versions; published checkpoints
 # use the left spelling, transformers 5 saves the right one.
-_ALIASES = {"num_local_experts": "num_experts"}
+_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
+
+# rope_scaling types every model supports through engine.layers, and the extra
+# ones a model family implements itself (its model file validates the fields)
+_ROPE_TYPES = ("default", "linear", "llama3")
+_FAMILY_ROPE_TYPES = {"deepseek_v3": ("yarn",), "deepseek_v32": ("yarn",)}
 
 
 @dataclass(slots=True)
@@ -45,11 +50,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     fp8_block: tuple[int, int] | None = None  # fp8 e4m3 weights with weight_scale_inv blocks
+    # config.json keys without a field here (family-specific: a model file validates what it reads)
+    extra: dict = field(default_factory=dict)
     source: str = "<config>"
 
     def __post_init__(self):
         where = f"{self.source}"
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if name == "intermediate_size" and self._all_layers_moe():
+                continue  # no dense FFN anywhere: checkpoints may omit it (Qwen3.5-MoE)
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{where}: {name} must be a positive integer, got {getattr(self, name)!r}")
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -69,9 +78,10 @@ class ModelConfig:
             raise ConfigError(f"{where}: rms_norm_eps and rope_theta must be positive")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ConfigError(f"{where}: rope_scaling type {kind!r} is not supported "
-                                  f"(supported: default, linear, llama3)")
+            allowed = _ROPE_TYPES + _FAMILY_ROPE_TYPES.get(self.model_type, ())
+            if kind not in allowed:
+                raise ConfigError(f"{where}: rope_scaling type {kind!r} is not supported for {self.model_type} "
+                                  f"(supported: {', '.join(allowed)})")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(f"{where}: num_experts_per_tok={self.num_experts_per_tok} must be in "
@@ -89,6 +99,10 @@ class ModelConfig:
             if len(self.fp8_block) != 2 or min(self.fp8_block) <= 0:
                 raise ConfigError(f"{where}: weight_block_size must be two positive integers, got {self.fp8_block}")
 
+    def _all_layers_moe(self) -> bool:
+        return (self.num_experts > 0 and self.decoder_sparse_step == 1 and not self.mlp_only_layers
+                and self.intermediate_size == 0)
+
     def is_moe_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
@@ -97,7 +111,9 @@ class ModelConfig:
     def from_dict(cls, d: dict, source: str = "<config>") -> "ModelConfig":
         d = dict(d)
         if "hidden_size" not in d and isinstance(d.get("text_config"), dict):  # multimodal wrappers
-            d = {**d, **d["text_config"]}
+            # the wrapper's model_type names the checkpoint layout (e.g. qwen3_5: model.language_model.*)
+            d = {**d, **d["text_config"], "model_type": d.get("model_type", d["text_config"].get("model_type"))}
+        raw = dict(d)
         for old, new in _ALIASES.items():
             if old in d and new not in d:
                 d[new] = d.pop(old)
@@ -118,6 +134,9 @@ class ModelConfig:
             raise ConfigError(f"{source}: no model_type")
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs["extra"] = {k: v for k, v in raw.items() if k not in names and k != "text_config"}
+        if kwargs.get("num_experts") and "intermediate_size" not in kwargs:
+            kwargs["intermediate_size"] = 0  # every layer MoE; __post_init__ checks that
         missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if n not in kwargs]
         if missing:

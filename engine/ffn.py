@@ -14,6 +14,7 @@ engine.fleet.FleetFfn (the ducks, through native.transport).
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 from dataclasses import dataclass
@@ -51,18 +52,20 @@ class FfnLayer:
                 raise ValueError(f"FFN layer {self.index}: expert hidden size {e.gate.shape[1]} != {self.hidden}")
 
 
-class FfnBackend:
+class FfnBackend(abc.ABC):
     """One interface for every place the FFNs can run (see the module docstring)."""
     name = "abstract"
 
+    @abc.abstractmethod
     def load_layer(self, layer: FfnLayer) -> None:
-        raise NotImplementedError
+        """Takes one FFN layer's experts (packing or uploading them as the backend needs)."""
 
     def finish_loading(self) -> None:
         """Called once after every layer was loaded (the fleet uploads and opens its session here)."""
 
+    @abc.abstractmethod
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x [T, H], ids / weights [T, k] -> [T, H]: sum_e w_e * down_e(silu(gate_e x) * up_e x)."""
 
     def close(self) -> None:
         pass

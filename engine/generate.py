@@ -45,6 +45,7 @@ class GenerationStats:
     output_len: int
     time: float   # seconds, request start to last token
     ttft: float   # seconds, request start to first token
+    mtp: tuple[int, int] | None = None   # MTP1 drafts (accepted, verified), when speculative decoding ran
 
     @property
     def tpot(self) -> float:
@@ -61,7 +62,8 @@ class GenerationStats:
     def __str__(self) -> str:
         return (f"Generation stats: time {self.time:.3f}s, input_len {self.input_len}, "
                 f"output_len {self.output_len}, ttft {self.ttft:.3f}s, tpot {self.tpot:.3f}s, "
-                f"prefill {self.prefill_tps:.3f} tok/s, decode {self.decode_tps:.3f} tok/s")
+                f"prefill {self.prefill_tps:.3f} tok/s, decode {self.decode_tps:.3f} tok/s"
+                + (f", accept=1 {self.mtp[0]}/{self.mtp[1]}" if self.mtp is not None else ""))
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ every missing, unexpected or mis-shaped tensor an error that names it and its fi
 """
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import re
@@ -46,24 +47,27 @@ def dequantize_fp8_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, block: t
 
 
 # -- checkpoints ---------------------------------------------------------------
-class Checkpoint:
+class Checkpoint(abc.ABC):
     """Named tensors, read lazily. Subclasses: safetensors folders, GGUF files."""
 
     path: Path
     fp8_block: tuple[int, int] | None = None
 
+    @abc.abstractmethod
     def names(self) -> list[str]:
-        raise NotImplementedError
+        """Every tensor name the checkpoint holds."""
 
+    @abc.abstractmethod
     def file_of(self, name: str) -> str:
-        raise NotImplementedError
+        """The file a tensor lives in (for messages)."""
 
+    @abc.abstractmethod
     def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+        """A tensor's shape, without reading it."""
 
+    @abc.abstractmethod
     def get(self, name: str) -> torch.Tensor:
         """The tensor as stored (fp8 stays fp8)."""
-        raise NotImplementedError
 
     def nbytes(self, name: str) -> int:
         return 0
@@ -170,6 +174,9 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, spec: WeightSpec) -> set[st
     fp8 weights are dequantized with their weight_scale_inv; the source of each
     is remembered on the parameter (fp8_source) so an fp9 packer can read the
     codes again bit-exactly instead of the rounded float."""
+    adapt = getattr(model, "adapt_to_checkpoint", None)
+    if adapt is not None:  # optional parts (e.g. an MTP layer) a checkpoint may lack
+        adapt(set(ckpt.names()))
     tied = dict(spec.tied)
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False) if n not in tied}
     available = set(ckpt.names())

@@ -11,9 +11,13 @@ from engine.config import ConfigError, ModelConfig
 
 # model_type -> "module:Class", imported on first use
 _REGISTRY: dict[str, str] = {
+    "deepseek_v3": "engine.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "deepseek_v32": "engine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "llama": "engine.models.llama:LlamaForCausalLM",
     "qwen3": "engine.models.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "qwen3_5": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
 }
 
 

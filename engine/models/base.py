@@ -13,7 +13,11 @@ from engine.weights import WeightSpec
 
 
 class NoFfnBackend(FfnBackend):
+    """The placeholder of a model built without a backend: any use says what to do."""
     name = "none"
+
+    def load_layer(self, layer):
+        self.forward(layer.index, None, None, None)
 
     def forward(self, layer, x, ids, weights):
         raise RuntimeError("no FFN backend installed on this model: call engine.ffn.install(model, backend) "
@@ -74,6 +78,10 @@ class CausalLM(nn.Module):
     def weight_spec(self) -> WeightSpec:
         tied = (("lm_head.weight", "model.embed_tokens.weight"),) if self.config.tie_word_embeddings else ()
         return WeightSpec(tied=tied, ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
+
+    def adapt_to_checkpoint(self, names: set[str]) -> None:
+        """Called by load_weights with the checkpoint's tensor names before loading:
+        a model may drop optional parts the checkpoint does not carry."""
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -1,0 +1,410 @@
+"""DeepSeek-V3 / V3.1 (model_type deepseek_v3) and DeepSeek-V3.2 (deepseek_v32).
+
+Attention is MLA: per token the cache holds the normalized latent (kv_lora_rank)
+and the shared rotary key (qk_rope_head_dim), never expanded K/V. A prefill
+expands the cached latents through kv_b_proj; a decode step (a few tokens, the
+MTP pair included) absorbs kv_b_proj into the query and output instead.
+FFNs: sigmoid-scored routed experts with e_score_correction_bias, group-limited
+top-k and routed_scaling_factor go to the FFN backend; shared experts stay on
+the host; the first first_k_dense_replace layers are dense MLPs, also offloaded.
+DeepSeek-V3.2's indexer (DSA) weights are loaded and shape-checked but not run:
+attention is dense, which is what the indexer selects while the context is
+within index_topk tokens; longer contexts are refused (make_cache, forward).
+The MTP (nextn) layers sit after the main ones, at model.layers[num_hidden_layers:],
+as in the checkpoint; engine.mtp drives them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.ffn import FfnBackend, FfnLayer
+from engine.layers import RMSNorm
+from engine.models.base import NO_FFN, CausalLM, GatedMLP
+from engine.weights import WeightSpec
+
+log = logging.getLogger(__name__)
+
+ABSORB_MAX_TOKENS = 16   # forwards of at most this many tokens use the absorbed (decode) MLA path
+LATENT_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm, as the reference builds them
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekArgs:
+    """The DeepSeek-specific fields of config.json, checked once."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    dense_layers: frozenset[int]
+    rope_interleave: bool
+    index_topk: int             # 0: not a DSA model
+    index_n_heads: int
+    index_head_dim: int
+    num_nextn_predict_layers: int
+
+    @classmethod
+    def from_config(cls, c: ModelConfig) -> "DeepseekArgs":
+        x, where = c.extra, c.source
+
+        def need(name):
+            if not isinstance(x.get(name), int) or x[name] <= 0:
+                raise ConfigError(f"{where}: {c.model_type} needs a positive integer {name}, got {x.get(name)!r}")
+            return x[name]
+
+        if x.get("scoring_func", "sigmoid") != "sigmoid" or x.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError(f"{where}: scoring_func={x.get('scoring_func')!r} topk_method={x.get('topk_method')!r}"
+                              f" is not supported (only sigmoid / noaux_tc, as in DeepSeek-V3)")
+        if not c.num_experts:
+            raise ConfigError(f"{where}: {c.model_type} needs n_routed_experts")
+        n_group, topk_group = x.get("n_group") or 1, x.get("topk_group") or 1
+        if c.num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ConfigError(f"{where}: n_routed_experts={c.num_experts}, n_group={n_group}, topk_group={topk_group}:"
+                              f" groups must divide the experts and 0 < topk_group <= n_group")
+        if c.num_experts_per_tok > topk_group * (c.num_experts // n_group):
+            raise ConfigError(f"{where}: num_experts_per_tok={c.num_experts_per_tok} exceeds the experts of "
+                              f"topk_group={topk_group} groups")
+        types = x.get("mlp_layer_types")
+        if types is not None:
+            if len(types) < c.num_hidden_layers or set(types) - {"dense", "sparse"}:
+                raise ConfigError(f"{where}: mlp_layer_types must name 'dense' or 'sparse' for each layer")
+            dense = frozenset(i for i, t in enumerate(types) if t == "dense")
+        else:
+            dense = frozenset(range(min(x.get("first_k_dense_replace") or 0, c.num_hidden_layers)))
+        dsa = c.model_type == "deepseek_v32"
+        rope_kind = (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type", "default"))
+        if rope_kind not in ("default", "yarn"):
+            raise ConfigError(f"{where}: rope_scaling {rope_kind!r} is not supported for DeepSeek (default, yarn)")
+        q_lora = x.get("q_lora_rank")
+        if dsa and not q_lora:
+            raise ConfigError(f"{where}: deepseek_v32 needs q_lora_rank (its indexer reads the query latent)")
+        return cls(q_lora_rank=q_lora or None, kv_lora_rank=need("kv_lora_rank"),
+                   qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+                   v_head_dim=need("v_head_dim"), n_shared_experts=int(x.get("n_shared_experts") or 0),
+                   routed_scaling_factor=float(x.get("routed_scaling_factor", 1.0)), n_group=n_group,
+                   topk_group=topk_group, dense_layers=dense,
+                   rope_interleave=dsa or bool(x.get("rope_interleave", True)),
+                   index_topk=need("index_topk") if dsa else 0, index_n_heads=need("index_n_heads") if dsa else 0,
+                   index_head_dim=need("index_head_dim") if dsa else 0,
+                   num_nextn_predict_layers=int(x.get("num_nextn_predict_layers") or 0))
+
+
+# -- rotary (YaRN) -------------------------------------------------------------
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float, float]:
+    """inv_freq [dim/2], the factor on cos/sin, and the multiplier of the softmax scale."""
+    base, s = config.rope_theta, config.rope_scaling or {}
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / base ** exponent
+    if s.get("rope_type", s.get("type", "default")) != "yarn":
+        return inv_freq, 1.0, 1.0
+    old_len = s["original_max_position_embeddings"]
+    factor = s.get("factor") or config.max_position_embeddings / old_len
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+
+    def correction_dim(rotations):  # the dimension whose wavelength makes `rotations` turns in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)   # interpolate the long wavelengths only
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    softmax_mult = _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return inv_freq, float(attention_factor), softmax_mult
+
+
+class DeepseekRotary:
+    """Rotary on the qk_rope_head_dim slice. interleave: pairs (x0, x1), (x2, x3), ...
+    are rotated and written back as [evens | odds]; q and k alike, so scores are unchanged."""
+
+    def __init__(self, config: ModelConfig, dim: int, interleave: bool):
+        self.inv_freq, self.attention_factor, self.softmax_mult = rope_tables(config, dim)
+        self.interleave = interleave
+
+    def __call__(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]                  # [T, D/2]
+        cos, sin = ((f * self.attention_factor)[:, None, :] for f in (freqs.cos(), freqs.sin()))  # [T, 1, D/2]
+        out = []
+        for x in xs:                                                                 # [T, heads, D]
+            x1, x2 = (x[..., 0::2], x[..., 1::2]) if self.interleave else x.chunk(2, dim=-1)
+            c, s = cos.to(x.dtype), sin.to(x.dtype)
+            out.append(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+        return out
+
+
+# -- the compressed cache and MLA ----------------------------------------------
+@dataclass(slots=True)
+class MlaCache:
+    """Static cache for one sequence: latent [layers, S, kv_lora_rank], k_rope [layers, S, rope_dim]."""
+    latent: torch.Tensor
+    k_rope: torch.Tensor
+
+    @property
+    def max_model_len(self) -> int:
+        return self.latent.shape[1]
+
+
+class DeepseekV32Indexer(nn.Module):
+    """DSA lightning indexer: loaded and shape-checked; dense attention within index_topk needs no selection."""
+
+    def __init__(self, config: ModelConfig, args: DeepseekArgs):
+        super().__init__()
+        self.wq_b = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, args.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(args.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, args.index_n_heads, bias=False)
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, args: DeepseekArgs, layer_idx: int, rotary: DeepseekRotary):
+        super().__init__()
+        self.layer_idx, self.rotary, self.args = layer_idx, rotary, args
+        h, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        self.num_heads = heads
+        qk_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=bias)
+        if args.index_topk:
+            self.indexer = DeepseekV32Indexer(config, args)
+        self.scale = qk_dim ** -0.5 * rotary.softmax_mult
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MlaCache) -> torch.Tensor:
+        a, t, layer = self.args, x.shape[0], self.layer_idx
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        q_nope, q_rope = q.view(t, self.num_heads, -1).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)  # [T, R], [T, r]
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope[:, None, :])             # [T, H, r], [T, 1, r]
+        end = int(positions[-1]) + 1
+        if end > cache.max_model_len:
+            raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
+        if a.index_topk and end > a.index_topk:
+            raise ValueError(f"position {end - 1}: DeepSeek-V3.2 runs dense attention here, exact only within "
+                             f"index_topk={a.index_topk} tokens; the sparse indexer path is not implemented")
+        cache.latent[layer].index_copy_(0, positions, self.kv_a_layernorm(latent))
+        cache.k_rope[layer].index_copy_(0, positions, k_rope[:, 0])
+        latents, k_ropes = cache.latent[layer, :end], cache.k_rope[layer, :end]       # [S, R], [S, r]
+        mask = positions[:, None] >= torch.arange(end, device=x.device)[None, :]      # [T, S]
+        attend = self._absorbed if t <= ABSORB_MAX_TOKENS else self._expanded
+        out = attend(q_nope, q_rope, latents, k_ropes, mask)                            # [T, H, v]
+        return self.o_proj(out.reshape(t, -1))
+
+    def _expanded(self, q_nope, q_rope, latents, k_ropes, mask):
+        """Prefill: K/V of every cached token from its latent, then ordinary attention."""
+        a, s = self.args, latents.shape[0]
+        kv = self.kv_b_proj(latents).view(s, self.num_heads, -1)                        # [S, H, nope + v]
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
+        k = torch.cat((k_nope, k_ropes[:, None, :].expand(-1, self.num_heads, -1)), -1)  # [S, H, qk]
+        q = torch.cat((q_nope, q_rope), -1)                                             # [T, H, qk]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=self.scale)          # [H, T, v]
+        return out.transpose(0, 1)
+
+    def _absorbed(self, q_nope, q_rope, latents, k_ropes, mask):
+        """Decode: kv_b_proj folded into q (nope part) and the output; attention runs in latent space."""
+        a = self.args
+        w = self.kv_b_proj.weight.view(self.num_heads, -1, a.kv_lora_rank)            # [H, nope + v, R]
+        w_uk, w_uv = w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]             # [H, nope, R], [H, v, R]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)                          # [T, H, R]
+        scores = (torch.einsum("thr,sr->hts", q_latent, latents)
+                  + torch.einsum("thp,sp->hts", q_rope, k_ropes)) * self.scale         # [H, T, S]
+        probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(latents.dtype)
+        o_latent = torch.einsum("hts,sr->thr", probs, latents)                         # [T, H, R]
+        return torch.einsum("thr,hvr->thv", o_latent, w_uv)                            # [T, H, v]
+
+
+# -- FFN -----------------------------------------------------------------------
+class DeepseekV3MLP(nn.Module):
+    """A shared expert: runs on the host, never through the FFN backend."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """Sigmoid scores; the bias steers the choice only; top-k within the topk_group best
+    groups (a group scores the sum of its two best); weights normalized and scaled."""
+
+    def __init__(self, config: ModelConfig, args: DeepseekArgs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.n_group, self.topk_group, self.scaling = args.n_group, args.topk_group, args.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, e = x.shape[0], self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                       # [T, E]
+        choice = scores + self.e_score_correction_bias.float()                            # [T, E]
+        grouped = choice.view(t, self.n_group, e // self.n_group)                         # [T, G, E/G]
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)     # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(self.topk_group, dim=-1).indices, True)                   # [T, G]
+        choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, e), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices                                     # [T, k]
+        weights = scores.gather(1, ids)                                                   # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, (weights * self.scaling).to(x.dtype)
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config: ModelConfig, args: DeepseekArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate = DeepseekV3TopkRouter(config, args)
+        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+        self.shared_experts = (DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size * args.n_shared_experts)
+                               if args.n_shared_experts else None)
+        self.ffn: FfnBackend = NO_FFN
+
+    def ffn_layer(self) -> FfnLayer:
+        return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.gate.weight.shape[1])
+
+    def expert_parameters(self):
+        return [p for e in self.experts for p in e.expert_parameters()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)                                # [T, k], [T, k]
+        y = self.ffn.forward(self.layer_idx, x, ids, weights)      # [T, H]
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+# -- layers and model ----------------------------------------------------------
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, args: DeepseekArgs, layer_idx: int, rotary: DeepseekRotary):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, args, layer_idx, rotary)
+        self.mlp = (GatedMLP(config.hidden_size, config.intermediate_size, layer_idx) if layer_idx in args.dense_layers
+                    else DeepseekV3MoE(config, args, layer_idx))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MlaCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """The nextn layer: h' = eh_proj([enorm(embed(token i+1)); hnorm(h_i)]), one decoder
+    layer, then shared_head -> logits for token i+2. The input embedding is the main model's."""
+
+    def __init__(self, config: ModelConfig, args: DeepseekArgs, layer_idx: int, rotary: DeepseekRotary):
+        super().__init__(config, args, layer_idx, rotary)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              cache: MlaCache) -> torch.Tensor:
+        """embeds of tokens i+1 [T, H], main hidden states at i [T, H] -> logits for i+2 [T, V]."""
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), -1))    # [T, H]
+        x = super().forward(x, positions, cache)
+        return self.shared_head.head(self.shared_head.norm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig, args: DeepseekArgs):
+        super().__init__()
+        n = config.num_hidden_layers
+        rotary = DeepseekRotary(config, args.qk_rope_head_dim, args.rope_interleave)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DeepseekV3DecoderLayer(config, args, i, rotary) for i in range(n)]
+            + [DeepseekV3MTPLayer(config, args, n + i, rotary) for i in range(args.num_nextn_predict_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.num_main_layers = n
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: MlaCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                            # [T, H]
+        for layer in self.layers[:self.num_main_layers]:
+            x = layer(x, positions, cache)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.args = DeepseekArgs.from_config(config)
+        self.model = DeepseekV3Model(config, self.args)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def weight_spec(self) -> WeightSpec:
+        spec = super().weight_spec()
+        # the nextn layer's copy of the input embedding (identical to the model's, which it uses)
+        ignored = spec.ignored + (r"model\.layers\.\d+\.embed_tokens\.weight",)
+        if not self.args.num_nextn_predict_layers:  # a checkpoint may carry an MTP layer the config does not enable
+            ignored += tuple(rf"model\.layers\.{self.config.num_hidden_layers + i}\..*" for i in range(4))
+        return WeightSpec(renames=spec.renames, tied=spec.tied, ignored=ignored)
+
+    def adapt_to_checkpoint(self, names: set[str]) -> None:
+        n = self.model.num_main_layers
+        have = sum(1 for i in range(len(self.model.layers) - n) if f"model.layers.{n + i}.eh_proj.weight" in names)
+        if have < len(self.model.layers) - n:
+            log.info("config.json names %d MTP layer(s), the checkpoint carries %d: MTP limited to those",
+                     len(self.model.layers) - n, have)
+            self.model.layers = self.model.layers[:n + have]
+
+    @property
+    def mtp_layers(self) -> list[DeepseekV3MTPLayer]:
+        return list(self.model.layers[self.model.num_main_layers:])
+
+    def make_cache(self, max_model_len: int) -> MlaCache:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if self.args.index_topk and max_model_len > self.args.index_topk:
+            raise ValueError(f"max_model_len={max_model_len} exceeds index_topk={self.args.index_topk}: "
+                             f"DeepSeek-V3.2 runs dense attention here, which is exact only within index_topk "
+                             f"tokens; use max_model_len <= {self.args.index_topk}")
+        p = self.model.embed_tokens.weight
+        layers = len(self.model.layers)
+        return MlaCache(torch.zeros(layers, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
+                        torch.zeros(layers, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))

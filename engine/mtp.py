@@ -1,0 +1,122 @@
+"""MTP1 speculative decoding with DeepSeek's nextn layer (greedy).
+
+Each step feeds the main model the last token and the MTP draft of the next one
+at two consecutive positions, in one forward (so every FFN layer goes to the
+backend once, with both tokens). The draft is accepted when it is the main
+model's argmax (the greedy case of u * q(d) <= p(d)); then the main model's
+prediction after the draft comes for free. A rejected draft's cache entry is
+simply overwritten by the next step (the caches are static, indexed by position).
+The MTP layer reads (main hidden state at i, embedding of token i+1) and drafts
+token i+2; it keeps its own layer of the cache.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from engine.generate import GenerationResult, GenerationStats, SamplingParams
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _Output:
+    """Token bookkeeping of one request: EOS, stop strings, max_tokens, streamed text."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, on_text):
+        self.tokenizer, self.params, self.on_text = tokenizer, params, on_text
+        self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.stream = StreamDecoder(tokenizer)
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text, self.emitted, self.finish = "", 0, None
+
+    def push(self, token: int) -> bool:
+        """Adds a token; False once the request is finished."""
+        self.ids.append(token)
+        if token in self.eos:
+            self.finish = "eos"
+            return False
+        self.text += self.stream.push(token)
+        cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return False
+        if self.on_text and len(self.text) - self.hold > self.emitted:
+            self.on_text(self.text[self.emitted:len(self.text) - self.hold])
+            self.emitted = len(self.text) - self.hold
+        if len(self.ids) >= self.params.max_tokens:
+            self.finish = "length"
+            return False
+        return True
+
+    def close(self) -> str:
+        if self.finish != "stop":
+            body = self.ids[:-1] if self.finish == "eos" else self.ids
+            self.text = self.tokenizer.decode(body, skip_special_tokens=True)
+        if self.on_text and len(self.text) > self.emitted:
+            self.on_text(self.text[self.emitted:])
+        return self.text
+
+
+@torch.inference_mode()
+def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+                 on_text: Callable[[str], None] | None = None, max_model_len: int | None = None) -> GenerationResult:
+    """generate() with MTP1 drafts: token-identical to greedy generate(), fewer main steps."""
+    params = params or SamplingParams()
+    layers = getattr(model, "mtp_layers", None)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no MTP layer (num_nextn_predict_layers=0, or the checkpoint "
+                         f"lacks model.layers.<num_hidden_layers>.*); use engine.generate.generate")
+    if params.temperature != 0.0:
+        raise ValueError(f"MTP1 decoding here is greedy only; got temperature={params.temperature}")
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    mtp = layers[0]
+    n = len(prompt_ids)
+    max_model_len = max_model_len or min(n + params.max_tokens, model.config.max_position_embeddings)
+    if n >= max_model_len:
+        raise ValueError(f"prompt of {n} tokens does not fit max_model_len={max_model_len}")
+    device = model.model.embed_tokens.weight.device
+    embed = model.model.embed_tokens
+    cache = model.make_cache(max_model_len)
+    out = _Output(tokenizer, params, on_text)
+    accepted = verified = 0
+
+    start = time.perf_counter()
+    positions = torch.arange(n, device=device)
+    hidden = model(torch.tensor(prompt_ids, device=device), positions, cache)      # [n, H]
+    token = int(model.compute_logits(hidden[-1:])[0].argmax())
+    ttft = time.perf_counter() - start
+    going = out.push(token)
+    follow = prompt_ids[1:] + [token]                                                # tokens i+1 for the MTP layer
+    pos = n                                                                          # where `token` goes
+    while going and pos < max_model_len:
+        draft = int(mtp.draft(embed(torch.tensor(follow, device=device)), hidden, positions, cache)[-1].argmax())
+        pair = pos + 1 < max_model_len
+        ids = [token, draft] if pair else [token]
+        positions = torch.arange(pos, pos + len(ids), device=device)
+        hidden = model(torch.tensor(ids, device=device), positions, cache)          # [1 or 2, H]
+        logits = model.compute_logits(hidden)                                        # [1 or 2, V]
+        token = int(logits[0].argmax())
+        going = out.push(token)
+        if pair:
+            verified += 1
+            if token == draft:
+                accepted += 1
+                if going:
+                    token = int(logits[1].argmax())
+                    going = out.push(token)
+            else:
+                hidden, positions = hidden[:1], positions[:1]
+        follow = ids[1:len(positions)] + [token]
+        pos += len(positions)
+    elapsed = time.perf_counter() - start
+    out.finish = out.finish or "length"
+    text = out.close()
+    stats = GenerationStats(n, len(out.ids), elapsed, ttft, mtp=(accepted, verified))
+    log.info("%s", stats)
+    return GenerationResult(out.ids, text, out.finish, stats)

@@ -1,0 +1,105 @@
+"""MTP1 on a tiny DeepSeek-V3 checkpoint with a nextn layer made here: greedy output
+is token-identical with and without MTP (torch and fleet backends), drafts are
+verified two tokens per main forward, and acceptance is counted and reported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.fleet import FleetFfn
+from engine.generate import SamplingParams, generate
+from engine.loader import load_model
+from engine.mtp import generate_mtp
+from tests.engine.conftest import write_word_tokenizer
+from tests.engine.test_deepseek import TINY_DS, hf_deepseek
+
+KIND = "deepseek_v3"
+TOKENS = 48
+# The nextn layer imitates the main model's last step (eh_proj passes the token's
+# embedding through, shared_head is lm_head, the decoder layer is random): its drafts
+# are often, not always, right, so both accepted and rejected drafts occur.
+SEEDS = (1, 3)
+MIN_ACCEPT, MAX_ACCEPT = 0.2, 0.95
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    cfg = TINY_DS[KIND]
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    folder = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    main = hf_deepseek(KIND)
+    main.save_pretrained(folder)
+    write_word_tokenizer(folder, cfg["vocab_size"])
+    donor = hf_deepseek(KIND, seed=7, num_hidden_layers=n + 1).state_dict()  # its last layer becomes the nextn layer
+    mtp = {k: v.contiguous() for k, v in donor.items() if k.startswith(f"model.layers.{n}.")}
+    # transformers keeps experts fused; the checkpoint layout has one tensor per expert
+    gate_up, down = mtp.pop(f"model.layers.{n}.mlp.experts.gate_up_proj"), mtp.pop(f"model.layers.{n}.mlp.experts.down_proj")
+    for e in range(gate_up.shape[0]):
+        g, u = gate_up[e].chunk(2, dim=0)
+        for name, t in (("gate_proj", g), ("up_proj", u), ("down_proj", down[e])):
+            mtp[f"model.layers.{n}.mlp.experts.{e}.{name}.weight"] = t.contiguous()
+    p = f"model.layers.{n}."
+    mtp[p + "enorm.weight"] = torch.ones(h)
+    mtp[p + "hnorm.weight"] = torch.ones(h)
+    mtp[p + "eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+    mtp[p + "shared_head.norm.weight"] = main.model.norm.weight.detach().clone()
+    mtp[p + "shared_head.head.weight"] = main.lm_head.weight.detach().clone()
+    mtp[p + "embed_tokens.weight"] = main.model.embed_tokens.weight.detach().clone()
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(folder / "mtp.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return folder
+
+
+def _prompt(seed: int) -> list[int]:
+    return torch.randint(2, TINY_DS[KIND]["vocab_size"], (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_mtp_layer_is_loaded_and_optional(mtp_checkpoint, tmp_path):
+    lm = load_model(mtp_checkpoint)
+    (layer,) = lm.model.mtp_layers
+    assert layer.self_attn.layer_idx == TINY_DS[KIND]["num_hidden_layers"]
+    assert torch.equal(layer.shared_head.head.weight, lm.model.lm_head.weight)
+    for f in mtp_checkpoint.iterdir():  # the same checkpoint without mtp.safetensors: MTP off, model loads
+        if f.name != "mtp.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    assert load_model(tmp_path).model.mtp_layers == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "fleet"])
+def test_mtp_greedy_is_token_identical(mtp_checkpoint, backend, report, caplog):
+    lm = load_model(mtp_checkpoint, backend=FleetFfn(local_ducks=2) if backend == "fleet" else "torch")
+    try:
+        calls = []
+        forward = lm.ffn.forward
+        lm.ffn.forward = lambda layer, x, ids, w: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w)
+        accepted = verified = 0
+        for seed in SEEDS:
+            prompt = _prompt(seed)
+            params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+            plain = generate(lm.model, lm.tokenizer, prompt, params)
+            calls.clear()
+            with caplog.at_level("INFO", logger="engine.mtp"):
+                spec = generate_mtp(lm.model, lm.tokenizer, prompt, params)
+            assert spec.token_ids == plain.token_ids, f"seed {seed}: MTP changed the greedy output"
+            assert spec.text == plain.text and spec.finish_reason == "length"
+            a, v = spec.stats.mtp
+            accepted, verified = accepted + a, verified + v
+            assert f"accept=1 {a}/{v}" in str(spec.stats) and f"accept=1 {a}/{v}" in caplog.text
+            main_layers = TINY_DS[KIND]["num_hidden_layers"]
+            pairs = [t for layer, t in calls if layer == main_layers - 1]
+            assert pairs.count(2) == v and len(pairs) == v + 1   # prefill + one forward per verification
+            assert len(spec.token_ids) in (v + a, v + a + 1)    # 1 token per step, 2 when accepted (cut at max_tokens)
+        report(f"tiny {KIND} + MTP1 ({backend}): greedy identical over {len(SEEDS)}x{TOKENS} tokens; accept=1 {accepted}/{verified}")
+        assert 0 < accepted < verified and MIN_ACCEPT <= accepted / verified <= MAX_ACCEPT
+    finally:
+        lm.ffn.close()
+
+
+def test_mtp_refuses_what_it_cannot_do(mtp_checkpoint):
+    lm = load_model(mtp_checkpoint)
+    with pytest.raises(ValueError, match="greedy only"):
+        generate_mtp(lm.model, lm.tokenizer, _prompt(1), SamplingParams(temperature=0.7))
