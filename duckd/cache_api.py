@@ -36,15 +36,28 @@ def cache_list(daemon, duck_id: int | None) -> pb.CacheListResponse:
                                 host_cache_bytes=daemon.packs.total_bytes() if daemon.packs else 0)
 
 
+async def _invalidate(daemon, ducks=None) -> list[int]:
+    """Drops the entries not in use; a duck that keeps entries its open session
+    uses says so, and that becomes FAILED_PRECONDITION with its words."""
+    from native.transport import DuckError
+    def work():
+        with daemon.model.lock:          # taken in the worker: a running chat must not stall the loop
+            return daemon.transport.invalidate(None, ducks)
+    try:
+        return await asyncio.to_thread(work)
+    except DuckError as e:
+        raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"{e}; entries in use stay until the session closes (restart duckd with another "
+                       "model, tp or multiple_of to drop them)") from None
+
+
 async def cache_invalidate(daemon, request: pb.InvalidateRequest) -> pb.InvalidateResponse:
     if daemon.transport is None:
         raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, "the model does not run on the fleet: nothing cached")
     target = request.WhichOneof("target")
-    lock = daemon.model.lock
     if target == "duck_id":
         duck = daemon._duck(request.duck_id)
-        with lock:
-            counts = await asyncio.to_thread(daemon.transport.invalidate, None, [duck.id])
+        counts = await _invalidate(daemon, [duck.id])
         msg = f"duck {duck.id}: dropped {counts[0]} cache entries not in use"
         daemon.events.add("cache", msg, duck.id)
         return pb.InvalidateResponse(entries_removed=counts[0], message=msg)
@@ -53,8 +66,7 @@ async def cache_invalidate(daemon, request: pb.InvalidateRequest) -> pb.Invalida
         if request.model not in (manifest.get("model"), daemon.model.name):
             raise ApiError(grpc.StatusCode.NOT_FOUND, f"model {request.model!r}: not on this fleet "
                            f"(serving {daemon.model.name!r})")
-    with lock:
-        counts = await asyncio.to_thread(daemon.transport.invalidate, None)
+    counts = await _invalidate(daemon)
     daemon.drop_host_packs()
     msg = f"dropped {sum(counts)} duck cache entries not in use and the host's packed slices"
     daemon.events.add("cache", msg)

@@ -107,3 +107,15 @@ def test_cache_lists_every_ducks_slices_and_model_info(duckd_daemon):
     assert all(len(e.ducks) == 1 and e.bytes > 0 for e in cache.entries)
     assert cache.host_cache_bytes > 0
     assert info.ffn_bytes_per_token > 0
+
+
+def test_cache_invalidate_keeps_what_the_session_uses(duckd_daemon):
+    r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
+                "cache", "invalidate", "--duck", "0")
+    # every entry of a serving duck belongs to the open session: the duck keeps them and says so
+    assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr and "used by the open session" in r.stderr
+    r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
+                "cache", "invalidate", "--model", "no-such-model")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "no-such-model" in r.stderr
+    text, _ = duckd_daemon.chat("Which city is the capital of France?", max_tokens=12)
+    assert "Paris" in text                                               # still serving
