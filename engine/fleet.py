@@ -6,7 +6,6 @@ transport sums."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import tempfile
 import time

@@ -3,7 +3,6 @@ against the local fp9 backend and the fp32 reference on the tiny models."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.fleet import FleetFfn
 from engine.generate import SamplingParams, forward_logits, generate

@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 from engine.generate import SamplingParams, forward_logits, generate
 from engine.gguf_file import GgufCheckpoint, unpermute_qk

@@ -1,5 +1,4 @@
 """duckfw's command line: clear refusals, fault injection only on request."""
-import os
 import subprocess
 
 import pytest
