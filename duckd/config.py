@@ -119,6 +119,7 @@ class FleetConfig:
     restart_delay_s: float = 1.0       # wait before a restart (no restart storms)
     cache_capacity_mb: int = 0         # per duck; 0 = unbounded
     spin: bool = False                 # dedicated hardware only
+    host_spin_us: int = 0              # the host polls for replies this long before blocking
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
 
@@ -142,6 +143,8 @@ class FleetConfig:
             raise ConfigError(f"fleet.multiple_of = {self.multiple_of!r}: expected a positive multiple of 64")
         if not 576 <= self.mtu <= 9000:
             raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 576..9000")
+        if not 0 <= self.host_spin_us <= 100000:
+            raise ConfigError(f"fleet.host_spin_us = {self.host_spin_us!r}: expected 0..100000")
         if self.restart_delay_s < 0:
             raise ConfigError(f"fleet.restart_delay_s = {self.restart_delay_s!r}: expected >= 0")
         for name in ("link_timeout_s", "health_interval_s", "fail_after_s"):

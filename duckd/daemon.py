@@ -71,7 +71,8 @@ class Daemon:
             from native.transport import Fleet
             from native._native import lib
             self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
-                                   deadline_ms=self.cfg.fleet.fail_after_s * 1000)
+                                   deadline_ms=self.cfg.fleet.fail_after_s * 1000,
+                                   spin_us=self.cfg.fleet.host_spin_us)
             path = self._model_path()
             self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
                                                                         self.cfg.fleet.multiple_of, lib.WIRE_ABI))

@@ -75,11 +75,11 @@ def timed(fn, iters: int, warmup: int = 50) -> dict:
             "min_us": round(float(t.min()), 1), "iters": iters}
 
 
-def overhead(n: int, iters: int, mtu: int, threads: int, hidden: int = HIDDEN) -> dict:
+def overhead(n: int, iters: int, mtu: int, threads: int, hidden: int = HIDDEN, spin_us: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
         key, procs = start_ducks(n, Path(tmp), threads, mtu)
         try:
-            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu)
+            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, spin_us=spin_us)
             fleet.hello()
             session = fleet.open_session({0: [[] for _ in range(n)]}, hidden)
             x = np.ones((1, hidden), np.float32)
@@ -97,7 +97,7 @@ def overhead(n: int, iters: int, mtu: int, threads: int, hidden: int = HIDDEN) -
                 p.wait(10)
 
 
-def deepseek_slice(n: int, iters: int, mtu: int, threads: int) -> dict:
+def deepseek_slice(n: int, iters: int, mtu: int, threads: int, spin_us: int = 0) -> dict:
     rng = np.random.default_rng(0)
     n_experts, topk = 8, 8
     experts = [tuple((rng.standard_normal(s) * 0.02).astype(np.float32) for s in
@@ -112,7 +112,7 @@ def deepseek_slice(n: int, iters: int, mtu: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
         key, procs = start_ducks(n, Path(tmp), threads, mtu)
         try:
-            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, deadline_ms=5000)
+            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, deadline_ms=5000, spin_us=spin_us)
             fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
             session = fleet.open_session({0: per_duck}, HIDDEN)
             r = timed(lambda: session.forward(0, x, ids, w), iters, warmup=20)
@@ -143,20 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-deepseek", action="store_true")
     p.add_argument("--cpus", help="run the host and every duck on these CPUs only (e.g. 0): on a VM whose idle "
                    "vCPUs take 30-40 us to wake, co-located processes show the software's own overhead")
+    p.add_argument("--spin-us", type=int, default=0,
+                   help="the host polls its socket this long before blocking (a dedicated host; ducks still block)")
     args = p.parse_args(argv)
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})   # the ducks inherit it
     logging.basicConfig(level=logging.WARNING)
     result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
+              "host_spin_us": args.spin_us,
               "command": " ".join(["python -m native.bench_transport", *(argv if argv is not None else sys.argv[1:])])}
     for n in (args.ducks, 1):
         name = f"overhead_{n}_duck{'s' if n > 1 else ''}"
-        result[name] = overhead(n, args.iters, args.mtu, args.threads, hidden=64)
-        result[f"{name}_hidden{HIDDEN}"] = overhead(n, args.iters, args.mtu, args.threads)
+        result[name] = overhead(n, args.iters, args.mtu, args.threads, hidden=64, spin_us=args.spin_us)
+        result[f"{name}_hidden{HIDDEN}"] = overhead(n, args.iters, args.mtu, args.threads, spin_us=args.spin_us)
     if not args.skip_deepseek:
         iters = max(args.iters // 10, 50)
-        result["deepseek_slice_1_duck"] = deepseek_slice(1, iters, args.mtu, args.threads)
-        result[f"deepseek_slice_{args.ducks}_ducks"] = deepseek_slice(args.ducks, iters, args.mtu, args.threads)
+        result["deepseek_slice_1_duck"] = deepseek_slice(1, iters, args.mtu, args.threads, args.spin_us)
+        result[f"deepseek_slice_{args.ducks}_ducks"] = deepseek_slice(args.ducks, iters, args.mtu, args.threads,
+                                                                     args.spin_us)
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
