@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default=f"1,{cores}" if cores > 1 else "1",
                     help="comma-separated thread counts (default: 1 and all cores)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seconds", type=float, default=0.25, help="minimum time per measurement")
+    ap.add_argument("--seconds", type=float, default=0.5, help="minimum time per measurement")
     ap.add_argument("--read-mib", type=int, default=1024)
     ap.add_argument("--cold-mib", type=int, default=512, help="working set per GEMV shape")
     ap.add_argument("--moe-experts", type=int, default=256)
