@@ -75,10 +75,8 @@ class GenerationResult:
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] -> a token id."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> the distribution sampling draws from (temperature, top-k, top-p applied)."""
     logits = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -88,7 +86,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p, order = torch.sort(probs, descending=True)
         drop = sorted_p.cumsum(0) - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [V] -> a token id."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
 @torch.inference_mode()

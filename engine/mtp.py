@@ -1,10 +1,13 @@
-"""MTP1 speculative decoding with DeepSeek's nextn layer (greedy).
+"""MTP1 speculative decoding with DeepSeek's nextn layer.
 
 Each step feeds the main model the last token and the MTP draft of the next one
 at two consecutive positions, in one forward (so every FFN layer goes to the
-backend once, with both tokens). The draft is accepted when it is the main
-model's argmax (the greedy case of u * q(d) <= p(d)); then the main model's
-prediction after the draft comes for free. A rejected draft's cache entry is
+backend once, with both tokens). A draft d drawn from the MTP head's
+distribution q is accepted when u * q(d) <= p(d), p the main model's (no
+division, as the seeds do it); a rejected draft is replaced by a draw from
+max(0, p - q), which keeps the output distribution exactly p. Greedy is the
+case d = argmax q, accepted iff d = argmax p. After an accepted draft the
+main model's next token comes for free. A rejected draft's cache entry is
 simply overwritten by the next step (the caches are static, indexed by position).
 The MTP layer reads (main hidden state at i, embedding of token i+1) and drafts
 token i+2; it keeps its own layer of the cache.
@@ -17,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from engine.generate import GenerationResult, GenerationStats, SamplingParams
+from engine.generate import GenerationResult, GenerationStats, SamplingParams, sampling_probs
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,14 +68,13 @@ class _Output:
 @torch.inference_mode()
 def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_text: Callable[[str], None] | None = None, max_model_len: int | None = None) -> GenerationResult:
-    """generate() with MTP1 drafts: token-identical to greedy generate(), fewer main steps."""
+    """generate() with MTP1 drafts: token-identical to generate() when greedy, the same
+    distribution when sampling; fewer main-model steps either way."""
     params = params or SamplingParams()
     layers = getattr(model, "mtp_layers", None)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no MTP layer (num_nextn_predict_layers=0, or the checkpoint "
                          f"lacks model.layers.<num_hidden_layers>.*); use engine.generate.generate")
-    if params.temperature != 0.0:
-        raise ValueError(f"MTP1 decoding here is greedy only; got temperature={params.temperature}")
     if not prompt_ids:
         raise ValueError("empty prompt")
     mtp = layers[0]
@@ -85,30 +87,55 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
     cache = model.make_cache(max_model_len)
     out = _Output(tokenizer, params, on_text)
     accepted = verified = 0
+    greedy = params.temperature == 0.0
+    gen = None if greedy else torch.Generator(device=device)
+    if gen is not None:
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def draw(probs: torch.Tensor) -> int:
+        return int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=gen))
+
+    def dist(logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float(), -1) if greedy else sampling_probs(logits, params)
 
     start = time.perf_counter()
     positions = torch.arange(n, device=device)
     hidden = model(torch.tensor(prompt_ids, device=device), positions, cache)      # [n, H]
-    token = int(model.compute_logits(hidden[-1:])[0].argmax())
+    token = draw(dist(model.compute_logits(hidden[-1:])[0]))
     ttft = time.perf_counter() - start
     going = out.push(token)
     follow = prompt_ids[1:] + [token]                                                # tokens i+1 for the MTP layer
     pos = n                                                                          # where `token` goes
     while going and pos < max_model_len:
-        draft = int(mtp.draft(embed(torch.tensor(follow, device=device)), hidden, positions, cache)[-1].argmax())
+        q = dist(mtp.draft(embed(torch.tensor(follow, device=device)), hidden, positions, cache)[-1])
+        draft = draw(q)
         pair = pos + 1 < max_model_len
         ids = [token, draft] if pair else [token]
         positions = torch.arange(pos, pos + len(ids), device=device)
         hidden = model(torch.tensor(ids, device=device), positions, cache)          # [1 or 2, H]
         logits = model.compute_logits(hidden)                                        # [1 or 2, V]
-        token = int(logits[0].argmax())
+        p = dist(logits[0])
+        if not pair:
+            ok = False
+        elif greedy:
+            ok = int(p.argmax()) == draft
+        else:
+            u = float(torch.rand((), generator=gen, device=device))
+            ok = u * float(q[draft]) <= float(p[draft])
+        if ok:
+            token = draft
+        elif greedy or not pair:
+            token = draw(p)
+        else:                                   # the residual keeps the output distributed as p
+            residual = (p - q).clamp_min(0.0)
+            token = draw(residual / residual.sum()) if float(residual.sum()) > 0 else draw(p)
         going = out.push(token)
         if pair:
             verified += 1
-            if token == draft:
+            if ok:
                 accepted += 1
                 if going:
-                    token = int(logits[1].argmax())
+                    token = draw(dist(logits[1]))
                     going = out.push(token)
             else:
                 hidden, positions = hidden[:1], positions[:1]
