@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -194,4 +193,4 @@ class Daemon:
 
     def drop_host_packs(self) -> None:
         if self.packs is not None:
-            shutil.rmtree(self.packs.root, ignore_errors=True)
+            self.packs.drop_all()

@@ -54,6 +54,28 @@ class GatedMLP(nn.Module):
         return self.ffn.forward(self.layer_idx, x, ids, weights)
 
 
+class RoutedExperts(nn.Module):
+    """The routed part of a MoE block, shared by every MoE family: the experts
+    (HF names: experts.<e>.gate_proj/up_proj/down_proj) that an FFN backend runs.
+    Subclasses add their router (self.gate) and any shared experts."""
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = hidden_size
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.ffn: FfnBackend = NO_FFN
+
+    def ffn_layer(self) -> FfnLayer:
+        return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.hidden_size)
+
+    def expert_parameters(self):
+        return [p for e in self.experts for p in e.expert_parameters()]
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.ffn.forward(self.layer_idx, x, ids, weights)   # [T, H]
+
+
 class TopKRouter(nn.Module):
     """Softmax router: gate logits [T, E] -> top-k ids and weights [T, k]."""
 

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.ffn import FfnBackend, FfnLayer
 from engine.layers import RMSNorm
-from engine.models.base import NO_FFN, CausalLM, GatedMLP
+from engine.models.base import CausalLM, GatedMLP, RoutedExperts
 from engine.weights import WeightSpec
 
 log = logging.getLogger(__name__)
@@ -284,26 +283,16 @@ class DeepseekV3TopkRouter(nn.Module):
         return ids, (weights * self.scaling).to(x.dtype)
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(RoutedExperts):
     def __init__(self, config: ModelConfig, args: DeepseekArgs, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts, layer_idx)
         self.gate = DeepseekV3TopkRouter(config, args)
-        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
         self.shared_experts = (DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size * args.n_shared_experts)
                                if args.n_shared_experts else None)
-        self.ffn: FfnBackend = NO_FFN
-
-    def ffn_layer(self) -> FfnLayer:
-        return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.gate.weight.shape[1])
-
-    def expert_parameters(self):
-        return [p for e in self.experts for p in e.expert_parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)                                # [T, k], [T, k]
-        y = self.ffn.forward(self.layer_idx, x, ids, weights)      # [T, H]
+        y = self.routed(x, ids, weights)                           # [T, H]
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.ffn import FfnBackend, FfnLayer
 from engine.layers import KVCache, cached_attention
-from engine.models.base import NO_FFN, CausalLM, GatedMLP, TopKRouter
+from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
 from engine.weights import WeightSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -273,28 +272,18 @@ class SharedExpert(GatedMLP):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen3_5MoeSparseMoeBlock(nn.Module):
+class Qwen3_5MoeSparseMoeBlock(RoutedExperts):
     """Routed experts on the FFN backend + sigmoid(shared_expert_gate(x)) * shared_expert(x) on the host."""
 
     def __init__(self, config: ModelConfig, s: HybridSettings, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts, layer_idx)
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, True)
-        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
         self.shared_expert = SharedExpert(config.hidden_size, s.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.ffn: FfnBackend = NO_FFN
-
-    def ffn_layer(self) -> FfnLayer:
-        return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.gate.weight.shape[1])
-
-    def expert_parameters(self):
-        return [p for e in self.experts for p in e.expert_parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)                                       # [T, k], [T, k]
-        routed = self.ffn.forward(self.layer_idx, x, ids, weights)        # [T, H]
+        routed = self.routed(x, ids, weights)                             # [T, H]
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

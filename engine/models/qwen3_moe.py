@@ -6,32 +6,21 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.ffn import FfnBackend, FfnLayer
-from engine.models.base import NO_FFN, CausalLM, GatedMLP, TopKRouter
+from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
 from engine.models.qwen3 import Qwen3Model
 
 
-class Qwen3MoeSparseMoeBlock(nn.Module):
+class Qwen3MoeSparseMoeBlock(RoutedExperts):
     """Router on the host; the routed experts are what an FFN backend runs."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts, layer_idx)
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                config.norm_topk_prob)
-        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
-        self.ffn: FfnBackend = NO_FFN
-
-    def ffn_layer(self) -> FfnLayer:
-        return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.gate.weight.shape[1])
-
-    def expert_parameters(self):
-        return [p for e in self.experts for p in e.expert_parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)                                # [T, k], [T, k]
-        return self.ffn.forward(self.layer_idx, x, ids, weights)   # [T, H]
+        return self.routed(x, ids, weights)                        # [T, H]
 
 
 def _make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
