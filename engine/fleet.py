@@ -59,12 +59,25 @@ class FleetFfn(FfnBackend):
         self.layers[layer.index] = split_experts(experts, self.fleet.n_ducks, self.multiple_of,
                                                  name=f"layers.{layer.index}")
 
+    def load_synthetic_layer(self, index: int, n_experts: int, hidden: int, intermediate: int, seed: int) -> None:
+        """Benchmarks only: registers FFN layer `index` as n_experts random experts
+        [intermediate, hidden] that the ducks generate themselves at finish_loading
+        (no torch weights, nothing uploaded). Same slices and padding as load_layer."""
+        from native.transport import synth_experts, synth_seed
+
+        if self.hidden and hidden != self.hidden:
+            raise ValueError(f"FFN layer {index} has hidden size {hidden}, others {self.hidden}")
+        self.hidden = hidden
+        self.layers[index] = synth_experts(n_experts, hidden, intermediate, self.fleet.n_ducks, self.multiple_of,
+                                           seed=synth_seed(seed, index), name=f"layers.{index}")
+
     def finish_loading(self) -> None:
         per_duck = [[t for slices in self.layers.values() for e in slices[d] for t in (e.gate_up, e.down)]
                     for d in range(self.fleet.n_ducks)]
         done = self.fleet.upload(per_duck)
-        log.info("fleet of %d ducks: %d tensors uploaded (%.1f MB), %d already cached", self.fleet.n_ducks,
-                 done["uploaded"], done["bytes"] / 1e6, done["skipped"])
+        log.info("fleet of %d ducks: %d tensors uploaded (%.1f MB), %d synthesized (%.1f MB), %d already cached",
+                 self.fleet.n_ducks, done["uploaded"], done["bytes"] / 1e6, done["synthesized"],
+                 done["synth_bytes"] / 1e6, done["skipped"])
         self.session = self.fleet.open_session(self.layers, self.hidden)
 
     def forward(self, layer, x, ids, weights):
@@ -72,6 +85,11 @@ class FleetFfn(FfnBackend):
         xs = xs.cpu() if xs.dtype == torch.bfloat16 else xs.float().cpu().numpy()
         y = self.session.forward(layer, xs, ids.to(torch.int32).cpu().numpy(), weights.float().cpu().numpy())
         return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
+
+    @property
+    def kernel_us_total(self) -> int:
+        """The slowest duck's kernel microseconds, summed over every forward so far."""
+        return self.session.kernel_us_total if self.session else 0
 
     @property
     def bytes_streamed(self) -> int:
@@ -91,7 +109,8 @@ class LocalDucks:
     """N duckfw processes on 127.0.0.1 for development runs (duckd's 'local' boot
     driver is the product's way): one worker thread each, blocking when idle."""
 
-    def __init__(self, n: int, workdir: str | None = None, threads: int = 1, timeout: float = 20.0):
+    def __init__(self, n: int, workdir: str | None = None, threads: int = 1, timeout: float = 20.0,
+                 cache_capacity: str | None = None):
         from native.transport import duckfw_path, write_key_file
 
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="duck-local-"))
@@ -104,6 +123,8 @@ class LocalDucks:
                 cmd = [str(duckfw_path()), "--bind", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
                        "--id", str(i), "--cache-dir", str(self.workdir / f"cache{i}"), "--key-file", str(key_file),
                        "--threads", str(threads), "--idle", "block"]
+                if cache_capacity:
+                    cmd += ["--cache-capacity", cache_capacity]
                 with open(self.workdir / f"duck{i}.log", "ab") as out:
                     self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
                 deadline = time.monotonic() + timeout

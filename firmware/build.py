@@ -20,10 +20,10 @@ from pathlib import Path
 log = logging.getLogger("duck.firmware.build")
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE = ["native/fp9_codec.c", "native/kernels_ref.c", "native/kernels_avx2.c", "native/kernels.c",
-          "native/pool.c", "native/ffn.c", "native/wire.c"]
-CORE = ["firmware/log.c", "firmware/cache.c", "firmware/cache_upload.c", "firmware/session.c", "firmware/reasm.c",
-        "firmware/core.c", "firmware/handlers.c"]
+NATIVE = ["native/fp9_codec.c", "native/fp9_synth.c", "native/kernels_ref.c", "native/kernels_avx2.c",
+          "native/kernels.c", "native/pool.c", "native/ffn.c", "native/wire.c"]
+CORE = ["firmware/log.c", "firmware/cache.c", "firmware/cache_upload.c", "firmware/cache_synth.c",
+        "firmware/session.c", "firmware/reasm.c", "firmware/core.c", "firmware/handlers.c"]
 PLATFORM = ["firmware/net_linux.c", "firmware/main.c"]
 FUZZ = ["firmware/fuzz_parser.c"]
 

@@ -254,9 +254,11 @@ int cache_persist(duck_cache *c, const uint8_t *digest, const void *data, uint64
 static void drop_entry(duck_cache *c, cache_entry *e)
 {
     char name[2 * WIRE_DIGEST_BYTES + 1], path[4096 + 64];
-    cache_hex(e->digest, name);
-    snprintf(path, sizeof path, "%s/%s.fp9", c->dir, name);
-    unlink(path);
+    if (!e->synthetic) {
+        cache_hex(e->digest, name);
+        snprintf(path, sizeof path, "%s/%s.fp9", c->dir, name);
+        unlink(path);
+    }
     table_del(c, e);
     c->used -= e->len;
     free(e->data);

@@ -16,6 +16,7 @@ static int needs_mac(const duck_core *c, unsigned type)
     switch (type) {
     case WIRE_T_CACHE_INVALIDATE:
     case WIRE_T_UPLOAD:
+    case WIRE_T_SYNTH:
     case WIRE_T_SESSION_OPEN:
     case WIRE_T_LAYER_PLAN:
     case WIRE_T_SESSION_CLOSE:

@@ -48,6 +48,7 @@ typedef struct cache_entry {
     uint64_t len;
     fp9_matrix m;
     unsigned refs;             /* layer plans using it */
+    int synthetic;             /* made from a descriptor (SYNTH): RAM only, no file */
 } cache_entry;
 
 typedef struct duck_cache duck_cache;
@@ -64,6 +65,11 @@ uint32_t cache_count(const duck_cache *c);
  * text into err on failure. */
 int cache_upload(duck_cache *c, const wire_upload *u, const uint8_t *data,
                  wire_upload_reply *rep, uint64_t *accepted, char *err, size_t errlen);
+/* Handles a SYNTH request: checks every entry (descriptor, digest), then
+ * the capacity for those not cached yet, then generates them over pool
+ * (NULL: this thread). Returns a wire status; err says what was wrong. */
+int cache_synth(duck_cache *c, const wire_synth_entry *entries, uint32_t n, duck_pool *pool,
+                wire_synth_reply *rep, char *err, size_t errlen);
 /* Drops one entry (or all with digest NULL); entries in use are kept and
  * reported as WIRE_E_BUSY. *dropped receives the count. */
 int cache_invalidate(duck_cache *c, const uint8_t *digest, uint32_t *dropped, char *err, size_t errlen);

@@ -115,6 +115,28 @@ static reply_slot *on_upload(duck_core *c, reply_slot *r, const uint8_t *p, uint
     return r;
 }
 
+static reply_slot *on_synth(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    wire_synth hd;
+    wire_synth_reply rep;
+    char err[WIRE_MAX_ERROR_TEXT];
+    if (len < sizeof hd ||
+        (memcpy(&hd, p, sizeof hd), (uint64_t)hd.count * sizeof(wire_synth_entry) != len - sizeof hd))
+        return fail(r, WIRE_E_MALFORMED, "synth of %u bytes is not a %zu-byte head and %zu-byte entries", len,
+                    sizeof hd, sizeof(wire_synth_entry));
+    if (hd.count == 0 || hd.count > WIRE_SYNTH_MAX_ENTRIES || hd.reserved)
+        return fail(r, WIRE_E_RANGE, "synth of %u entries (reserved %u): 1..%u entries and reserved 0 required",
+                    hd.count, hd.reserved, WIRE_SYNTH_MAX_ENTRIES);
+    /* entries are copied out: the reassembled payload has no alignment promise */
+    wire_synth_entry entries[WIRE_SYNTH_MAX_ENTRIES];
+    memcpy(entries, p + sizeof hd, (size_t)hd.count * sizeof *entries);
+    int st = cache_synth(c->cache, entries, hd.count, c->pool, &rep, err, sizeof err);
+    if (st != WIRE_OK)
+        return fail(r, st, "%s", err);
+    memcpy(body(r), &rep, sizeof rep);
+    return r;
+}
+
 static reply_slot *on_session_open(duck_core *c, reply_slot *r, const wire_header *h, const uint8_t *p,
                                    uint32_t len)
 {
@@ -233,7 +255,8 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
         return r;
     }
     uint32_t sizes[WIRE_T_COUNT] = {0, sizeof(wire_hello_reply), sizeof(wire_ping), sizeof(wire_stats),
-                                    0, 4, sizeof(wire_upload_reply), 0, 0, 0, 0, 0, 0, 0};
+                                    0, 4, sizeof(wire_upload_reply), 0, 0, 0, 0, 0, 0, 0,
+                                    sizeof(wire_synth_reply)};
     uint32_t n = h->type < WIRE_T_COUNT ? sizes[h->type] : 0;
     if (h->type == WIRE_T_CACHE_QUERY)
         n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
@@ -253,6 +276,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     case WIRE_T_CACHE_QUERY: r = on_cache_query(c, r, payload, len); break;
     case WIRE_T_CACHE_INVALIDATE: r = on_invalidate(c, r, payload, len); break;
     case WIRE_T_UPLOAD: r = on_upload(c, r, payload, len); break;
+    case WIRE_T_SYNTH: r = on_synth(c, r, payload, len); break;
     case WIRE_T_SESSION_OPEN: r = on_session_open(c, r, h, payload, len); break;
     case WIRE_T_LAYER_PLAN: r = on_layer_plan(c, r, h, payload, len); break;
     case WIRE_T_SESSION_CLOSE:

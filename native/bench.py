@@ -3,6 +3,7 @@ streaming read bandwidth and an int8 GEMV peer, all measured in ONE run,
 interleaved round by round, reported as medians.
 
     duck-bench-kernels [--threads 1,2] [--rounds 5] [--json]
+    duck-bench-kernels --synth [--threads 1,2]   # synthetic fp9 generation only
 
 (`duckctl bench kernels` runs the same code.) Weights are random fp9 made
 directly in packed form: the kernels' speed does not depend on the values,
@@ -22,7 +23,7 @@ import time
 import numpy as np
 
 from native._native import ffi, lib
-from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, _aligned_bytes
+from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
 from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace, kernels, kernels_name, matmul
 
 log = logging.getLogger("duck.bench.kernels")
@@ -164,6 +165,38 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
     return result
 
 
+def synth_bench(threads_list: list[int], rounds: int, min_seconds: float, rows: int = 2048,
+                cols: int = 7168) -> dict:
+    """GB/s of synthetic fp9 generation (what a duck does for a SYNTH request), a
+    DeepSeek-V3 expert matrix at a time: into memory already touched, and into a
+    fresh allocation (page faults included, as on a duck). Medians of rounds."""
+    t = SynthTensor(rows, cols, seed=1, name="synth bench")
+    warm = _aligned_bytes(t.nbytes)
+    out = {"shape": [rows, cols], "bytes": t.nbytes, "warm_gbps": {}, "fresh_gbps": {}}
+    for threads in threads_list:
+        pool = Pool(threads) if threads > 1 else None
+        ptr = pool.ptr if pool else ffi.NULL
+
+        def into_warm():
+            lib.fp9_synth_generate(t.desc, ffi.from_buffer(warm), warm.size, ptr)
+
+        def into_fresh():
+            buf = _aligned_bytes(t.nbytes)
+            lib.fp9_synth_generate(t.desc, ffi.from_buffer(buf), buf.size, ptr)
+
+        for key, fn in (("warm_gbps", into_warm), ("fresh_gbps", into_fresh)):
+            gbps = [t.nbytes / _timed(fn, min_seconds) / 1e9 for _ in range(rounds)]
+            out[key][str(threads)] = round(statistics.median(gbps), 3)
+    return out
+
+
+def format_synth(result: dict) -> str:
+    return "\n".join(f"synth fp9 {result['shape'][0]}x{result['shape'][1]} ({result['bytes'] / 1e6:.1f} MB), "
+                     f"{threads} thread(s): {warm:.2f} GB/s into touched memory, "
+                     f"{result['fresh_gbps'][threads]:.2f} GB/s into a fresh allocation"
+                     for threads, warm in result["warm_gbps"].items())
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -195,9 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-mib", type=int, default=512, help="working set per GEMV shape")
     ap.add_argument("--moe-experts", type=int, default=256)
     ap.add_argument("--json", action="store_true", help="print JSON only")
+    ap.add_argument("--synth", action="store_true", help="measure synthetic fp9 generation only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     threads = sorted({int(t) for t in args.threads.split(",")})
+    if args.synth:
+        result = synth_bench(threads, args.rounds, args.seconds)
+        sys.stdout.write((json.dumps(result, indent=2) if args.json else format_synth(result)) + "\n")
+        return 0
     result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0

@@ -6,7 +6,7 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 # Relative to the project root, where setup.py runs.
-SOURCES = ["native/fp9_codec.c", "native/kernels_ref.c", "native/kernels_avx2.c",
+SOURCES = ["native/fp9_codec.c", "native/fp9_synth.c", "native/kernels_ref.c", "native/kernels_avx2.c",
            "native/kernels.c", "native/pool.c", "native/ffn.c", "native/bench.c"]
 
 CDEF = """
@@ -44,6 +44,20 @@ unsigned duck_pool_size(const duck_pool *pool);
 unsigned duck_pool_pinned(const duck_pool *pool);
 void duck_pool_destroy(duck_pool *pool);
 
+typedef struct fp9_synth_desc {
+    uint32_t version; uint32_t rows, cols; uint32_t live_rows; uint32_t live_cols; int32_t prescale_log2;
+    uint64_t seed;
+} fp9_synth_desc;
+#define FP9_SYNTH_VERSION ...
+#define FP9_SYNTH_PRESCALE_LOG2_MIN ...
+#define FP9_SYNTH_PRESCALE_LOG2_MAX ...
+#define FP9_SYNTH_MAX_DIM ...
+#define FP9_SYNTH_MAX_BYTES ...
+int32_t fp9_synth_default_prescale_log2(uint32_t cols);
+int fp9_synth_check(const fp9_synth_desc *d, char *err, size_t errlen);
+uint64_t fp9_synth_bytes(const fp9_synth_desc *d);
+int fp9_synth_generate(const fp9_synth_desc *d, void *dst, size_t len, duck_pool *pool);
+
 typedef struct duck_expert_slice { fp9_matrix gate_up; fp9_matrix down; } duck_expert_slice;
 typedef struct duck_moe_args {
     const duck_expert_slice *experts; uint32_t n_experts; uint32_t ntok; uint32_t topk; uint32_t hidden;
@@ -73,7 +87,7 @@ ffibuilder.cdef(CDEF)
 ffibuilder.cdef(transport_cdef.CDEF)
 ffibuilder.set_source(
     "native._native",
-    '#include "fp9.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
+    '#include "fp9.h"\n#include "fp9_synth.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
     + transport_cdef.INCLUDES,
     sources=SOURCES + transport_cdef.SOURCES,
     include_dirs=["native"],

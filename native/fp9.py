@@ -152,6 +152,88 @@ class Fp9Tensor:
         return out
 
 
+class SynthTensor:
+    """Benchmarks only: a synthetic fp9 tensor named by a 32-byte descriptor
+    (docs/fp9.md section 8), so a duck can make it in its cache (wire SYNTH)
+    instead of receiving it. Random signs and codes in four binades, scaled
+    so the largest weight is about 1/sqrt(cols) (an nn.Linear init); zero
+    outside [0, live_rows) x [0, live_cols) (tensor-parallel padding).
+
+    Quacks like an Fp9Tensor where the transport needs it (shape, nbytes,
+    weight_bytes, name, digest()); materialize() makes the same bytes here
+    with the C generator the ducks run. The digest is a cache key in a
+    namespace of its own (BLAKE2b-128 of "duck-synth-v1" + descriptor), never
+    the digest of any uploaded tensor."""
+
+    __slots__ = ("name", "desc", "_digest")   # a DeepSeek-V3 fleet has a million of them
+
+    def __init__(self, rows: int, cols: int, seed: int, name: str = "<synth>", *, live_rows: int | None = None,
+                 live_cols: int | None = None, prescale_log2: int | None = None):
+        self.name = name
+        if prescale_log2 is None:
+            prescale_log2 = lib.fp9_synth_default_prescale_log2(min(max(int(cols), 0), 2**32 - 1))
+        fields = {"rows": rows, "cols": cols, "live_rows": rows if live_rows is None else live_rows,
+                  "live_cols": cols if live_cols is None else live_cols, "prescale_log2": prescale_log2, "seed": seed}
+        d = ffi.new("fp9_synth_desc *")
+        d.version = lib.FP9_SYNTH_VERSION
+        for field, value in fields.items():
+            try:
+                setattr(d, field, int(value))
+            except OverflowError:
+                ctype = dict(ffi.typeof("fp9_synth_desc").fields)[field].type.cname
+                raise Fp9Error(f"synthetic tensor {name!r}: {field} {value} does not fit its {ctype} field") from None
+        err = ffi.new("char[256]")
+        if lib.fp9_synth_check(d, err, 256) != 0:
+            raise Fp9Error(f"synthetic tensor {name!r}: {ffi.string(err).decode()}")
+        self.desc = d
+        out = ffi.new("uint8_t[16]")
+        lib.wire_synth_digest(d, out)
+        self._digest = bytes(out).hex()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.desc.rows, self.desc.cols)
+
+    @property
+    def seed(self) -> int:
+        return self.desc.seed
+
+    @property
+    def prescale(self) -> float:
+        return 2.0 ** self.desc.prescale_log2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the serialized tensor: what a duck's cache holds."""
+        return int(lib.fp9_synth_bytes(self.desc))
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.nbytes - HEADER_BYTES
+
+    def descriptor(self) -> bytes:
+        """The 32 bytes that travel in a SYNTH request and are hashed for the digest."""
+        return bytes(ffi.buffer(self.desc))
+
+    def digest(self) -> str:
+        """The cache key (hex), as Fp9Tensor.digest() is for real tensors."""
+        return self._digest
+
+    def materialize(self, pool=None) -> Fp9Tensor:
+        """The tensor itself, generated here; pool (a native.kernels.Pool) splits the
+        work, which changes no byte."""
+        buf = _aligned_bytes(self.nbytes)
+        rc = lib.fp9_synth_generate(self.desc, ffi.from_buffer(buf), buf.size, pool.ptr if pool else ffi.NULL)
+        if rc != 0:
+            raise Fp9Error(f"synthetic tensor {self.name!r}: generation failed ({_ERRORS.get(rc, rc)})")
+        return Fp9Tensor(buf, self.name)
+
+    def __repr__(self) -> str:
+        d = self.desc
+        return (f"SynthTensor({d.rows}x{d.cols}, seed={d.seed}, live {d.live_rows}x{d.live_cols}, "
+                f"prescale 2^{d.prescale_log2}, name={self.name!r})")
+
+
 def _to_numpy(a, fp8_ok: bool = False) -> np.ndarray:
     """numpy view of a numpy array or torch tensor; bf16 as uint16 bits,
     fp8 e4m3fn as uint8 codes (only where fp8_ok)."""

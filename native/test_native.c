@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "ffn.h"
+#include "fp9_synth.h"
 
 static int failures, checks;
 
@@ -131,9 +132,61 @@ static void test_moe_pool(void)
         free(bufs[i]);
 }
 
+static void test_synth(void)
+{
+    fp9_synth_desc d = {FP9_SYNTH_VERSION, 37, 2100, 35, 2000, fp9_synth_default_prescale_log2(2100), 99};
+    char err[200];
+    CHECK(fp9_synth_check(&d, err, sizeof err) == FP9_OK, "valid descriptor refused: %s", err);
+    size_t n = (size_t)fp9_synth_bytes(&d);
+    CHECK(n == fp9_tensor_bytes(37, 2100, 0), "synth size %zu", n);
+    uint8_t *one = aligned_alloc(64, (n + 63) / 64 * 64), *many = aligned_alloc(64, (n + 63) / 64 * 64);
+    duck_pool *pool = duck_pool_create(3, 0, 0);
+    CHECK(fp9_synth_generate(&d, one, n, NULL) == FP9_OK, "generate on one thread");
+    CHECK(fp9_synth_generate(&d, many, n, pool) == FP9_OK, "generate on 3 threads");
+    CHECK(memcmp(one, many, n) == 0, "thread count changed the bytes");
+    fp9_matrix m;
+    CHECK(fp9_tensor_view(one, n, &m) == FP9_OK && m.prescale == ldexpf(1.0f, d.prescale_log2), "view, prescale");
+    float *w = malloc(sizeof(float) * 37 * 2100);
+    fp9_unpack_f32(&m, w, 2100);
+    int outside = 0, inside = 0;
+    float biggest = 0;
+    for (uint32_t r = 0; r < 37; r++)
+        for (uint32_t c = 0; c < 2100; c++) {
+            float v = w[(size_t)r * 2100 + c];
+            if (r >= d.live_rows || c >= d.live_cols)
+                outside += v != 0.0f || signbit(v);
+            else
+                inside += v == 0.0f;
+            biggest = fabsf(v) > biggest ? fabsf(v) : biggest;
+        }
+    CHECK(outside == 0 && inside == 0, "%d weights live outside, %d zero inside the live region", outside, inside);
+    CHECK(biggest <= 1.875f / 64 && biggest > 0.9f / sqrtf(2100), "largest weight %g", biggest);
+    CHECK(fp9_synth_generate(&d, one, n - 1, NULL) == FP9_EINVAL, "short buffer accepted");
+    CHECK(fp9_synth_generate(&d, one + 4, n - 4, NULL) == FP9_EINVAL, "misaligned buffer accepted");
+    fp9_synth_desc bad = d;
+    bad.version = 2;
+    CHECK(fp9_synth_check(&bad, err, sizeof err) == FP9_EFORMAT && strstr(err, "version 2"), "version: %s", err);
+    bad = d;
+    bad.rows = 0;
+    CHECK(fp9_synth_check(&bad, err, sizeof err) == FP9_EINVAL && strstr(err, "shape 0x2100"), "rows 0: %s", err);
+    bad = d;
+    bad.rows = bad.cols = FP9_SYNTH_MAX_DIM;
+    bad.live_rows = bad.live_cols = 0;
+    CHECK(fp9_synth_check(&bad, err, sizeof err) == FP9_EINVAL && strstr(err, "byte limit"), "huge: %s", err);
+    bad = d;
+    bad.live_cols = 2101;
+    CHECK(fp9_synth_check(&bad, err, sizeof err) == FP9_EINVAL && strstr(err, "live region"), "live: %s", err);
+    bad = d;
+    bad.prescale_log2 = FP9_SYNTH_PRESCALE_LOG2_MIN - 1;
+    CHECK(fp9_synth_check(&bad, NULL, 0) == FP9_EINVAL, "prescale_log2 below the range accepted");
+    duck_pool_destroy(pool);
+    free(w), free(one), free(many);
+}
+
 int main(void)
 {
     test_codec();
+    test_synth();
     test_kernels_agree(duck_kernels_ref());
     const duck_kernels *avx2 = duck_kernels_avx2_variant(0);
     if (avx2) {

@@ -10,7 +10,7 @@ _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_MAX_TOPK
-WIRE_UPLOAD_PART_MAX WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
+WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK
 """.split()
@@ -18,7 +18,7 @@ DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK
 CDEF = "\n".join(f"#define {name} ..." for name in _CONSTANTS) + """
 enum wire_type { WIRE_T_HELLO, WIRE_T_PING, WIRE_T_STATS, WIRE_T_CACHE_QUERY, WIRE_T_CACHE_INVALIDATE,
                  WIRE_T_UPLOAD, WIRE_T_SESSION_OPEN, WIRE_T_LAYER_PLAN, WIRE_T_SESSION_CLOSE, WIRE_T_FORWARD,
-                 WIRE_T_SHUTDOWN, WIRE_T_RESEND, WIRE_T_NACK, WIRE_T_COUNT, ... };
+                 WIRE_T_SHUTDOWN, WIRE_T_RESEND, WIRE_T_NACK, WIRE_T_SYNTH, WIRE_T_COUNT, ... };
 enum wire_status { WIRE_OK, WIRE_E_MALFORMED, WIRE_E_UNSUPPORTED, WIRE_E_NO_SESSION, WIRE_E_UNKNOWN_LAYER,
                    WIRE_E_UNKNOWN_DIGEST, WIRE_E_CACHE_FULL, WIRE_E_HASH_MISMATCH, WIRE_E_BAD_TENSOR,
                    WIRE_E_RANGE, WIRE_E_BUSY, WIRE_E_NOMEM, WIRE_E_IO, ... };
@@ -45,6 +45,9 @@ typedef struct wire_stats {
 typedef struct wire_invalidate { uint32_t flags; uint8_t digest[...]; ...; } wire_invalidate;
 typedef struct wire_upload { uint8_t digest[...]; uint64_t total; uint64_t offset; uint32_t len; ...; } wire_upload;
 typedef struct wire_upload_reply { uint64_t have; uint32_t complete; ...; } wire_upload_reply;
+typedef struct wire_synth { uint32_t count; ...; } wire_synth;
+typedef struct wire_synth_entry { fp9_synth_desc desc; uint8_t digest[...]; ...; } wire_synth_entry;
+typedef struct wire_synth_reply { uint32_t created; uint32_t present; uint64_t bytes_created; ...; } wire_synth_reply;
 typedef struct wire_session_open { uint32_t hidden; uint32_t flags; ...; } wire_session_open;
 typedef struct wire_layer_plan { uint32_t layer; uint32_t n_experts; uint32_t hidden; ...; } wire_layer_plan;
 typedef struct wire_forward { uint32_t layer; uint16_t ntok; uint8_t topk; uint8_t x_dtype; uint32_t hidden; ...; }
@@ -56,6 +59,7 @@ typedef struct wire_key { uint8_t bytes[...]; uint32_t len; ...; } wire_key;
 
 uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);
 void wire_digest(const void *data, size_t len, uint8_t *out);
+void wire_synth_digest(const fp9_synth_desc *d, uint8_t *out);
 void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t *out);
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len, const wire_key *key, int with_mac,
                  uint8_t *out);

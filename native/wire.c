@@ -181,6 +181,15 @@ void wire_digest(const void *data, size_t len, uint8_t out[WIRE_DIGEST_BYTES])
     b2_final(&s, out);
 }
 
+void wire_synth_digest(const fp9_synth_desc *d, uint8_t out[WIRE_DIGEST_BYTES])
+{
+    blake2b_state s;
+    b2_init(&s, WIRE_DIGEST_BYTES, NULL, 0);
+    b2_update(&s, WIRE_SYNTH_TAG, sizeof WIRE_SYNTH_TAG - 1);
+    b2_update(&s, d, sizeof *d);
+    b2_final(&s, out);
+}
+
 void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len,
               uint8_t out[WIRE_MAC_BYTES])
 {
@@ -285,6 +294,6 @@ const char *wire_type_str(unsigned type)
 {
     static const char *const names[WIRE_T_COUNT] = {
         "invalid", "hello", "ping", "stats", "cache_query", "cache_invalidate", "upload",
-        "session_open", "layer_plan", "session_close", "forward", "shutdown", "resend", "nack"};
+        "session_open", "layer_plan", "session_close", "forward", "shutdown", "resend", "nack", "synth"};
     return type < WIRE_T_COUNT ? names[type] : "unknown";
 }

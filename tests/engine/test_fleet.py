@@ -38,3 +38,35 @@ def test_fleet_matches_local_fp9_and_agrees_with_fp32(kind, tiny_checkpoint, rep
         assert agree >= FP9_MIN_TOP1_AGREEMENT
     finally:
         fleet.ffn.close()
+
+
+def test_synthetic_layers_are_made_by_the_ducks(caplog):
+    """load_synthetic_layer: no torch weights; the ducks generate the slices at
+    finish_loading, and the forward equals the local fp9 reference on the same
+    tensors generated here."""
+    import numpy as np
+    import torch
+
+    from native.kernels import ExpertSlice, MoeSlice
+
+    hidden, inter, n_experts = 256, 200, 4
+    ffn = FleetFfn(local_ducks=2)
+    try:
+        for index in (0, 3):
+            ffn.load_synthetic_layer(index, n_experts, hidden, inter, seed=11)
+        with caplog.at_level("INFO"):
+            ffn.finish_loading()
+        assert "32 synthesized" in caplog.text
+        assert ffn.layers[0][0][0].gate_up.digest() != ffn.layers[3][0][0].gate_up.digest()
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, hidden, generator=gen)
+        ids = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(5)])
+        w = torch.rand(5, 2, generator=gen)
+        for index in (0, 3):
+            y = ffn.forward(index, x, ids, w).numpy()
+            ref = sum(MoeSlice([ExpertSlice(e.gate_up.materialize(), e.down.materialize()) for e in slices],
+                               hidden).forward(x.numpy(), ids.numpy(), w.numpy()) for slices in ffn.layers[index])
+            assert np.isfinite(y).all() and np.abs(ref).max() > 0
+            assert np.abs(y - ref).max() <= FLEET_VS_FP9_RTOL * np.abs(ref).max()
+    finally:
+        ffn.close()

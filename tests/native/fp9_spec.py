@@ -64,3 +64,44 @@ def e4m3_value(code: int) -> float:
         return float("nan")
     v = np.ldexp(m / 8.0, -6) if e == 0 else np.ldexp(1 + m / 8.0, e - 7)
     return -v if s else v
+
+
+# --- synthetic tensors (docs/fp9.md section 8) ----------------------------
+
+SYNTH_TAG = b"duck-synth-v1"
+M64 = (1 << 64) - 1
+
+
+def synth_descriptor(rows, cols, seed, live_rows, live_cols, prescale_log2) -> bytes:
+    return struct.pack("<IIIIIiQ", 1, rows, cols, live_rows, live_cols, prescale_log2, seed)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def synth(rows, cols, seed, live_rows, live_cols, prescale_log2) -> bytes:
+    """The serialized synthetic tensor of a descriptor, as section 8 says."""
+    pairs, groups = -(-rows // 2), -(-cols // GROUP)
+    key = int(_mix(np.array([seed], dtype=np.uint64))[0])
+    b = np.arange(pairs * groups, dtype=np.uint64).reshape(pairs, groups)                   # [P, G]
+    counters = np.uint64(18) * b[..., None] + np.arange(1, 19, dtype=np.uint64)             # [P, G, 18]
+    words = _mix(np.uint64(key) + np.uint64(0x9E3779B97F4A7C15) * counters)                  # [P, G, 18]
+    signs = np.unpackbits(words[..., :2].copy().view(np.uint8), bitorder="little")          # bit c of word r
+    signs = signs.reshape(pairs, groups, 2, GROUP).astype(bool)                             # [P, G, 2, 64]
+    mags = (words[..., 2:].copy().view(np.uint8) & 0x1F) | 0xE0                              # byte i of word j
+    mags = mags.reshape(pairs, groups, 2, GROUP)                                            # [P, G, 2, 64]
+    row = 2 * np.arange(pairs)[:, None, None, None] + np.arange(2)[None, None, :, None]
+    col = GROUP * np.arange(groups)[None, :, None, None] + np.arange(GROUP)[None, None, None, :]
+    live = (row < live_rows) & (col < live_cols)                                            # [P, G, 2, 64]
+    mags = np.where(live, mags, 0).astype(np.uint8)
+    signs = signs & live
+    out = [struct.pack("<IHHIIf44x", MAGIC, 1, 0, rows, cols, 2.0 ** prescale_log2)]
+    for g0 in range(0, groups, PANEL_GROUPS):
+        for pair in range(pairs):
+            for g in range(g0, min(groups, g0 + PANEL_GROUPS)):
+                out.append(np.packbits(signs[pair, g], axis=-1, bitorder="little").tobytes())
+                out.append(mags[pair, g].tobytes())
+    return b"".join(out)

@@ -3,7 +3,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["fp9_codec.c", "kernels_ref.c", "kernels_avx2.c", "kernels.c", "pool.c", "ffn.c", "test_native.c"]
+SOURCES = ["fp9_codec.c", "fp9_synth.c", "kernels_ref.c", "kernels_avx2.c", "kernels.c", "pool.c", "ffn.c", "test_native.c"]
 
 
 def test_native_c_tests_pass_under_sanitizers(tmp_path):
