@@ -129,10 +129,7 @@ class ModelHost:
 
         path = default_model_path() if self.cfg.path == "default" else Path(self.cfg.path).expanduser()
         self.name = path.name
-        device = self.cfg.device
-        if device == "auto":
-            import torch
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self.cfg.device   # "auto": engine.gpu.device decides (CUDA when present, unless DUCK_GPU=0)
         backend = self.cfg.backend
         if backend == "fleet":
             from engine.config import ModelConfig  # noqa: F401  (layer count for progress)

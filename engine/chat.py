@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key-file", default=None, help="fleet: the ducks' shared key file")
     ap.add_argument("--local-ducks", type=int, default=4, help="fleet without --ducks: start this many local ducks")
     ap.add_argument("--multiple-of", type=int, default=64, help="fleet: tensor-parallel slice granularity")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present, unless DUCK_GPU=0), cpu or cuda[:n]")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--system", default=None, help="system prompt (default: the template's own)")
     ap.add_argument("--max-tokens", type=int, default=512)

@@ -78,33 +78,60 @@ class FfnBackend(abc.ABC):
 
 def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
-    """The reference: x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype."""
+    """The reference: x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype.
+    The routing is read to the host once (one sync), then each chosen expert runs on
+    its tokens; a single token needs no gathers."""
     if len(experts) == 1:
         e = experts[0]
         y = F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down)   # [T, H]
         return y * weights.sum(-1, keepdim=True).to(y.dtype)                   # ids are all 0
+    t, k = ids.shape
+    routing = torch.cat((ids.to(torch.float64), weights.to(torch.float64)), 1).tolist()   # [T, 2k], one sync
+    if t == 1:
+        out = None
+        for e_id, w in zip(routing[0][:k], routing[0][k:]):
+            e = experts[int(e_id)]
+            y = F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down) * w   # [1, H]
+            out = y if out is None else out + y
+        return out.to(x.dtype)
+    chosen: dict[int, list[tuple[int, float]]] = {}
+    for tok, row in enumerate(routing):
+        for e_id, w in zip(row[:k], row[k:]):
+            chosen.setdefault(int(e_id), []).append((tok, w))
     out = torch.zeros_like(x)
-    hit = F.one_hot(ids, num_classes=len(experts)).permute(2, 1, 0)  # [E, k, T]
-    for e_id in torch.nonzero(hit.sum(dim=(1, 2)) > 0).flatten().tolist():
-        slot, tok = torch.where(hit[e_id])                           # [n], [n]
-        e, xs = experts[e_id], x[tok]                                # [n, H]
-        y = F.linear(F.silu(F.linear(xs, e.gate)) * F.linear(xs, e.up), e.down)  # [n, H]
-        out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+    for e_id in sorted(chosen):
+        toks = torch.tensor([tok for tok, _ in chosen[e_id]], device=x.device)            # [n]
+        ws = torch.tensor([w for _, w in chosen[e_id]], device=x.device, dtype=x.dtype)   # [n]
+        e, xs = experts[e_id], x[toks]                                                    # [n, H]
+        y = F.linear(F.silu(F.linear(xs, e.gate)) * F.linear(xs, e.up), e.down)           # [n, H]
+        out.index_add_(0, toks, (y * ws[:, None]).to(out.dtype))
     return out
 
 
 class TorchFfn(FfnBackend):
-    """Reference backend: the model's own tensors, in its dtype, on its device."""
+    """Reference backend: the model's own tensors, in its dtype, on its device; with
+    device given, the experts live there and activations travel to it and back
+    (device="cpu" under a GPU model: the naive torch CPU offload)."""
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str | None = None):
         self.layers: dict[int, list[ExpertWeights]] = {}
+        self.device = torch.device(device) if device is not None else None
 
     def load_layer(self, layer: FfnLayer) -> None:
-        self.layers[layer.index] = layer.experts
+        experts = layer.experts
+        if self.device is not None:
+            experts = [ExpertWeights(e.gate.to(self.device), e.up.to(self.device), e.down.to(self.device))
+                       for e in experts]
+        self.layers[layer.index] = experts
 
     def forward(self, layer, x, ids, weights):
-        return torch_experts_forward(self.layers[layer], x, ids, weights)
+        dtype = self.layers[layer][0].gate.dtype
+        if self.device is None or (x.device == self.device and x.dtype == dtype):
+            return torch_experts_forward(self.layers[layer], x, ids, weights)
+        y = torch_experts_forward(self.layers[layer], x.to(self.device, dtype), ids.to(self.device),
+                                  weights.to(self.device, dtype))
+        return y.to(x.device, x.dtype)
 
 
 def _to_fp9(w: torch.Tensor, what: str):

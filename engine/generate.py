@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -115,7 +115,8 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
     eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
-    cache = model.make_cache(max_model_len)
+    decoder = cuda_decoder(model, max_model_len)   # None on the CPU: a cache of this request, eager steps
+    cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
     stream = StreamDecoder(tokenizer)
     hold = max((len(s) for s in params.stop), default=1) - 1
     out_ids: list[int] = []
@@ -123,34 +124,39 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     text, emitted, finish = "", 0, "length"
 
     start = time.perf_counter()
-    ids = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
-    positions = torch.arange(len(prompt_ids), device=device)
+    step_device = "cpu" if decoder is not None else device   # the decoder takes host ids and positions
+    ids = torch.tensor(prompt_ids, dtype=torch.int64, device=step_device)
+    positions = torch.arange(len(prompt_ids), device=step_device)
     ttft = 0.0
-    while True:
-        hidden = model(ids, positions, cache)
-        logits = model.compute_logits(hidden[-1:])[0]       # [V]
-        if keep_logits:
-            logits_kept.append(logits.float().cpu())
-        token = sample(logits, params, generator)
-        if not out_ids:
-            ttft = time.perf_counter() - start
-        out_ids.append(token)
-        if token in eos:
-            finish = "eos"
-            break
-        text += stream.push(token)
-        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], "stop"
-            break
-        if on_text and len(text) - hold > emitted:
-            on_text(text[emitted:len(text) - hold])
-            emitted = len(text) - hold
-        pos = int(positions[-1]) + 1
-        if len(out_ids) >= params.max_tokens or pos >= max_model_len:
-            break
-        ids = torch.tensor([token], dtype=torch.int64, device=device)
-        positions = torch.tensor([pos], device=device)
+    try:
+        while True:
+            hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
+            logits = model.compute_logits(hidden[-1:])[0]       # [V]
+            if keep_logits:
+                logits_kept.append(logits.float().cpu())
+            token = sample(logits, params, generator)
+            if not out_ids:
+                ttft = time.perf_counter() - start
+            out_ids.append(token)
+            if token in eos:
+                finish = "eos"
+                break
+            text += stream.push(token)
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            if on_text and len(text) - hold > emitted:
+                on_text(text[emitted:len(text) - hold])
+                emitted = len(text) - hold
+            pos = int(positions[-1]) + 1
+            if len(out_ids) >= params.max_tokens or pos >= max_model_len:
+                break
+            ids = torch.tensor([token], dtype=torch.int64, device=step_device)
+            positions = torch.tensor([pos], device=step_device)
+    finally:
+        if decoder is not None:
+            decoder.release()
     elapsed = time.perf_counter() - start
     if finish != "stop":
         body = out_ids[:-1] if finish == "eos" else out_ids
@@ -160,6 +166,16 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     stats = GenerationStats(len(prompt_ids), len(out_ids), elapsed, ttft)
     log.info("%s", stats)
     return GenerationResult(out_ids, text, finish, stats, logits_kept)
+
+
+def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):
+    """engine.gpu.decode's decoder when the model is on CUDA: the cache reused across
+    requests, steps of the sizes in `steps` replayed from CUDA graphs; None on the CPU,
+    with graphs off (DUCK_CUDA_GRAPHS=0) or while another request holds it."""
+    if model.model.embed_tokens.weight.device.type != "cuda":
+        return None
+    from engine.gpu.decode import cuda_decoder as decoder_for
+    return decoder_for(model, max_model_len, steps)
 
 
 @torch.inference_mode()

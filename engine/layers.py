@@ -4,6 +4,8 @@ one sequence, T tokens at a time."""
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+
+
+class _DecodeMode(threading.local):
+    static: bool = False
+
+
+_mode = _DecodeMode()
+
+
+@contextmanager
+def static_decode():
+    """Within (on this thread), attention covers the whole static cache under a mask
+    built on the device from the positions: fixed shapes and no host sync, what a
+    CUDA-graph capture needs. Exact: a masked slot gets zero weight, and unused slots
+    hold finite values (zeros, or keys of an earlier request). The host-side checks
+    (positions within the cache, linear-attention continuity) are then the caller's."""
+    before = _mode.static
+    _mode.static = True
+    try:
+        yield
+    finally:
+        _mode.static = before
+
+
+def static_decode_active() -> bool:
+    return _mode.static
 
 
 class RMSNorm(nn.Module):
@@ -90,8 +118,9 @@ class KVCache:
 def cached_attention(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, scale: float) -> torch.Tensor:
     """Writes k, v [T, KVH, D] at positions, attends q [T, H, D] causally over the
-    cache up to the last position; returns [T, H * D]."""
-    end = int(positions[-1]) + 1
+    cache up to the last position (static_decode: over all of it, masked); returns [T, H * D]."""
+    static = _mode.static
+    end = cache.max_model_len if static else int(positions[-1]) + 1
     if end > cache.max_model_len:
         raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
     cache.k[layer].index_copy_(0, positions, k)
@@ -99,7 +128,7 @@ def cached_attention(layer: int, cache: KVCache, positions: torch.Tensor, q: tor
     keys = cache.k[layer, :end].transpose(0, 1)     # [KVH, S, D]
     values = cache.v[layer, :end].transpose(0, 1)   # [KVH, S, D]
     mask = None
-    if q.shape[0] > 1:
+    if q.shape[0] > 1 or static:
         mask = positions[:, None] >= torch.arange(end, device=q.device)[None, :]  # [T, S]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=True)  # [H, T, D]

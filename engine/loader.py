@@ -11,6 +11,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.ffn import FfnBackend, Fp9Ffn, TorchFfn, install
+from engine.gpu.device import place_on_device, resolve_device
+from engine.gpu.pinned import pin_host_backend, runs_on_host
 from engine.models import model_class
 from engine.tokenizer import Tokenizer
 from engine.weights import SafetensorsCheckpoint, load_weights
@@ -64,12 +66,17 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
     return table[name]
 
 
-def load_model(path: str | Path = "default", *, device: str | torch.device = "cpu",
+def load_model(path: str | Path = "default", *, device: str | torch.device | None = "auto", gpu: str | bool = "auto",
                dtype: str | torch.dtype = "float32", backend: str | FfnBackend = "torch",
                backend_options: dict | None = None, chat_template: str | None = None) -> LoadedModel:
     """Loads a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a
     .gguf file ('default': SmolLM2-135M-Instruct), weights copied tensor by tensor
-    into a model built without memory, then hands the FFNs to backend."""
+    into a model built without memory, then hands the FFNs to backend.
+    device: where the host part runs; 'auto' is CUDA when present unless gpu='off' or
+    DUCK_GPU=0 (engine.gpu.device). On a GPU the model is loaded on the CPU, the FFNs
+    handed over, then the rest moved; a host-side backend keeps the expert tensors
+    and is called through pinned buffers (engine.gpu.pinned)."""
+    device = resolve_device(device, gpu)
     path = default_model_path() if str(path) == "default" else Path(path)
     if path.is_file() and path.suffix == ".gguf":
         from engine.gguf_file import GgufCheckpoint
@@ -88,11 +95,14 @@ def load_model(path: str | Path = "default", *, device: str | torch.device = "cp
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device="cpu").to(dtype)
     model.tie_weights()  # to_empty makes new parameters; share them again
     load_weights(model, ckpt, model.weight_spec())
     model.eval().requires_grad_(False)
     ffn = install(model, make_backend(backend, **(backend_options or {})))
+    if device.type != "cpu":
+        place_on_device(model, device, keep_experts=runs_on_host(ffn))
+        pin_host_backend(model, ffn)
     log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
              config.num_hidden_layers, device, dtype, ffn.name)
     return LoadedModel(model, tokenizer, config, ffn)

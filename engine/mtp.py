@@ -11,16 +11,33 @@ main model's next token comes for free. A rejected draft's cache entry is
 simply overwritten by the next step (the caches are static, indexed by position).
 The MTP layer reads (main hidden state at i, embedding of token i+1) and drafts
 token i+2; it keeps its own layer of the cache.
+
+overlap="lanes" runs the verification pair as two lanes (engine.lanes): the
+host computes the draft's attention while the ducks compute the token's FFN,
+layer by layer; same result, the FFNs streamed per token instead of once.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from engine.generate import GenerationResult, GenerationStats, SamplingParams, sampling_probs
+from engine.generate import (
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    cuda_decoder,
+    sampling_probs,
+)
+from engine.lanes import (
+    EagerLane,
+    FfnWorker,
+    StepTrace,
+    route_through_lanes,
+    run_two_lanes,
+)
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,10 +84,14 @@ class _Output:
 
 @torch.inference_mode()
 def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-                 on_text: Callable[[str], None] | None = None, max_model_len: int | None = None) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
+                 overlap: str = "batch", trace: StepTrace | None = None) -> GenerationResult:
     """generate() with MTP1 drafts: token-identical to generate() when greedy, the same
-    distribution when sampling; fewer main-model steps either way."""
+    distribution when sampling; fewer main-model steps either way. overlap: "batch"
+    (the pair in one forward) or "lanes" (the dual lane); trace collects the pair steps' times."""
     params = params or SamplingParams()
+    if overlap not in ("batch", "lanes"):
+        raise ValueError(f"overlap must be 'batch' or 'lanes', got {overlap!r}")
     layers = getattr(model, "mtp_layers", None)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no MTP layer (num_nextn_predict_layers=0, or the checkpoint "
@@ -84,8 +105,28 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
         raise ValueError(f"prompt of {n} tokens does not fit max_model_len={max_model_len}")
     device = model.model.embed_tokens.weight.device
     embed = model.model.embed_tokens
-    cache = model.make_cache(max_model_len)
+    decoder = cuda_decoder(model, max_model_len, steps=(2,) if overlap == "batch" else ())
+    cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
+    forward = decoder if decoder is not None else (lambda ids, positions: model(ids, positions, cache))
     out = _Output(tokenizer, params, on_text)
+    lanes = None
+    try:
+        if overlap == "lanes":
+            backend = route_through_lanes(model).backend
+            pair = ((decoder.lane(1, "a"), decoder.lane(1, "b")) if decoder is not None
+                    else (EagerLane(model, cache, "lane-a"), EagerLane(model, cache, "lane-b")))
+            lanes = (*pair, FfnWorker(backend))
+        return _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward)
+    finally:
+        for part in lanes or ():
+            if isinstance(part, (EagerLane, FfnWorker)):   # the decoder keeps its graph lanes
+                part.close()
+        if decoder is not None:
+            decoder.release()
+
+
+def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward):
+    n = len(prompt_ids)
     accepted = verified = 0
     greedy = params.temperature == 0.0
     gen = None if greedy else torch.Generator(device=device)
@@ -112,7 +153,15 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
         pair = pos + 1 < max_model_len
         ids = [token, draft] if pair else [token]
         positions = torch.arange(pos, pos + len(ids), device=device)
-        hidden = model(torch.tensor(ids, device=device), positions, cache)          # [1 or 2, H]
+        step_ids = torch.tensor(ids, device=device)
+        if pair and lanes is not None:
+            hidden = run_two_lanes(lanes[0], lanes[1], lanes[2], step_ids, positions, trace)   # [2, H]
+        elif pair and trace is not None:
+            t0 = time.perf_counter()
+            hidden = forward(step_ids, positions)
+            trace.wall += time.perf_counter() - t0
+        else:
+            hidden = forward(step_ids, positions)                                    # [1 or 2, H]
         logits = model.compute_logits(hidden)                                        # [1 or 2, V]
         p = dist(logits[0])
         if not pair:

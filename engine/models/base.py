@@ -120,8 +120,11 @@ class CausalLM(nn.Module):
         p = self.model.embed_tokens.weight
         return KVCache.allocate(self.config, max_model_len, p.dtype, p.device)
 
+    def ffn_modules(self):
+        """Every module whose FFN a backend runs (its .ffn is the backend)."""
+        return [m for m in self.modules() if hasattr(m, "ffn_layer") and m.layer_idx >= 0]
+
     def ffn_layers(self):
-        """(module, FfnLayer) for every FFN the backends may take over."""
-        for m in self.modules():
-            if hasattr(m, "ffn_layer") and m.layer_idx >= 0:
-                yield m, m.ffn_layer()
+        """(module, FfnLayer) for every FFN the backends may take over (needs the weights)."""
+        for m in self.ffn_modules():
+            yield m, m.ffn_layer()

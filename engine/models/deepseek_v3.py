@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.layers import RMSNorm
+from engine.layers import RMSNorm, static_decode_active
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts
 from engine.weights import WeightSpec
 
@@ -204,7 +204,8 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_rope = q.view(t, self.num_heads, -1).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)  # [T, R], [T, r]
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope[:, None, :])             # [T, H, r], [T, 1, r]
-        end = int(positions[-1]) + 1
+        # static_decode: the whole cache under the mask below (make_cache kept it within index_topk)
+        end = cache.max_model_len if static_decode_active() else int(positions[-1]) + 1
         if end > cache.max_model_len:
             raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
         if a.index_topk and end > a.index_topk:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.layers import KVCache, cached_attention
+from engine.layers import KVCache, cached_attention, static_decode_active
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
 from engine.weights import WeightSpec
 
@@ -159,7 +159,7 @@ class HybridCache:
     conv: torch.Tensor
     recurrent: torch.Tensor
     slot: dict[int, int]    # decoder layer -> index in kv (full) or conv/recurrent (linear)
-    length: int = 0         # tokens the linear-attention states have consumed
+    consumed: list[int] | None = None   # per linear-attention slot: tokens its states have consumed
 
     @classmethod
     def allocate(cls, config: ModelConfig, s: HybridSettings, max_model_len: int, dtype, device) -> "HybridCache":
@@ -203,9 +203,15 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         s, t, slot = self.s, x.shape[0], cache.slot[self.layer_idx]
-        if int(positions[0]) != cache.length:
-            raise ValueError(f"layer {self.layer_idx}: linear attention continues at token {cache.length}, "
-                             f"got position {int(positions[0])}; its state cannot rewind (use a fresh cache)")
+        static = static_decode_active()   # no host sync: whoever runs static decode keeps cache.consumed
+        if not static:
+            if cache.consumed is None:
+                cache.consumed = [0] * cache.conv.shape[0]
+            if int(positions[0]) != cache.consumed[slot]:
+                raise ValueError(f"layer {self.layer_idx}: linear attention continues at token "
+                                 f"{cache.consumed[slot]}, got position {int(positions[0])}; its state cannot "
+                                 f"rewind (use a fresh cache)")
+            cache.consumed[slot] = int(positions[-1]) + 1
         mixed = torch.cat((cache.conv[slot], self.in_proj_qkv(x).T), dim=-1)      # [C, K-1+T]
         cache.conv[slot] = mixed[:, mixed.shape[1] - (s.conv_kernel - 1):]
         mixed = F.silu(F.conv1d(mixed[None], self.conv1d.weight, groups=mixed.shape[0]))[0].T  # [T, C]
@@ -218,7 +224,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         k = _l2norm(k)
         beta = self.in_proj_b(x).float().sigmoid().T                               # [Hv, T]
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).T  # [Hv, T]
-        rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
+        rule = gated_delta_recurrent if t == 1 or static else gated_delta_chunked   # static: a few tokens
         out, cache.recurrent[slot] = rule(q, k, v, g, beta, cache.recurrent[slot])
         z = self.in_proj_z(x).reshape(t, s.num_v_heads, s.head_v_dim)
         out = self.norm(out.transpose(0, 1).to(x.dtype), z)                         # [T, Hv, Dv]
@@ -317,7 +323,6 @@ class Qwen3_5TextModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         for layer in self.layers:
             x = layer(x, positions, cache)
-        cache.length = int(positions[-1]) + 1
         return self.norm(x)
 
 

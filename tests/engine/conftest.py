@@ -2,6 +2,8 @@
 and a report of measured agreements printed at the end of the run."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,6 +23,20 @@ TINY = {
 }
 
 _REPORT: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _host_part_on_the_cpu():
+    """This suite is the CPU path (its models take host tensors and are compared with
+    transformers on the CPU): load_model's automatic device choice stays off the GPU
+    even on a host with CUDA. tests/gpu covers the CUDA path."""
+    before = os.environ.get("DUCK_GPU")
+    os.environ["DUCK_GPU"] = "0"
+    yield
+    if before is None:
+        os.environ.pop("DUCK_GPU", None)
+    else:
+        os.environ["DUCK_GPU"] = before
 
 
 @pytest.fixture(scope="session")

@@ -122,3 +122,34 @@ def test_sampled_mtp_keeps_the_output_distribution(mtp_checkpoint, report):
            f"accept=1 {accepted}/{verified}")
     assert 0 < accepted < verified                       # both branches of the test ran
     assert tv <= MAX_TOTAL_VARIATION, (tv, plain, spec)
+
+
+def test_dual_lane_mtp_is_token_identical_and_overlaps(mtp_checkpoint, report):
+    """overlap="lanes": the pair runs as two lanes through the fleet, each token's FFN
+    a call of its own (1 token), the output identical to plain greedy."""
+    from engine.lanes import StepTrace
+
+    lm = load_model(mtp_checkpoint, backend=FleetFfn(local_ducks=2))
+    try:
+        calls = []
+        forward = lm.ffn.forward
+        lm.ffn.forward = lambda layer, x, ids, w: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w)
+        prompt = _prompt(SEEDS[0])
+        params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+        plain = generate(lm.model, lm.tokenizer, prompt, params)
+        calls.clear()
+        trace = StepTrace()
+        spec = generate_mtp(lm.model, lm.tokenizer, prompt, params, overlap="lanes", trace=trace)
+        assert spec.token_ids == plain.token_ids
+        a, v = spec.stats.mtp
+        main_layers = TINY_DS[KIND]["num_hidden_layers"]
+        last = [t for layer, t in calls if layer == main_layers - 1]
+        assert last.count(1) == 2 * v and last.count(7) == 1     # per-token calls; prefill of 7 tokens once
+        assert trace.calls == 2 * v * main_layers and trace.wall > 0
+        report(f"tiny {KIND} + MTP1 dual lane (fleet): greedy identical, accept=1 {a}/{v}, "
+               f"host {trace.host * 1e3:.1f} ms / FFN {trace.ffn * 1e3:.1f} ms / waited {trace.ffn_wait * 1e3:.1f} ms "
+               f"of {trace.wall * 1e3:.1f} ms")
+        with pytest.raises(ValueError, match="overlap must be"):
+            generate_mtp(lm.model, lm.tokenizer, prompt, params, overlap="both")
+    finally:
+        lm.ffn.close()

@@ -1,0 +1,8 @@
+"""engine.gpu: the GPU host's fast path. Each Triton kernel here comes with a torch
+reference beside it and a CPU test under TRITON_INTERPRET=1.
+
+    fp8.py   fp8 e4m3 block-scale (128x128) linear: Fp8Linear keeps fp8 checkpoints
+             fp8 in GPU memory; fp8_linears_from_checkpoint swaps a model's projections
+
+Triton is optional: without it the modules import and run their torch references.
+"""

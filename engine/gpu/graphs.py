@@ -1,0 +1,432 @@
+"""CUDA-graph decode ("flattened decode"): one graph replay for the GPU part of a
+layer, the duck call, the next replay.
+
+    lane = GraphLane(model, cache, tokens=1)
+    req = lane.start(ids, positions)    # inputs into static buffers, replay graph 0 -> layer 0's FFN call
+    while req is not None:
+        y = backend.forward(req.layer, req.x, req.ids, req.weights)
+        req = lane.resume(y)            # y into the static buffer graph i+1 reads, replay it
+    lane.hidden                         # [T, H], valid until the next start()
+
+A GraphLane is a lane of engine.lanes (run_lane and run_two_lanes drive it as they
+drive an EagerLane). Capture: the model's forward runs once under static_decode()
+(fixed shapes, no host sync) on the lane's stream, with its FFN calls routed to
+the lane (engine.lanes.calls_to). Each call ends the graph being captured, keeps
+the call's x / ids / weights (static tensors: every replay rewrites them), hands
+the model a static y buffer and begins the next graph; the last graph ends with
+the final norm. All graphs of a lane share one memory pool: tensors that live
+across a call (the residual stream) stay allocated, and the graphs always replay
+in capture order. Each lane has its own pool and stream, so two lanes can
+interleave (the dual lane). The KV / latent / conv / recurrent caches are static
+tensors the graphs write in place.
+
+Every start() / resume() returns once its replay is done (an event wait): the
+request's tensors are then final whichever thread or stream reads them, and the
+host would wait for them anyway. With a host-side backend (host_io) the request
+carries pinned host copies of x / ids / weights, made right after the replay, and
+y goes back through a pinned buffer before the next replay.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from engine.gpu.pinned import HostStaging, runs_on_host
+from engine.lanes import EagerLane, FfnRequest, calls_to, route_through_lanes, run_lane
+from engine.layers import KVCache, static_decode
+
+log = logging.getLogger(__name__)
+
+WARMUP_FORWARDS = 2       # eager forwards on the lane's stream before capture (lazy CUDA state, cuBLAS workspaces)
+
+
+# -- what a cache holds -----------------------------------------------------------------
+def _cache_parts(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(per-position tensors [layers, S, ...], per-sequence state tensors) of a cache."""
+    from engine.models.deepseek_v3 import MlaCache
+    from engine.models.qwen3_5 import HybridCache
+
+    if isinstance(cache, KVCache):
+        return [cache.k, cache.v], []
+    if isinstance(cache, MlaCache):
+        return [cache.latent, cache.k_rope], []
+    if isinstance(cache, HybridCache):
+        return [cache.kv.k, cache.kv.v], [cache.conv, cache.recurrent]
+    raise TypeError(f"{type(cache).__name__}: not a cache the CUDA-graph path knows (KVCache, MlaCache, HybridCache)")
+
+
+def reset_sequence_state(cache) -> None:
+    """Makes a reused cache ready for a new sequence: the linear-attention states start
+    from zero. Per-position slots need nothing: they are written before they are read,
+    and static attention masks the rest."""
+    for t in _cache_parts(cache)[1]:
+        t.zero_()
+    if hasattr(cache, "consumed"):
+        cache.consumed = None
+
+
+def set_linear_progress(cache, first: int, end: int, who: str) -> None:
+    """The host bookkeeping static decode leaves to its caller: a hybrid cache's
+    linear-attention states must continue at `first`; they then have consumed `end` tokens."""
+    if not hasattr(cache, "consumed"):
+        return
+    n = cache.conv.shape[0]
+    have = cache.consumed or [0] * n
+    if any(c != first for c in have):
+        raise ValueError(f"{who}: linear attention continues at token {sorted(set(have))}, got position {first}; "
+                         f"its state cannot rewind (use a fresh cache)")
+    cache.consumed = [end] * n
+
+
+class _StateGuard:
+    """What a warm-up forward at `positions` writes into a cache, saved to be put back."""
+
+    def __init__(self, cache, positions: torch.Tensor):
+        per_position, state = _cache_parts(cache)
+        self.positions = positions
+        self.slots = [(t, t[:, positions].clone()) for t in per_position]
+        self.state = [(t, t.clone()) for t in state]
+        self.consumed = getattr(cache, "consumed", None)
+        self.cache = cache
+
+    def restore(self) -> None:
+        for t, saved in self.slots:
+            t[:, self.positions] = saved
+        for t, saved in self.state:
+            t.copy_(saved)
+        if hasattr(self.cache, "consumed"):
+            self.cache.consumed = self.consumed
+
+
+# -- capture ------------------------------------------------------------------------------
+class _ZeroFfn:
+    """Warm-up: FFN calls answered with zeros (no backend traffic, no host sync)."""
+
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        return torch.zeros_like(req.x)
+
+
+class _InlineFfn:
+    """A backend that computes on the GPU without host syncs (captures_in_graph): its
+    calls stay inside the graph being captured (and run in the warm-up, which compiles them)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        return self.backend.forward(req.layer, req.x, req.ids, req.weights)
+
+
+def captures_in_graph(backend) -> bool:
+    """Whether backend (looked through wrappers with .backend) may be captured inside a graph."""
+    seen = 0
+    while not getattr(backend, "captures_in_graph", False) and hasattr(backend, "backend") and seen < 16:
+        backend, seen = backend.backend, seen + 1
+    return bool(getattr(backend, "captures_in_graph", False))
+
+
+@dataclass(slots=True)
+class _Segment:
+    graph: torch.cuda.CUDAGraph
+    call: FfnRequest | None    # the FFN call that ends it (static device tensors); None for the last
+    y: torch.Tensor | None     # the static buffer that call's result goes to, read by the next segment
+
+
+class _Capture:
+    """Stands in for the lane while the forward is captured: each FFN call cuts the graph."""
+
+    def __init__(self, pool, inline=None):
+        self.pool, self.inline = pool, inline   # inline: an _InlineFfn, whose calls do not cut the graph
+        self.segments: list[_Segment] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (an EagerLane, the FFN worker) may use CUDA meanwhile
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        if self.inline is not None:
+            return self.inline._ffn_call(req)
+        self.graph.capture_end()
+        y = torch.empty_like(req.x)   # allocated between captures: a plain buffer, alive as long as the lane
+        self.segments.append(_Segment(self.graph, req, y))
+        self.graph = None
+        self.begin()
+        return y
+
+    def end(self) -> list[_Segment]:
+        self.graph.capture_end()
+        self.segments.append(_Segment(self.graph, None, None))
+        self.graph = None
+        return self.segments
+
+    def abort(self) -> None:
+        if self.graph is not None:
+            try:
+                self.graph.capture_end()
+            except RuntimeError as e:   # the capture was already invalidated by the error being raised
+                log.debug("ending an aborted capture: %s", e)
+            self.graph = None
+
+
+class GraphLane:
+    """A decode step of `tokens` tokens over `cache`, captured as CUDA graphs between
+    FFN calls (see the module docstring). host_io: hand out pinned host copies of the
+    FFN inputs (default: when the model's FFN backend computes on the host)."""
+
+    def __init__(self, model, cache, tokens: int = 1, *, name: str = "graph", host_io: bool | None = None,
+                 warmup: int = WARMUP_FORWARDS):
+        device = model.model.embed_tokens.weight.device
+        if device.type != "cuda":
+            raise ValueError(f"GraphLane needs the model on a CUDA device, it is on {device}; "
+                             f"use engine.lanes.EagerLane (or make_lane) there")
+        if tokens < 1:
+            raise ValueError(f"a GraphLane runs at least 1 token per step, got {tokens}")
+        if cache.max_model_len < tokens:
+            raise ValueError(f"a cache of {cache.max_model_len} positions cannot hold a {tokens}-token step")
+        self.model, self.cache, self.tokens, self.name, self.device = model, cache, tokens, name, device
+        proxy = route_through_lanes(model)
+        self.host_io = runs_on_host(proxy.backend) if host_io is None else host_io
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._done = torch.cuda.Event()
+        self._staging: HostStaging | None = None
+        self._inputs = torch.zeros((2, tokens), dtype=torch.int64, pin_memory=True)   # ids, positions
+        self.timing: list | None = None   # a list: (segment, start event, end event) of every replay go there
+        self.hidden: torch.Tensor | None = None
+        self._next: int | None = None     # the segment resume() replays; None: no step in progress
+        with torch.inference_mode():
+            self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+            # warm-up and capture positions: the last slots (the warm-up's writes are put back)
+            self.positions = torch.arange(cache.max_model_len - tokens, cache.max_model_len, device=device)
+            self.segments, self._hidden = self._capture(warmup)
+        log.info("%s: %d-token decode captured as %d CUDA graphs (%d FFN calls), cache of %d positions",
+                 name, tokens, len(self.segments), len(self.segments) - 1, cache.max_model_len)
+
+    def _capture(self, warmup: int) -> tuple[list[_Segment], torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        guard = _StateGuard(self.cache, self.positions)
+        self.stream.wait_stream(current)
+        proxy = route_through_lanes(self.model)
+        inline = _InlineFfn(proxy.backend) if captures_in_graph(proxy.backend) else None
+        capture = _Capture(self.pool, inline)
+        with torch.cuda.stream(self.stream), static_decode():
+            with calls_to(inline or _ZeroFfn()):
+                for _ in range(warmup):
+                    self.model(self.ids, self.positions, self.cache)
+            guard.restore()
+            torch.cuda.synchronize(self.device)   # as torch.cuda.graph does: nothing pending when capture begins
+            capture.begin()
+            try:
+                with calls_to(capture):
+                    hidden = self.model(self.ids, self.positions, self.cache)
+                segments = capture.end()
+            except BaseException:
+                capture.abort()
+                raise
+        current.wait_stream(self.stream)
+        for seg in segments[:-1]:
+            if seg.call.x.shape[0] != self.tokens:
+                raise RuntimeError(f"{self.name}: FFN call of layer {seg.call.layer} has {seg.call.x.shape[0]} "
+                                   f"tokens in a {self.tokens}-token step")
+        return segments, hidden
+
+    # -- the lane protocol ----------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, ids: torch.Tensor, positions: torch.Tensor) -> FfnRequest | None:
+        if self.closed:
+            raise RuntimeError(f"{self.name} is closed: its graphs were freed")
+        pos = positions.tolist()   # a host tensor is the fast path; a device one costs a sync here
+        if len(pos) != self.tokens or ids.shape[0] != self.tokens:
+            raise ValueError(f"{self.name} runs {self.tokens}-token steps, got {ids.shape[0]} ids at positions {pos}")
+        if pos[-1] >= self.cache.max_model_len or pos[0] < 0:
+            raise ValueError(f"position {max(pos)} is beyond the KV cache (max_model_len={self.cache.max_model_len})")
+        set_linear_progress(self.cache, pos[0], pos[-1] + 1, self.name)
+        self.hidden = None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the caller's readers of the last hidden
+        with torch.cuda.stream(self.stream):
+            self._to_static(self.ids, ids, 0)
+            self._to_static(self.positions, positions, 1)
+        self._next = 0
+        return self._replay()
+
+    @torch.inference_mode()
+    def resume(self, y: torch.Tensor) -> FfnRequest | None:
+        if not self._next:
+            raise RuntimeError(f"{self.name}: FFN result given while no FFN call was pending")
+        seg = self.segments[self._next - 1]
+        if tuple(y.shape) != tuple(seg.y.shape):
+            raise ValueError(f"{self.name}: FFN result of layer {seg.call.layer} has shape {tuple(y.shape)}, "
+                             f"expected {tuple(seg.y.shape)}")
+        if y.device.type == "cpu":
+            self._host().to_device(y, seg.y, self.stream)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            y.record_stream(self.stream)
+            with torch.cuda.stream(self.stream):
+                seg.y.copy_(y, non_blocking=True)
+        return self._replay()
+
+    def close(self) -> None:
+        """Frees the graphs and their memory pool."""
+        self.segments, self._hidden, self.hidden, self._next = [], None, None, None
+
+    @property
+    def closed(self) -> bool:
+        return not self.segments
+
+    # -- inside -----------------------------------------------------------------------------
+    def _to_static(self, dst: torch.Tensor, src: torch.Tensor, row: int) -> None:
+        if src.device.type == "cuda":
+            dst.copy_(src, non_blocking=True)
+        else:   # the previous step's copy out of this pinned row finished before that step returned
+            self._inputs[row].copy_(src)
+            dst.copy_(self._inputs[row], non_blocking=True)
+
+    def _host(self) -> HostStaging:
+        if self._staging is None:
+            call = self.segments[0].call
+            self._staging = HostStaging(self.tokens, call.x.shape[1], call.x.dtype, call.ids.dtype,
+                                        call.weights.dtype, self.segments[0].y.dtype)
+        return self._staging
+
+    def _replay(self) -> FfnRequest | None:
+        i = self._next
+        seg = self.segments[i]
+        with torch.cuda.stream(self.stream):
+            if self.timing is not None:
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record(self.stream)
+            seg.graph.replay()
+            if self.timing is not None:
+                t1.record(self.stream)
+                self.timing.append((i, t0, t1))
+        if seg.call is None:
+            self._done.record(self.stream)
+            self._done.synchronize()
+            self._next, self.hidden = None, self._hidden
+            return None
+        self._next = i + 1
+        if self.host_io:
+            c = seg.call
+            return FfnRequest(c.layer, *self._host().to_host(c.x, c.ids, c.weights, self.stream))
+        self._done.record(self.stream)
+        self._done.synchronize()
+        return seg.call
+
+
+def make_lane(model, cache, tokens: int = 1, name: str = "lane", graphs: bool = True):
+    """A GraphLane when the model is on CUDA and graphs are wanted, else an EagerLane:
+    the same driver (run_lane, run_two_lanes) runs either."""
+    if graphs and model.model.embed_tokens.weight.device.type == "cuda":
+        return GraphLane(model, cache, tokens, name=name)
+    return EagerLane(model, cache, name)
+
+
+# -- per-layer GPU stage time, eager vs graphs ----------------------------------------------
+class _EagerTimer:
+    """Eager forward cut at its FFN calls by CUDA events (start of a segment, end of it)."""
+
+    def __init__(self, backend, stream):
+        self.backend, self.stream = backend, stream
+        self.events: list[tuple[int | None, torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: torch.cuda.Event | None = None
+
+    def begin(self, first: bool = True) -> None:
+        if first:
+            self.events.clear()
+        self._open = torch.cuda.Event(enable_timing=True)
+        self._open.record(self.stream)
+
+    def close(self, layer: int | None) -> torch.cuda.Event:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        self.events.append((layer, self._open, end))
+        return end
+
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        self.close(req.layer).synchronize()   # as a real FFN call waits for x: the next stage starts on an idle GPU
+        y = torch.zeros_like(req.x) if self.backend is None else self.backend.forward(
+            req.layer, req.x, req.ids, req.weights)
+        self.begin(first=False)
+        return y
+
+
+def _default_len(model) -> int:
+    n = min(2048, model.config.max_position_embeddings)
+    index_topk = getattr(getattr(model, "args", None), "index_topk", 0)
+    return min(n, index_topk) if index_topk else n
+
+
+@torch.inference_mode()
+def stage_times(model, backend=None, *, steps: int = 20, tokens: int = 1, max_model_len: int | None = None,
+                position: int | None = None) -> dict:
+    """GPU time of each stage (the GPU work between two FFN calls) of a decode step of
+    `tokens` tokens, eager and replayed from CUDA graphs: CUDA events around every stage,
+    median over `steps` steps after one warm step. FFN calls go to backend (zeros when None:
+    the stage times do not depend on them). Eager runs today's attention over the first
+    position + 1 slots, the graphs attend over the whole cache of max_model_len."""
+    device = model.model.embed_tokens.weight.device
+    if device.type != "cuda":
+        raise ValueError(f"stage_times measures CUDA work; the model is on {device}")
+    length = max_model_len or _default_len(model)
+    position = length // 2 if position is None else position
+    if not 0 <= position <= length - tokens:
+        raise ValueError(f"position {position} with {tokens} tokens does not fit max_model_len={length}")
+    cache = model.make_cache(length)
+    route_through_lanes(model)
+    ids = torch.full((tokens,), 2, dtype=torch.int64)
+    positions = torch.arange(position, position + tokens)
+    stream = torch.cuda.current_stream(device)
+    timer = _EagerTimer(backend, stream)
+    eager: list[list[float]] = []
+    layers: list[int | None] = []
+    for step in range(steps + 1):
+        _rewind(cache, position)
+        timer.begin()
+        with calls_to(timer):
+            model(ids.to(device), positions.to(device), cache)
+        timer.close(None)
+        torch.cuda.synchronize(device)
+        if step:
+            eager.append([a.elapsed_time(b) for _, a, b in timer.events])
+        layers = [layer for layer, _, _ in timer.events]
+    lane = GraphLane(model, cache, tokens, name="stage-times")
+    graph: list[list[float]] = []
+    ffn = _ZeroBackend() if backend is None else backend
+    try:
+        for step in range(steps + 1):
+            _rewind(cache, position)
+            lane.timing = []
+            run_lane(lane, ffn, ids, positions)
+            torch.cuda.synchronize(device)
+            if step:
+                graph.append([a.elapsed_time(b) for _, a, b in lane.timing])
+    finally:
+        lane.close()
+    eager_ms = [statistics.median(s) for s in zip(*eager)]
+    graph_ms = [statistics.median(s) for s in zip(*graph)]
+    calls = max(1, len(layers) - 1)
+    return {"tokens": tokens, "max_model_len": length, "position": position, "steps": steps,
+            "segments": [{"ends_at_layer": layer, "eager_ms": e, "graph_ms": g}
+                         for layer, e, g in zip(layers, eager_ms, graph_ms)],
+            "eager_step_ms": sum(eager_ms), "graph_step_ms": sum(graph_ms),
+            "per_layer_eager_ms": sum(eager_ms) / calls, "per_layer_graph_ms": sum(graph_ms) / calls,
+            "speedup": sum(eager_ms) / sum(graph_ms) if sum(graph_ms) > 0 else None}
+
+
+def _rewind(cache, position: int) -> None:
+    """Lets a hybrid cache's linear attention run again from `position` (timing only: the state is not restored)."""
+    if hasattr(cache, "consumed"):
+        cache.consumed = [position] * cache.conv.shape[0]
+
+
+class _ZeroBackend:
+    """Zeros for every FFN call (stage timing without a backend)."""
+
+    def forward(self, layer, x, ids, weights):
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)

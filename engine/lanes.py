@@ -1,0 +1,292 @@
+"""A decode step as segments between FFN calls, and two of them interleaved.
+
+A forward of the model over T tokens alternates host work (norms, attention,
+router, shared experts) with FFN calls (one per layer) that go to the ducks.
+A *lane* exposes that alternation:
+
+    req = lane.start(ids, positions)      # host work up to the first FFN call
+    while req is not None:
+        y = backend.forward(req.layer, req.x, req.ids, req.weights)
+        req = lane.resume(y)              # host work up to the next FFN call
+    lane.hidden                           # [T, H], the model's output
+
+EagerLane runs the unmodified model in a thread of its own and stops it at
+every FFN call (the model's FFN modules call a LaneFfn, which hands the request
+to the lane and waits for the answer); a CUDA-graph lane replays captured
+segments instead (engine.gpu). Only one lane runs host code at a time: the
+caller drives them.
+
+Dual lane (MTP1's verification pair, the seeds' "two-lane overlap"): token A and
+draft B at consecutive positions go through the model as two lanes, B one
+stage behind A. While the ducks compute A's FFN of layer L, the host computes
+B's attention of layer L (it needs A's keys/values of layer L, written when A
+reached that FFN call); while the ducks compute B's FFN of L, the host computes
+A's layer L+1. The result is exactly that of the 2-token forward: the caches
+see the same writes in the same order per layer. What it buys is overlap; what
+it costs, against the 2-token batch forward, is that the ducks stream each
+token's experts separately.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.ffn import FfnBackend, FfnLayer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FfnRequest:
+    layer: int
+    x: torch.Tensor        # [T, H]
+    ids: torch.Tensor      # [T, k]
+    weights: torch.Tensor  # [T, k]
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Where the time of one decode step went (seconds). host: the lanes' host
+    segments; ffn_wait: the host waiting for FFN results it could not overlap;
+    ffn: wall time of the FFN calls themselves; kernel: the slowest duck's
+    kernel time summed over the calls (0 when the backend does not report it)."""
+    wall: float = 0.0
+    host: float = 0.0
+    ffn: float = 0.0
+    ffn_wait: float = 0.0
+    kernel: float = 0.0
+    calls: int = 0
+    per_layer: list = field(default_factory=list)   # (layer, host s, ffn s, kernel s) per call, lane order
+
+    def add(self, other: StepTrace) -> None:
+        for f in ("wall", "host", "ffn", "ffn_wait", "kernel", "calls"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+class _LaneLocal(threading.local):
+    lane: EagerLane | None = None
+
+
+_current = _LaneLocal()
+
+
+@contextmanager
+def calls_to(lane):
+    """Within (on this thread), the model's FFN calls (through LaneFfn) go to
+    lane._ffn_call(FfnRequest) -> y: how a CUDA-graph lane cuts its capture into
+    segments (engine.gpu.graphs); EagerLane's thread sets the same thing itself."""
+    before = _current.lane
+    _current.lane = lane
+    try:
+        yield
+    finally:
+        _current.lane = before
+
+
+class LaneFfn(FfnBackend):
+    """Installed on a model's FFN modules in place of its backend: a call from a
+    lane's thread becomes that lane's request; any other call goes straight to
+    the backend (prefill, plain generate)."""
+    name = "lanes"
+
+    def __init__(self, backend: FfnBackend):
+        self.backend = backend
+
+    def load_layer(self, layer: FfnLayer) -> None:
+        raise RuntimeError("LaneFfn routes calls; load layers into its backend")
+
+    def forward(self, layer, x, ids, weights):
+        lane = _current.lane
+        if lane is None:
+            return self.backend.forward(layer, x, ids, weights)
+        return lane._ffn_call(FfnRequest(layer, x, ids, weights))
+
+
+def route_through_lanes(model) -> LaneFfn:
+    """Puts a LaneFfn in front of the model's FFN backend (idempotent); returns it."""
+    proxy = None
+    for module in model.ffn_modules():
+        if isinstance(module.ffn, LaneFfn):
+            return module.ffn
+        proxy = proxy or LaneFfn(module.ffn)
+        module.ffn = proxy
+    if proxy is None:
+        raise ValueError(f"{type(model).__name__} has no FFN layers to run in lanes")
+    return proxy
+
+
+class EagerLane:
+    """The model's own forward, stopped at each FFN call (see the module docstring).
+    One thread per lane, kept for the lane's life; close() ends it."""
+
+    def __init__(self, model, cache, name: str = "lane"):
+        self.model, self.cache, self.name = model, cache, name
+        route_through_lanes(model)
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()    # to the lane thread: work, or FFN results
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # from it: FfnRequest, ("done",), exception
+        self._thread = threading.Thread(target=self._main, name=f"duck-{name}", daemon=True)
+        self._thread.start()
+        self.hidden: torch.Tensor | None = None
+
+    # -- caller side -------------------------------------------------------------------
+    def start(self, ids: torch.Tensor, positions: torch.Tensor) -> FfnRequest | None:
+        self.hidden = None
+        self._todo.put(("run", ids, positions))
+        return self._next()
+
+    def resume(self, y: torch.Tensor) -> FfnRequest | None:
+        self._todo.put(("y", y))
+        return self._next()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._todo.put(("stop",))
+            self._thread.join(5)
+
+    def _next(self) -> FfnRequest | None:
+        ev = self._events.get()
+        if isinstance(ev, BaseException):
+            raise ev
+        return ev if isinstance(ev, FfnRequest) else None
+
+    # -- lane thread ------------------------------------------------------------------
+    def _main(self) -> None:
+        _current.lane = self
+        while True:
+            job = self._todo.get()
+            if job[0] == "stop":
+                return
+            if job[0] != "run":     # a result nobody asked for: the caller broke the protocol
+                self._events.put(RuntimeError(f"{self.name}: FFN result given while no FFN call was pending"))
+                continue
+            try:
+                with torch.inference_mode():
+                    self.hidden = self.model(job[1], job[2], self.cache)
+                self._events.put(("done",))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+                self._events.put(e)
+
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        self._events.put(req)
+        job = self._todo.get()
+        if job[0] != "y":
+            raise RuntimeError(f"{self.name}: expected the FFN result of layer {req.layer}, got {job[0]!r}")
+        return job[1]
+
+
+class FfnWorker:
+    """One thread that runs FFN calls in submission order, so that the caller's
+    thread can compute while the ducks work (the transport releases the GIL)."""
+
+    def __init__(self, backend: FfnBackend):
+        self.backend = backend
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="duck-ffn-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: FfnRequest) -> Future:
+        fut: Future = Future()
+        self._q.put((req, fut))
+        return fut
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(5)
+
+    def _main(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            req, fut = item
+            t0 = time.perf_counter()
+            k0 = _kernel_us(self.backend)
+            try:
+                y = self.backend.forward(req.layer, req.x, req.ids, req.weights)
+            except BaseException as e:  # noqa: BLE001 - the waiter raises it
+                fut.set_exception(e)
+                continue
+            fut.set_result((y, time.perf_counter() - t0, (_kernel_us(self.backend) - k0) * 1e-6))
+
+
+def _kernel_us(backend: FfnBackend) -> float:
+    """Cumulative kernel microseconds the backend reports (the fleet's slowest duck per call)."""
+    return float(getattr(backend, "kernel_us_total", 0.0))
+
+
+def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tensor,
+             trace: StepTrace | None = None) -> torch.Tensor:
+    """One lane to completion, FFN calls made on this thread; returns lane.hidden."""
+    t_start = time.perf_counter()
+    t = t_start
+    req = lane.start(ids, positions)
+    while req is not None:
+        t1 = time.perf_counter()
+        k0 = _kernel_us(backend)
+        y = backend.forward(req.layer, req.x, req.ids, req.weights)
+        t2 = time.perf_counter()
+        if trace is not None:
+            kern = (_kernel_us(backend) - k0) * 1e-6
+            trace.host += t1 - t
+            trace.ffn += t2 - t1
+            trace.ffn_wait += t2 - t1
+            trace.kernel += kern
+            trace.calls += 1
+            trace.per_layer.append((req.layer, t1 - t, t2 - t1, kern))
+        t = t2
+        req = lane.resume(y)
+    if trace is not None:
+        trace.host += time.perf_counter() - t
+        trace.wall += time.perf_counter() - t_start
+    return lane.hidden
+
+
+def run_two_lanes(lane_a, lane_b, worker: FfnWorker, ids: torch.Tensor, positions: torch.Tensor,
+                  trace: StepTrace | None = None) -> torch.Tensor:
+    """Tokens ids[0] and ids[1] at positions[0] and positions[0] + 1 through two lanes,
+    B one stage behind A, the FFN calls on the worker (see the module docstring).
+    Returns the hidden states [2, H], as the 2-token forward would."""
+    if ids.shape[0] != 2 or positions.shape[0] != 2:
+        raise ValueError(f"two lanes take exactly 2 tokens, got {ids.shape[0]}")
+    t_start = time.perf_counter()
+    host = wait = 0.0
+    pending: list[tuple[object, Future]] = []   # (lane, future) in submission order
+
+    def timed(fn, *args):
+        nonlocal host
+        t0 = time.perf_counter()
+        out = fn(*args)
+        host += time.perf_counter() - t0
+        return out
+
+    def submit(lane, req):
+        if req is not None:
+            pending.append((lane, worker.submit(req)))
+
+    submit(lane_a, timed(lane_a.start, ids[:1], positions[:1]))
+    submit(lane_b, timed(lane_b.start, ids[1:], positions[1:]))
+    ffn = kern = 0.0
+    calls = 0
+    while pending:
+        lane, fut = pending.pop(0)
+        t0 = time.perf_counter()
+        y, dt, kt = fut.result()
+        wait += time.perf_counter() - t0
+        ffn, kern, calls = ffn + dt, kern + kt, calls + 1
+        submit(lane, timed(lane.resume, y))
+    if trace is not None:
+        trace.wall += time.perf_counter() - t_start
+        trace.host += host
+        trace.ffn += ffn
+        trace.ffn_wait += wait
+        trace.kernel += kern
+        trace.calls += calls
+    return torch.cat((lane_a.hidden, lane_b.hidden), 0)
