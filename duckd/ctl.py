@@ -5,6 +5,8 @@
     duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
     duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
+    duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
+                                                   against the GPU-only and torch CPU baselines)
 
 With no --address/--token it finds the running daemon (see duck_proto.client).
 """
@@ -135,6 +137,9 @@ def cmd_bench(args, rest: list[str]) -> int:
     if args.what == "transport":
         from native.bench_transport import main as bench_main
         return bench_main(rest)
+    if any(a == "--synthetic" or a.startswith("--synthetic=") for a in rest):
+        from engine.stepbench import main as synthetic_main
+        return synthetic_main(rest)
     from duckd.bench_e2e import main as bench_main
     return bench_main(rest, _stubs(args))
 

@@ -6,6 +6,7 @@ transport sums."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import tempfile
 import time
@@ -110,7 +111,9 @@ class LocalDucks:
     driver is the product's way): one worker thread each, blocking when idle."""
 
     def __init__(self, n: int, workdir: str | None = None, threads: int = 1, timeout: float = 20.0,
-                 cache_capacity: str | None = None):
+                 cache_capacity: str | None = None, cpus: list[list[int]] | None = None, spin_us: int = 0):
+        """cpus: per duck, the CPUs it may run on (its workers pinned one per CPU);
+        spin_us: ducks spin this long for the next request before blocking."""
         from native.transport import duckfw_path, write_key_file
 
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="duck-local-"))
@@ -125,8 +128,16 @@ class LocalDucks:
                        "--threads", str(threads), "--idle", "block"]
                 if cache_capacity:
                     cmd += ["--cache-capacity", cache_capacity]
+                if spin_us:
+                    cmd[cmd.index("block")] = "spin"
+                    cmd += ["--spin-us", str(spin_us)]
+                mine = cpus[i % len(cpus)] if cpus else None
+                if mine:
+                    cmd += ["--pin"]
                 with open(self.workdir / f"duck{i}.log", "ab") as out:
-                    self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
+                    self.procs.append(subprocess.Popen(
+                        cmd, stdout=out, stderr=out,
+                        preexec_fn=(lambda cpus=tuple(mine): os.sched_setaffinity(0, cpus)) if mine else None))
                 deadline = time.monotonic() + timeout
                 while not port_file.exists() or not port_file.read_text().strip():
                     if self.procs[-1].poll() is not None or time.monotonic() > deadline:

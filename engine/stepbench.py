@@ -1,0 +1,404 @@
+"""Decode-step measurements of a synthetic model at real shapes (engine.synthetic):
+the product path (host model + fleet of local ducks) and, in the same run, the
+baselines a user would compare with: every FFN on the GPU (the upper bound) and
+the FFNs on the host CPU through plain torch bf16 (the naive offload).
+
+Per configuration: TTFT and prefill tok/s at each prompt length, decode tok/s
+(median step), the per-layer split of a decode step (host stage, transport,
+duck kernel), the fleet's aggregate read bandwidth with all ducks reading at
+once and the roofline it implies; for the MTP pair: single step, the pair as
+one 2-token forward ("batch") and as two lanes ("lanes"), serial = 2 single
+steps, overlap ratio = (serial - pair) / serial as the seeds report it.
+Run by `duckctl bench e2e --synthetic NAME`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from engine.ffn import FfnBackend
+from engine.lanes import (
+    EagerLane,
+    FfnWorker,
+    StepTrace,
+    route_through_lanes,
+    run_lane,
+    run_two_lanes,
+)
+from engine.synthetic import (
+    NOTE,
+    SHAPES,
+    build_host_model,
+    ffn_bytes_per_token,
+    ffn_shapes,
+    fp9_bytes,
+    install_random_torch_experts,
+    install_synthetic_fleet,
+    synthetic_config,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TimedFfn(FfnBackend):
+    """Wraps a backend; records the wall time and the slowest duck's kernel time of each call."""
+    name = "timed"
+
+    def __init__(self, backend: FfnBackend):
+        self.backend = backend
+        self.calls: list[tuple[int, float, float]] = []   # (layer, wall s, kernel s)
+
+    def load_layer(self, layer):
+        self.backend.load_layer(layer)
+
+    @property
+    def kernel_us_total(self) -> float:
+        return float(getattr(self.backend, "kernel_us_total", 0.0))
+
+    def forward(self, layer, x, ids, weights):
+        k0 = self.kernel_us_total
+        t0 = time.perf_counter()
+        y = self.backend.forward(layer, x, ids, weights)
+        self.calls.append((layer, time.perf_counter() - t0, (self.kernel_us_total - k0) * 1e-6))
+        return y
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _install(model, backend: FfnBackend) -> None:
+    for m in model.ffn_modules():
+        m.ffn = backend
+
+
+class Runner:
+    """Prefill and decode steps of one model on one backend, timed. On CUDA the decode
+    steps replay CUDA graphs (engine.gpu.graphs) unless graphs are off; a host-side
+    backend is called through pinned buffers."""
+
+    def __init__(self, model, backend: FfnBackend, device, use_graphs: bool):
+        self.model, self.device = model, torch.device(device)
+        self.timed = TimedFfn(backend)
+        self.cuda = self.device.type == "cuda"
+        calls = self.timed
+        if self.cuda:
+            from engine.gpu.pinned import PinnedFfn, runs_on_host
+            if runs_on_host(backend):
+                calls = PinnedFfn(self.timed)
+        _install(model, calls)
+        self.vocab = model.config.vocab_size
+        self.gen = torch.Generator().manual_seed(7)
+        self.use_graphs = use_graphs and self.cuda
+        self.n_layers = sum(1 for m in model.ffn_modules() if m.layer_idx < model.config.num_hidden_layers)
+
+    @property
+    def bytes_streamed(self) -> int:
+        """fp9 bytes the ducks report having streamed (0 for the torch backends)."""
+        return int(getattr(self.timed.backend, "bytes_streamed", 0))
+
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(2, self.vocab, (n,), generator=self.gen).to(self.device)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_len: int, steps: int) -> dict:
+        cache = self.model.make_cache(prompt_len + steps + 4)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        hidden = self.model(self._ids(prompt_len), torch.arange(prompt_len, device=self.device), cache)
+        int(self.model.compute_logits(hidden[-1:]).argmax())
+        ttft = time.perf_counter() - t0
+        return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft, "cache": cache}
+
+    def _lanes(self, cache, mode: str, tokens: int):
+        """What runs the steps: None (the model's forward), a lane, or (lane, lane, worker)."""
+        if mode == "lanes":
+            proxy = route_through_lanes(self.model)
+            if self.use_graphs:
+                from engine.gpu.graphs import GraphLane
+                a, b = GraphLane(self.model, cache, 1, name="lane-a"), GraphLane(self.model, cache, 1, name="lane-b")
+            else:
+                a, b = EagerLane(self.model, cache, "lane-a"), EagerLane(self.model, cache, "lane-b")
+            return (a, b, FfnWorker(proxy.backend))
+        if self.use_graphs:
+            from engine.gpu.graphs import GraphLane
+            return GraphLane(self.model, cache, tokens, name=f"decode-{tokens}")
+        return None
+
+    @torch.inference_mode()
+    def decode(self, cache, start: int, steps: int, tokens: int = 1, mode: str = "forward") -> dict:
+        """steps decode steps of `tokens` tokens from position start; mode "forward" (one
+        forward per step: CUDA graphs on the GPU) or "lanes" (the dual lane, 2 tokens).
+        Medians per step."""
+        runner = self._lanes(cache, mode, tokens)
+        try:
+            return self._decode(runner, cache, start, steps, tokens, mode)
+        finally:
+            for part in (runner if isinstance(runner, tuple) else (runner,)):
+                if part is not None:
+                    part.close()
+
+    def _decode(self, runner, cache, start, steps, tokens, mode) -> dict:
+        walls, hosts, ffns, kerns, calls_per, heads = [], [], [], [], [], []
+        streamed0 = self.bytes_streamed
+        pos = start
+        for _ in range(steps):
+            ids, positions = self._ids(tokens), torch.arange(pos, pos + tokens, device=self.device)
+            self.timed.calls.clear()
+            trace = StepTrace()
+            _sync(self.device)
+            t0 = time.perf_counter()
+            if isinstance(runner, tuple):
+                hidden = run_two_lanes(*runner, ids, positions, trace)
+            elif runner is not None:
+                hidden = run_lane(runner, self.timed, ids.cpu(), positions.cpu(), trace)
+            else:
+                hidden = self.model(ids, positions, cache)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            self.model.compute_logits(hidden).argmax(-1).tolist()
+            wall = time.perf_counter() - t0
+            heads.append(wall - (t1 - t0))
+            if runner is not None:
+                ffn, kern, n = trace.ffn, trace.kernel, trace.calls
+            else:
+                ffn = sum(c[1] for c in self.timed.calls)
+                kern = sum(c[2] for c in self.timed.calls)
+                n = len(self.timed.calls)
+            walls.append(wall)
+            hosts.append(wall - heads[-1] - ffn if not isinstance(runner, tuple) else trace.host)
+            ffns.append(ffn)
+            kerns.append(kern)
+            calls_per.append(n)
+            pos += tokens
+        med = statistics.median
+        n_layers = self.n_layers   # FFN calls may be fewer: a GPU backend's stay inside the CUDA graph
+        step = med(walls)
+        streamed = (self.bytes_streamed - streamed0) / steps
+        return {"tokens": tokens, "steps": steps, "mode": mode, "cuda_graphs": self.use_graphs,
+                "step_ms": step * 1e3, "tok_s": tokens / step,
+                "ffn_bytes_streamed_per_step": streamed or None,
+                "step_ms_all": [round(w * 1e3, 3) for w in walls],
+                "head_ms": med(heads) * 1e3,
+                "per_layer_ms": {"host": med(hosts) * 1e3 / n_layers,
+                                 "transport": (med(ffns) - med(kerns)) * 1e3 / n_layers if med(kerns) else None,
+                                 "duck_kernel": med(kerns) * 1e3 / n_layers if med(kerns) else None,
+                                 "ffn_call": med(ffns) * 1e3 / n_layers},
+                "ffn_calls_per_step": calls_per[0]}
+
+
+def _duck_share(n_experts: int, hidden: int, intermediate: int, tp: int, multiple_of: int) -> int:
+    """fp9 bytes one duck holds for a layer (its slice of every expert, padded as split_experts pads)."""
+    from native.transport import slice_width
+    w = slice_width(intermediate, tp, multiple_of)
+    return n_experts * (fp9_bytes(2 * w, hidden) + fp9_bytes(hidden, w) + 2 * 64)
+
+
+def _graph_stage_times(model, backend, device, steps: int) -> dict | None:
+    """Per-layer GPU stage time, eager vs CUDA graphs (engine.gpu.graphs), when CUDA is here."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        from engine.gpu.graphs import stage_times
+    except ImportError as e:  # the GPU path is optional on a CPU build
+        log.warning("no CUDA-graph stage timing: %s", e)
+        return None
+    return stage_times(model, backend, steps=steps)
+
+
+def _measure_read(ducks: int, threads: int) -> float:
+    from native.bench import measure_read_gbps
+    return measure_read_gbps(ducks * threads, mib=512, seconds=0.5)
+
+
+def run_config(args, kind: str, device, dtype) -> dict:
+    """One backend kind ('fleet', 'gpu', 'cpu-torch') on a fresh host model."""
+    config = synthetic_config(args.synthetic, args.layers, args.experts, args.dense_layers)
+    model = build_host_model(config, device, dtype, seed=args.seed)
+    top_k = config.num_experts_per_tok or 1
+    out: dict = {"backend": kind}
+    local = None
+    if kind == "fleet":
+        from engine.fleet import FleetFfn, LocalDucks
+
+        per_duck = sum(_duck_share(n, h, i, args.ducks, args.multiple_of) for _, n, h, i in ffn_shapes(model))
+        cpus = None
+        if args.pin_ducks:
+            allowed = sorted(os.sched_getaffinity(0))
+            cpus = [allowed[i * args.duck_threads:(i + 1) * args.duck_threads] for i in range(args.ducks)]
+            if any(len(c) < args.duck_threads for c in cpus):
+                raise ValueError(f"--pin-ducks: {args.ducks} ducks x {args.duck_threads} threads need "
+                                 f"{args.ducks * args.duck_threads} CPUs, this host allows {len(allowed)}")
+            out["duck_cpus"] = cpus
+        local = LocalDucks(args.ducks, threads=args.duck_threads, cpus=cpus, spin_us=args.duck_spin_us,
+                           cache_capacity=f"{(per_duck * 1.05 + (64 << 20)) // (1 << 20):.0f}M")
+        backend = FleetFfn(addresses=local.addresses, key=local.key, multiple_of=args.multiple_of,
+                           spin_us=args.spin_us, deadline_ms=60000)
+        install_synthetic_fleet(model, backend, seed=args.seed)
+        out["ducks"], out["duck_threads"] = args.ducks, args.duck_threads
+    elif kind == "gpu":
+        backend = install_random_torch_experts(model, device)
+    elif kind == "cpu-torch":
+        backend = install_random_torch_experts(model, "cpu")
+        out["cpu_threads"] = torch.get_num_threads()
+    else:
+        raise ValueError(f"unknown backend kind {kind!r}")
+    try:
+        runner = Runner(model, backend, device, use_graphs=not args.no_graphs)
+        runner.decode(runner.prefill(8, 4)["cache"], 8, 2)   # warm-up: allocations, first touches
+        out["prompts"] = []
+        for p in args.prompts:
+            pre = runner.prefill(p, 5 * args.steps + 4)
+            cache = pre.pop("cache")
+            single = runner.decode(cache, p, args.steps)
+            out["prompts"].append({**pre, "decode": single})
+            if p == args.prompts[0] and args.pairs:
+                pair = runner.decode(cache, p + args.steps, args.steps, tokens=2)
+                dual = runner.decode(cache, p + 3 * args.steps, args.steps, tokens=2, mode="lanes")
+                serial = 2 * single["step_ms"]
+                out["mtp_pair"] = {
+                    "single_step_ms": single["step_ms"], "serial_ms": serial,
+                    "pair_batch_ms": pair["step_ms"], "pair_lanes_ms": dual["step_ms"],
+                    "overlap_ratio_batch": (serial - pair["step_ms"]) / serial,
+                    "overlap_ratio_lanes": (serial - dual["step_ms"]) / serial,
+                    "pair_over_single_batch": pair["step_ms"] / single["step_ms"],
+                    "pair_over_single_lanes": dual["step_ms"] / single["step_ms"],
+                    "batch": pair, "lanes": dual}
+        out["decode_tok_s"] = out["prompts"][0]["decode"]["tok_s"]
+        out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, top_k)
+        if kind == "fleet":
+            out["graph_stage"] = _graph_stage_times(model, None, device, args.steps)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+        if local is not None:
+            local.stop()
+        del model
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="duckctl bench e2e --synthetic",
+                                 description="Decode of a synthetic model at real shapes: fleet vs baselines.")
+    ap.add_argument("--synthetic", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="depth (default: the published one)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts per layer (default: published)")
+    ap.add_argument("--dense-layers", type=int, default=None, help="DeepSeek: leading dense layers")
+    ap.add_argument("--ducks", type=int, default=4)
+    ap.add_argument("--duck-threads", type=int, default=4)
+    ap.add_argument("--multiple-of", type=int, default=64)
+    ap.add_argument("--pin-ducks", action="store_true",
+                    help="give each duck its own block of CPUs, one worker pinned per CPU (dedicated hardware)")
+    ap.add_argument("--duck-spin-us", type=int, default=0, help="ducks spin this long for requests before blocking")
+    ap.add_argument("--spin-us", type=int, default=0, help="host polls this long for replies (0: blocks)")
+    ap.add_argument("--prompts", default="16,1024", help="prompt lengths, comma separated")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps measured per configuration")
+    ap.add_argument("--backends", default="fleet,gpu,cpu-torch",
+                    help="fleet, gpu (every FFN on the GPU), cpu-torch (naive offload); gpu is skipped without CUDA")
+    ap.add_argument("--no-pairs", dest="pairs", action="store_false", help="skip the MTP pair measurements")
+    ap.add_argument("--gpu", choices=("auto", "on", "off"), default="auto", help="host device")
+    ap.add_argument("--no-graphs", action="store_true", help="no CUDA-graph stage timing")
+    ap.add_argument("--dtype", default=None, help="host dtype (default bf16 on the GPU, fp32 on the CPU)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if not logging.getLogger().handlers:   # progress of the long phases on stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    args.prompts = [int(p) for p in args.prompts.split(",") if p]
+    if not args.prompts or min(args.prompts) <= 0:
+        ap.error("--prompts needs positive lengths")
+    cuda = torch.cuda.is_available()
+    if args.gpu == "on" and not cuda:
+        ap.error("--gpu on: CUDA is not available on this host")
+    device = torch.device("cuda" if cuda and args.gpu != "off" else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] if args.dtype in (
+        "bf16", "fp32", None) else ap.error(f"--dtype {args.dtype}: expected bf16 or fp32")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kinds = [k for k in args.backends.split(",") if k]
+    if device.type != "cuda" and "gpu" in kinds:
+        kinds.remove("gpu")
+        log.warning("no CUDA here: the GPU-only baseline is skipped")
+    config = synthetic_config(args.synthetic, args.layers, args.experts, args.dense_layers)
+    result = {"note": NOTE, "model": args.synthetic, "date": time.strftime("%Y-%m-%d"),
+              "machine": {"host": platform.node(), "cpus": len(os.sched_getaffinity(0)),
+                          "gpu": torch.cuda.get_device_name() if cuda else None},
+              "host_device": device.type, "host_dtype": str(dtype).removeprefix("torch."),
+              "shape": {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+                        "experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
+                        "moe_intermediate": config.moe_intermediate_size,
+                        "ffn_layers": [list(s) for s in _shapes_of(config)]},
+              "argv": argv}
+    if "fleet" in kinds:
+        result["fleet_read_gbps"] = _measure_read(args.ducks, args.duck_threads)
+    for kind in kinds:
+        log.info("measuring %s", kind)
+        result[kind] = run_config(args, kind, device, dtype)
+    fleet = result.get("fleet")
+    if fleet:
+        fleet["roofline_tok_s"] = result["fleet_read_gbps"] * 1e9 / fleet["ffn_bytes_per_token"]
+        fleet["ratio_to_roofline"] = fleet["decode_tok_s"] / fleet["roofline_tok_s"]
+        if "cpu-torch" in result:
+            fleet["speedup_over_cpu_torch"] = fleet["decode_tok_s"] / result["cpu-torch"]["decode_tok_s"]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_table(result))
+    return 0
+
+
+def _shapes_of(config):
+    with torch.device("meta"):
+        from engine.models import model_class
+        model = model_class(config)(config)
+    return ffn_shapes(model)
+
+
+def _table(r: dict) -> str:
+    lines = [f"{r['model']} ({r['note']})",
+             (f"host {r['host_device']} {r['host_dtype']}, "
+              f"{r['shape']['layers']} layers, {r['shape']['experts']} experts")]
+    if "fleet_read_gbps" in r:
+        lines.append(f"fleet read bandwidth (all ducks at once): {r['fleet_read_gbps']:.1f} GB/s")
+    for kind in ("fleet", "gpu", "cpu-torch"):
+        if kind not in r:
+            continue
+        k = r[kind]
+        for p in k["prompts"]:
+            d = p["decode"]
+            split = d["per_layer_ms"]
+            extra = "".join(f", {n} {v:.2f}" for n, v in split.items() if v is not None)
+            lines.append(f"{kind:9s} prompt {p['prompt_len']:5d}: ttft {p['ttft_s']:.3f} s, prefill "
+                         f"{p['prefill_tok_s']:.1f} tok/s, decode {d['tok_s']:.2f} tok/s; per layer ms: {extra[2:]}")
+        if "mtp_pair" in k:
+            m = k["mtp_pair"]
+            lines.append(f"{kind:9s} MTP pair: single {m['single_step_ms']:.1f} ms, serial {m['serial_ms']:.1f}, "
+                         f"pair batch {m['pair_batch_ms']:.1f} ({m['pair_over_single_batch']:.2f}x single, "
+                         f"overlap {m['overlap_ratio_batch']:.2f}), pair lanes {m['pair_lanes_ms']:.1f} "
+                         f"({m['pair_over_single_lanes']:.2f}x, overlap {m['overlap_ratio_lanes']:.2f})")
+        g = k.get("graph_stage")
+        if g:
+            lines.append(f"{kind:9s} GPU stage per layer: eager {g['per_layer_eager_ms']:.3f} ms, "
+                         f"CUDA graphs {g['per_layer_graph_ms']:.3f} ms ({g['speedup']:.2f}x)")
+        if kind == "fleet" and "roofline_tok_s" in k:
+            lines.append(f"fleet roofline {k['roofline_tok_s']:.2f} tok/s "
+                         f"({k['ffn_bytes_per_token'] / 1e6:.1f} MB FFN per token): ratio {k['ratio_to_roofline']:.2f}"
+                         + (f"; {k['speedup_over_cpu_torch']:.2f}x the torch CPU offload"
+                            if "speedup_over_cpu_torch" in k else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,229 @@
+"""Benchmark-only models at real shapes with random weights.
+
+The shapes are those of the published configs (DeepSeek-V3.2, Qwen3-30B-A3B,
+Qwen3.5-35B-A3B), at full widths; depth and expert count may be reduced to fit
+the machine. Host weights (attention, norms, router, shared experts, embeddings)
+are random tensors on the host device. Expert FFNs are never made on the host
+for the fleet: each duck generates its fp9 slices itself from a seed
+(FleetFfn.load_synthetic_layer). The baselines get random bf16 experts where
+they run (GPU memory, or host RAM for the naive torch offload).
+
+Nothing here is a real model: the outputs are noise, the timings are real.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+
+import torch
+
+from engine.config import ModelConfig
+from engine.ffn import ExpertWeights, FfnBackend, FfnLayer, TorchFfn
+from engine.models import model_class
+
+log = logging.getLogger(__name__)
+
+NOTE = "synthetic: random weights at real shapes; expert FFNs generated in fp9 on the ducks (benchmark only)"
+
+# config.json of each model (text part), as published; only what the engine reads
+SHAPES: dict[str, dict] = {
+    "deepseek-v32": {
+        "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128, "num_nextn_predict_layers": 1,
+        "bos_token_id": 0, "eos_token_id": 1,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "eos_token_id": 151645,
+    },
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8,
+            "full_attention_interval": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            "tie_word_embeddings": False, "eos_token_id": 248046,
+        },
+    },
+}
+
+
+def synthetic_config(name: str, layers: int | None = None, experts: int | None = None,
+                     dense_layers: int | None = None) -> ModelConfig:
+    """The config of `name` with depth `layers`, `experts` routed experts and (DeepSeek)
+    `dense_layers` leading dense layers; None keeps the published value."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown synthetic model {name!r}: expected one of {', '.join(SHAPES)}")
+    d = copy.deepcopy(SHAPES[name])
+    text = d.get("text_config", d)
+    n = layers or text["num_hidden_layers"]
+    if n <= 0:
+        raise ValueError(f"layers must be positive, got {n}")
+    text["num_hidden_layers"] = n
+    if "full_attention_interval" in text:
+        k = text.pop("full_attention_interval")
+        text["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
+    key = "n_routed_experts" if "n_routed_experts" in text else "num_experts"
+    if experts is not None:
+        if experts < text["num_experts_per_tok"]:
+            raise ValueError(f"experts={experts} is fewer than the {text['num_experts_per_tok']} each token uses")
+        text[key] = experts
+        if "n_group" in text and experts % text["n_group"]:
+            raise ValueError(f"experts={experts} must be a multiple of n_group={text['n_group']}")
+    if dense_layers is not None and "first_k_dense_replace" in text:
+        text["first_k_dense_replace"] = min(dense_layers, n)
+    return ModelConfig.from_dict(d, source=f"synthetic {name}")
+
+
+def _fill_(t: torch.Tensor, name: str, gen: torch.Generator, zero_centered: bool) -> None:
+    """Random values that keep activations finite through many layers: linear
+    weights like nn.Linear's init, norms at their identity, biases small."""
+    leaf = name.rsplit(".", 1)[-1]
+    if t.ndim >= 2:
+        if "embed" in name:
+            t.uniform_(-1.0, 1.0, generator=gen)
+        else:
+            bound = 1.0 / math.sqrt(t.shape[-1] * (t.shape[1] if t.ndim == 3 else 1))
+            t.uniform_(-bound, bound, generator=gen)
+    elif "norm" in name and leaf == "weight":
+        t.fill_(0.0 if zero_centered else 1.0)
+    elif leaf == "A_log":
+        t.uniform_(0.0, 2.7, generator=gen)        # decay rates exp(A) in [1, 15]
+    else:
+        t.uniform_(-0.01, 0.01, generator=gen)     # biases, dt_bias, e_score_correction_bias
+
+
+def fp9_bytes(rows: int, cols: int) -> int:
+    """Bytes of the blocks of an fp9 [rows, cols] tensor (144-byte blocks of 2 rows x 64 columns)."""
+    return -(-rows // 2) * -(-cols // 64) * 144
+
+
+def build_host_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0):
+    """The model with every host tensor random and every expert FFN tensor left empty
+    (an FFN backend supplies them). Returns the model, eval mode, no grad."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    for m in model.ffn_modules():
+        for p in m.expert_parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device="meta")
+    t0 = time.perf_counter()
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    total = 0
+    with torch.no_grad():
+        for mname, m in model.named_modules():
+            zero_centered = type(m).__name__.startswith("ZeroCentered")
+            for pname, p in m.named_parameters(recurse=False):
+                if p.numel():
+                    _fill_(p.data, f"{mname}.{pname}", gen, zero_centered)
+                    total += p.numel()
+    model.eval().requires_grad_(False)
+    log.info("synthetic %s: %d layers, %.2f G host parameters made on %s in %.1f s", config.model_type,
+             config.num_hidden_layers, total / 1e9, device, time.perf_counter() - t0)
+    return model
+
+
+def ffn_shapes(model) -> list[tuple[int, int, int, int]]:
+    """(layer, experts, hidden, intermediate) of every FFN the backends run."""
+    out = []
+    for m in model.ffn_modules():
+        if hasattr(m, "experts"):
+            out.append((m.layer_idx, len(m.experts), m.hidden_size, m.experts[0].gate_proj.out_features))
+        else:
+            out.append((m.layer_idx, 1, m.gate_proj.in_features, m.gate_proj.out_features))
+    return out
+
+
+def ffn_bytes_per_token(model, top_k: int) -> int:
+    """fp9 bytes the ducks stream for one token of the main model: the dense FFNs whole,
+    top_k experts per MoE layer."""
+    total = 0
+    main_layers = model.config.num_hidden_layers   # an MTP layer's FFN runs only when drafting
+    for layer, n, h, i in ffn_shapes(model):
+        if layer >= main_layers:
+            continue
+        one = fp9_bytes(2 * i, h) + fp9_bytes(h, i)
+        total += one * (1 if n == 1 else top_k)
+    return total
+
+
+def install_synthetic_fleet(model, fleet_ffn, seed: int = 1) -> None:
+    """Registers every FFN layer as duck-generated fp9 (a seed per layer) and routes the model to the fleet."""
+    for layer, n, h, i in ffn_shapes(model):
+        fleet_ffn.load_synthetic_layer(layer, n, h, i, seed * 100003 + layer)
+    t0 = time.perf_counter()
+    fleet_ffn.finish_loading()
+    log.info("synthetic expert weights resident on the ducks in %.1f s", time.perf_counter() - t0)
+    for m in model.ffn_modules():
+        m.ffn = fleet_ffn
+
+
+class _RandomPool:
+    """Random bf16 values to copy from: filling many GB by copy runs at memory speed,
+    where a random generator on the CPU would take minutes."""
+
+    def __init__(self, device, numel: int = 1 << 26, seed: int = 2):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self.data = torch.empty(numel, dtype=torch.bfloat16, device=device).uniform_(-1, 1, generator=gen)
+        self.at = 0
+
+    def tensor(self, rows: int, cols: int, scale: float) -> torch.Tensor:
+        out = torch.empty(rows * cols, dtype=torch.bfloat16, device=self.data.device)
+        done = 0
+        while done < out.numel():
+            n = min(out.numel() - done, self.data.numel() - self.at)
+            out[done:done + n].copy_(self.data[self.at:self.at + n])
+            done += n
+            self.at = (self.at + n) % (self.data.numel() - 4093)   # shift the phase between tensors
+        return out.view(rows, cols).mul_(scale)
+
+
+def install_random_torch_experts(model, device: torch.device | str, on_progress=None) -> FfnBackend:
+    """Random bf16 expert weights on `device`: on a GPU stacked for the grouped GEMV
+    (engine.gpu.moe, inside the CUDA graphs: the upper bound); in host RAM run by plain
+    torch (TorchFfn: the naive CPU offload)."""
+    device = torch.device(device)
+    pool = _RandomPool(device)
+    shapes = ffn_shapes(model)
+    if device.type == "cuda":
+        from engine.gpu.moe import GpuExpertsFfn
+        backend = GpuExpertsFfn()
+        for done, (layer, n, h, i) in enumerate(shapes, 1):
+            backend.add_stacked(layer, pool.tensor(n * 2 * i, h, h ** -0.5).view(n, 2 * i, h),
+                                pool.tensor(n * h, i, i ** -0.5).view(n, h, i))
+            if on_progress:
+                on_progress(done, len(shapes))
+    else:
+        backend = TorchFfn(device=device)
+        for done, (layer, n, h, i) in enumerate(shapes, 1):
+            experts = [ExpertWeights(pool.tensor(i, h, h ** -0.5), pool.tensor(i, h, h ** -0.5),
+                                     pool.tensor(h, i, i ** -0.5)) for _ in range(n)]
+            backend.load_layer(FfnLayer(layer, experts, h))
+            if on_progress:
+                on_progress(done, len(shapes))
+    for m in model.ffn_modules():
+        m.ffn = backend
+    return backend

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On the lent GPU host (no pip, no network): builds native/ and duckfw, then runs
+# the named steps, logs and JSON into $OUT. Steps:
+#   gputests   tests/gpu (the CUDA path, the compiled Triton fp8 kernels)
+#   fp8tests   tests/gpu/test_fp8_cuda.py alone
+#   fp8        bench/gpu_fp8.py (Triton fp8 block-scale linear vs bf16 matmul)
+#   deepseek   bench e2e --synthetic deepseek-v32 (full widths, 4 layers: 1 dense + 3 MoE)
+#   qwen3      bench e2e --synthetic qwen3-30b-a3b (all 48 layers)
+#   qwen35     bench e2e --synthetic qwen3.5-35b-a3b (all 40 layers)
+# The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py >>"$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+GRAPHS=""
+STEPS=${STEPS:-8}
+for step in "$@"; do
+    echo "=== $step $(date +%T)"
+    case $step in
+    gputests)
+        python3 -m pytest -q -x -p no:cacheprovider tests/gpu >"$OUT/gputests.log" 2>&1
+        rc=$?; tail -25 "$OUT/gputests.log"
+        [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
+    fp8tests)
+        python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py >"$OUT/fp8tests.log" 2>&1
+        tail -8 "$OUT/fp8tests.log" ;;
+    fp8)
+        python3 bench/gpu_fp8.py --json "$OUT/gpu_fp8.json" 2>&1 | tail -30 ;;
+    deepseek)
+        python3 -m engine.stepbench --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks 4 --duck-threads 4 \
+            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-deepseek.json" 2>"$OUT/e2e-deepseek.log"
+        tail -4 "$OUT/e2e-deepseek.log"; python3 scripts/e2e_table.py "$OUT/e2e-deepseek.json" ;;
+    qwen3)
+        python3 -m engine.stepbench --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
+            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen3.json" 2>"$OUT/e2e-qwen3.log"
+        tail -4 "$OUT/e2e-qwen3.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3.json" ;;
+    qwen35)
+        python3 -m engine.stepbench --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
+            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen35.json" 2>"$OUT/e2e-qwen35.log"
+        tail -4 "$OUT/e2e-qwen35.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35.json" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+    esac
+done
+echo "=== done $(date +%T)"

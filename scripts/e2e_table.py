@@ -1,0 +1,9 @@
+"""Prints the table of a `duckctl bench e2e --synthetic --json` result file."""
+import json
+import sys
+from pathlib import Path
+
+from engine.stepbench import _table
+
+for path in sys.argv[1:]:
+    print(_table(json.loads(Path(path).read_text())))

@@ -1,0 +1,47 @@
+"""The synthetic decode benchmark (duckctl bench e2e --synthetic) end to end at real
+widths and depth 2: real ducks generating their fp9 experts, the torch CPU offload
+beside them, every figure present and consistent with what the ducks report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duckd.ctl import main as duckctl
+from engine.synthetic import SHAPES, synthetic_config
+
+
+def test_synthetic_configs_keep_the_published_widths():
+    ds = synthetic_config("deepseek-v32", layers=4, experts=64, dense_layers=1)
+    assert (ds.hidden_size, ds.moe_intermediate_size, ds.num_experts, ds.num_hidden_layers) == (7168, 2048, 64, 4)
+    q35 = synthetic_config("qwen3.5-35b-a3b", layers=8)
+    assert q35.extra["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    with pytest.raises(ValueError, match="multiple of n_group"):
+        synthetic_config("deepseek-v32", experts=12)
+    with pytest.raises(ValueError, match="unknown synthetic model"):
+        synthetic_config("gpt-5")
+    assert set(SHAPES) == {"deepseek-v32", "qwen3-30b-a3b", "qwen3.5-35b-a3b"}
+
+
+def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
+    rc = duckctl(["bench", "e2e", "--synthetic", "qwen3-30b-a3b", "--layers", "2", "--experts", "16",
+                  "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3",
+                  "--backends", "fleet,cpu-torch", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "synthetic" in r["note"] and r["shape"]["hidden"] == 2048 and r["shape"]["layers"] == 2
+    fleet, cpu = r["fleet"], r["cpu-torch"]
+    assert r["fleet_read_gbps"] > 0 and fleet["roofline_tok_s"] > 0
+    assert [p["prompt_len"] for p in fleet["prompts"]] == [5, 12]
+    for p in fleet["prompts"] + cpu["prompts"]:
+        assert p["ttft_s"] > 0 and p["prefill_tok_s"] > 0 and p["decode"]["tok_s"] > 0
+        assert p["decode"]["ffn_calls_per_step"] == 2
+    d = fleet["prompts"][0]["decode"]
+    assert d["per_layer_ms"]["duck_kernel"] > 0 and d["per_layer_ms"]["transport"] >= 0
+    # what the ducks streamed for one token: the 8 chosen experts' slices in both layers (padding aside)
+    assert 1.0 <= d["ffn_bytes_streamed_per_step"] / fleet["ffn_bytes_per_token"] <= 1.1
+    pair = fleet["mtp_pair"]
+    assert pair["lanes"]["ffn_calls_per_step"] == 4 and pair["batch"]["ffn_calls_per_step"] == 2
+    assert pair["serial_ms"] == pytest.approx(2 * pair["single_step_ms"])
+    assert fleet["speedup_over_cpu_torch"] == pytest.approx(fleet["decode_tok_s"] / cpu["decode_tok_s"])
