@@ -26,6 +26,19 @@ class WeightError(ValueError):
 
 
 # -- fp8 e4m3 with block scales -------------------------------------------------
+def block_scales(rows: int, cols: int, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """The weight_scale_inv of a [rows, cols] weight as float32 [ceil(rows/bR), ceil(cols/bC)]
+    (a single row of scales may come 1-D); a wrong shape is a WeightError naming the tensor."""
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = scale_inv.float()
+    if scale.dim() == 1 and want[0] == 1:
+        scale = scale.reshape(1, -1)
+    if tuple(scale.shape) != want:
+        raise WeightError(f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} "
+                          f"for a {rows}x{cols} weight in {block[0]}x{block[1]} blocks")
+    return scale
+
+
 def dequantize_fp8_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                           name: str = "<tensor>") -> torch.Tensor:
     """fp8 e4m3 weight [R, C] times its weight_scale_inv [ceil(R/bR), ceil(C/bC)] -> fp32.
@@ -35,13 +48,7 @@ def dequantize_fp8_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, block: t
         raise WeightError(f"{name}: fp8 weight must be 2-D, got shape {tuple(codes.shape)}")
     rows, cols = codes.shape
     br, bc = block
-    want = (-(-rows // br), -(-cols // bc))
-    scale = scale_inv.float()
-    if scale.dim() == 1 and want[0] == 1:
-        scale = scale.reshape(1, -1)
-    if tuple(scale.shape) != want:
-        raise WeightError(f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} "
-                          f"for a {rows}x{cols} weight in {br}x{bc} blocks")
+    scale = block_scales(rows, cols, scale_inv, block, name)
     full = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]  # [R, C]
     return codes.float() * full
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.weights import WeightError, dequantize_fp8_blocks
+from engine.weights import WeightError, block_scales, dequantize_fp8_blocks
 
 try:
     import triton
@@ -69,14 +69,7 @@ def check_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     float32 [ceil(N/bn), ceil(K/bk)] (a single row of scales may come 1-D)."""
     if weight.dtype != FP8 or weight.dim() != 2:
         raise WeightError(f"{name}: expected a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    want = (_cdiv(n, block[0]), _cdiv(k, block[1]))
-    scale = scale_inv.float()
-    if scale.dim() == 1 and want[0] == 1:
-        scale = scale.reshape(1, -1)
-    if tuple(scale.shape) != want:
-        raise WeightError(f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} "
-                          f"for a {n}x{k} weight in {block[0]}x{block[1]} blocks")
+    scale = block_scales(*weight.shape, scale_inv, block, name)
     if scale.device != weight.device:
         raise WeightError(f"{name}: weight on {weight.device}, weight_scale_inv on {scale.device}")
     return scale
