@@ -68,14 +68,17 @@ def _dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_model(path: str | Path = "default", *, device: str | torch.device | None = "auto", gpu: str | bool = "auto",
                dtype: str | torch.dtype = "float32", backend: str | FfnBackend = "torch",
-               backend_options: dict | None = None, chat_template: str | None = None) -> LoadedModel:
+               backend_options: dict | None = None, chat_template: str | None = None,
+               keep_fp8: bool | None = None) -> LoadedModel:
     """Loads a Hugging Face folder (config.json, *.safetensors, tokenizer.json) or a
     .gguf file ('default': SmolLM2-135M-Instruct), weights copied tensor by tensor
     into a model built without memory, then hands the FFNs to backend.
     device: where the host part runs; 'auto' is CUDA when present unless gpu='off' or
     DUCK_GPU=0 (engine.gpu.device). On a GPU the model is loaded on the CPU, the FFNs
     handed over, then the rest moved; a host-side backend keeps the expert tensors
-    and is called through pinned buffers (engine.gpu.pinned)."""
+    and is called through pinned buffers (engine.gpu.pinned).
+    keep_fp8 (default: on CUDA): projections an fp8 checkpoint stores as e4m3 stay e4m3
+    (engine.gpu.fp8.Fp8Linear, Triton on the GPU) instead of being dequantized."""
     device = resolve_device(device, gpu)
     path = default_model_path() if str(path) == "default" else Path(path)
     if path.is_file() and path.suffix == ".gguf":
@@ -100,6 +103,9 @@ def load_model(path: str | Path = "default", *, device: str | torch.device | Non
     load_weights(model, ckpt, model.weight_spec())
     model.eval().requires_grad_(False)
     ffn = install(model, make_backend(backend, **(backend_options or {})))
+    if keep_fp8 if keep_fp8 is not None else device.type == "cuda":
+        from engine.gpu.fp8 import fp8_linears_from_checkpoint
+        fp8_linears_from_checkpoint(model)   # no-op for a checkpoint without fp8 weights
     if device.type != "cpu":
         place_on_device(model, device, keep_experts=runs_on_host(ffn))
         pin_host_backend(model, ffn)

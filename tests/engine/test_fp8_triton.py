@@ -343,3 +343,15 @@ def test_bench_smoke_runs(tmp_path):
     assert [(c["shape"], c["t"]) for c in cases] == [("kv_a", 1), ("kv_a", 16)]
     assert all(c["rel_err_triton"] < 1e-2 for c in cases)
 
+
+
+def test_load_model_keeps_fp8_when_asked(tmp_path):
+    """load_model(keep_fp8=True): the projections come out as Fp8Linear holding the checkpoint's
+    codes (the default on CUDA); the default on the CPU dequantizes, as before."""
+    folder = write_fp8_checkpoint(tmp_path)
+    kept = load_model(folder, backend="torch", keep_fp8=True).model
+    plain = load_model(folder, backend="torch").model
+    names = [n for n, m in kept.named_modules() if isinstance(m, fp8.Fp8Linear)]
+    assert names and all("self_attn" in n or "shared_experts" in n for n in names)
+    assert not any(isinstance(m, fp8.Fp8Linear) for m in plain.modules())
+    assert all(kept.get_submodule(n).weight.dtype == torch.float8_e4m3fn for n in names)

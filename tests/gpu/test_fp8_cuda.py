@@ -57,11 +57,12 @@ def test_fp8_model_on_the_gpu_matches_its_dequantized_twin(tmp_path):
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        dense = load_model(folder, backend="torch", device="cuda").model
-        model = load_model(folder, backend="torch", device="cuda").model
-        swapped = fp8.fp8_linears_from_checkpoint(model)
-        assert swapped and all(isinstance(model.get_submodule(n), fp8.Fp8Linear) for n in swapped)
+        dense = load_model(folder, backend="torch", device="cuda", keep_fp8=False).model
+        model = load_model(folder, backend="torch", device="cuda").model   # on CUDA fp8 stays fp8 by default
+        swapped = [n for n, m in model.named_modules() if isinstance(m, fp8.Fp8Linear)]
+        assert len(swapped) >= 7 and not any(isinstance(m, fp8.Fp8Linear) for m in dense.modules())
         assert all(model.get_submodule(n).weight.device.type == "cuda" for n in swapped)
+        assert all(model.get_submodule(n).weight.dtype == torch.float8_e4m3fn for n in swapped)
         prompt = torch.randint(2, dense.config.vocab_size, (11,), generator=torch.Generator().manual_seed(6)).tolist()
         want, got = forward_logits(dense, prompt), forward_logits(model, prompt)
         rel = ((got - want).abs().max() / want.abs().max()).item()
