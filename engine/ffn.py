@@ -76,6 +76,13 @@ class FfnBackend(abc.ABC):
         return False
 
 
+def innermost_backend(backend: FfnBackend) -> FfnBackend:
+    """The backend that computes, behind any wrappers (LaneFfn, PinnedFfn, timing: anything with .backend)."""
+    while hasattr(backend, "backend"):
+        backend = backend.backend
+    return backend
+
+
 def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
     """The reference: x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype.

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,11 +63,6 @@ class StepTrace:
     ffn_wait: float = 0.0
     kernel: float = 0.0
     calls: int = 0
-    per_layer: list = field(default_factory=list)   # (layer, host s, ffn s, kernel s) per call, lane order
-
-    def add(self, other: StepTrace) -> None:
-        for f in ("wall", "host", "ffn", "ffn_wait", "kernel", "calls"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
 
 
 class _LaneLocal(threading.local):
@@ -111,15 +106,12 @@ class LaneFfn(FfnBackend):
 
 def route_through_lanes(model) -> LaneFfn:
     """Puts a LaneFfn in front of the model's FFN backend (idempotent); returns it."""
-    proxy = None
-    for module in model.ffn_modules():
-        if isinstance(module.ffn, LaneFfn):
-            return module.ffn
-        proxy = proxy or LaneFfn(module.ffn)
-        module.ffn = proxy
-    if proxy is None:
+    modules = model.ffn_modules()
+    if not modules:
         raise ValueError(f"{type(model).__name__} has no FFN layers to run in lanes")
-    return proxy
+    if isinstance(modules[0].ffn, LaneFfn):
+        return modules[0].ffn
+    return model.set_ffn(LaneFfn(modules[0].ffn))
 
 
 class EagerLane:
@@ -240,7 +232,6 @@ def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tens
             trace.ffn_wait += t2 - t1
             trace.kernel += kern
             trace.calls += 1
-            trace.per_layer.append((req.layer, t1 - t, t2 - t1, kern))
         t = t2
         req = lane.resume(y)
     if trace is not None:

@@ -77,11 +77,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _install(model, backend: FfnBackend) -> None:
-    for m in model.ffn_modules():
-        m.ffn = backend
-
-
 class Runner:
     """Prefill and decode steps of one model on one backend, timed. On CUDA the decode
     steps replay CUDA graphs (engine.gpu.graphs) unless graphs are off; a host-side
@@ -96,7 +91,7 @@ class Runner:
             from engine.gpu.pinned import PinnedFfn, runs_on_host
             if runs_on_host(backend):
                 calls = PinnedFfn(self.timed)
-        _install(model, calls)
+        model.set_ffn(calls)
         self.vocab = model.config.vocab_size
         self.gen = torch.Generator().manual_seed(7)
         self.use_graphs = use_graphs and self.cuda
@@ -311,7 +306,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-pairs", dest="pairs", action="store_false", help="skip the MTP pair measurements")
     ap.add_argument("--gpu", choices=("auto", "on", "off"), default="auto", help="host device")
     ap.add_argument("--no-graphs", action="store_true", help="no CUDA-graph stage timing")
-    ap.add_argument("--dtype", default=None, help="host dtype (default bf16 on the GPU, fp32 on the CPU)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                    help="host dtype (default bf16 on the GPU, fp32 on the CPU)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -324,9 +320,8 @@ def main(argv: list[str]) -> int:
     if args.gpu == "on" and not cuda:
         ap.error("--gpu on: CUDA is not available on this host")
     device = torch.device("cuda" if cuda and args.gpu != "off" else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] if args.dtype in (
-        "bf16", "fp32", None) else ap.error(f"--dtype {args.dtype}: expected bf16 or fp32")
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     kinds = [k for k in args.backends.split(",") if k]
     if device.type != "cuda" and "gpu" in kinds:
         kinds.remove("gpu")

@@ -176,8 +176,7 @@ def install_synthetic_fleet(model, fleet_ffn, seed: int = 1) -> None:
     t0 = time.perf_counter()
     fleet_ffn.finish_loading()
     log.info("synthetic expert weights resident on the ducks in %.1f s", time.perf_counter() - t0)
-    for m in model.ffn_modules():
-        m.ffn = fleet_ffn
+    model.set_ffn(fleet_ffn)
 
 
 class _RandomPool:
@@ -224,6 +223,4 @@ def install_random_torch_experts(model, device: torch.device | str, on_progress=
             backend.load_layer(FfnLayer(layer, experts, h))
             if on_progress:
                 on_progress(done, len(shapes))
-    for m in model.ffn_modules():
-        m.ffn = backend
-    return backend
+    return model.set_ffn(backend)

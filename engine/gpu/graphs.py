@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.ffn import innermost_backend
 from engine.gpu.pinned import HostStaging, runs_on_host
 from engine.lanes import EagerLane, FfnRequest, calls_to, route_through_lanes, run_lane
 from engine.layers import KVCache, static_decode
@@ -122,10 +123,7 @@ class _InlineFfn:
 
 def captures_in_graph(backend) -> bool:
     """Whether backend (looked through wrappers with .backend) may be captured inside a graph."""
-    seen = 0
-    while not getattr(backend, "captures_in_graph", False) and hasattr(backend, "backend") and seen < 16:
-        backend, seen = backend.backend, seen + 1
-    return bool(getattr(backend, "captures_in_graph", False))
+    return bool(getattr(innermost_backend(backend), "captures_in_graph", False))
 
 
 @dataclass(slots=True)

@@ -13,16 +13,14 @@ import threading
 
 import torch
 
-from engine.ffn import FfnBackend, FfnLayer, TorchFfn
+from engine.ffn import FfnBackend, FfnLayer, TorchFfn, innermost_backend
 
 
 def runs_on_host(backend: FfnBackend) -> bool:
     """Whether backend computes on the CPU and so takes host tensors: Fp9Ffn and the
     fleet do, TorchFfn(device='cpu') does; TorchFfn() computes where the model is.
     Wrappers (anything with .backend: LaneFfn, PinnedFfn, timing wrappers) are looked through."""
-    seen = 0
-    while hasattr(backend, "backend") and seen < 16:
-        backend, seen = backend.backend, seen + 1
+    backend = innermost_backend(backend)
     if getattr(backend, "captures_in_graph", False):   # engine.gpu.moe: on the GPU
         return False
     if isinstance(backend, TorchFfn):
@@ -153,7 +151,4 @@ def pin_host_backend(model, backend: FfnBackend) -> FfnBackend:
     backend computes on the host; returns what the modules call."""
     if not runs_on_host(backend):
         return backend
-    pinned = PinnedFfn(backend)
-    for m in model.ffn_modules():
-        m.ffn = pinned
-    return pinned
+    return model.set_ffn(PinnedFfn(backend))

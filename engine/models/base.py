@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.ffn import ExpertWeights, FfnBackend, FfnLayer
-from engine.layers import KVCache
+from engine.layers import KVCache, RMSNorm
 from engine.weights import WeightSpec
 
 
@@ -92,6 +92,22 @@ class TopKRouter(nn.Module):
         return ids, weights.to(x.dtype)
 
 
+class DecoderStack(nn.Module):
+    """embed_tokens -> decoder layers -> final RMSNorm (the HF `model.` part of Llama-like LMs)."""
+
+    def __init__(self, config: ModelConfig, layers):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, positions, cache)
+        return self.norm(x)
+
+
 class CausalLM(nn.Module):
     """Subclasses build self.model (with embed_tokens, layers, norm) and self.lm_head."""
 
@@ -123,6 +139,12 @@ class CausalLM(nn.Module):
     def ffn_modules(self):
         """Every module whose FFN a backend runs (its .ffn is the backend)."""
         return [m for m in self.modules() if hasattr(m, "ffn_layer") and m.layer_idx >= 0]
+
+    def set_ffn(self, backend: FfnBackend) -> FfnBackend:
+        """Makes every FFN module call backend (a backend, or a wrapper in front of one); returns it."""
+        for m in self.ffn_modules():
+            m.ffn = backend
+        return backend
 
     def ffn_layers(self):
         """(module, FfnLayer) for every FFN the backends may take over (needs the weights)."""

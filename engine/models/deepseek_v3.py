@@ -54,7 +54,7 @@ class DeepseekArgs:
     num_nextn_predict_layers: int
 
     @classmethod
-    def from_config(cls, c: ModelConfig) -> "DeepseekArgs":
+    def from_config(cls, c: ModelConfig) -> DeepseekArgs:
         x, where = c.extra, c.source
 
         def need(name):

@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import KVCache, RMSNorm, RotaryEmbedding, cached_attention
-from engine.models.base import CausalLM, GatedMLP
+from engine.models.base import CausalLM, DecoderStack, GatedMLP
 
 
 class LlamaAttention(nn.Module):
@@ -45,24 +45,10 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            x = layer(x, positions, cache)
-        return self.norm(x)
-
-
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = DecoderStack(config, (LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import KVCache, RMSNorm, RotaryEmbedding, cached_attention
-from engine.models.base import CausalLM, GatedMLP
+from engine.models.base import CausalLM, DecoderStack, GatedMLP
 
 
 class Qwen3Attention(nn.Module):
@@ -47,26 +47,16 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig, make_mlp=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, make_mlp(config, i) if make_mlp else None)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
-        for layer in self.layers:
-            x = layer(x, positions, cache)
-        return self.norm(x)
+def qwen3_stack(config: ModelConfig, make_mlp=None) -> DecoderStack:
+    """Qwen3's decoder stack; make_mlp(config, i) gives layer i its FFN (default: a gated MLP)."""
+    return DecoderStack(config, (Qwen3DecoderLayer(config, i, make_mlp(config, i) if make_mlp else None)
+                                 for i in range(config.num_hidden_layers)))
 
 
 class Qwen3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
+        self.model = qwen3_stack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -36,7 +36,7 @@ class HybridSettings:
     shared_expert_intermediate_size: int
 
     @classmethod
-    def of(cls, config: ModelConfig) -> "HybridSettings":
+    def of(cls, config: ModelConfig) -> HybridSettings:
         x, where, n = config.extra, config.source, config.num_hidden_layers
         types = x.get("layer_types") or [FULL if (i + 1) % int(x.get("full_attention_interval", 4)) == 0 else LINEAR
                                          for i in range(n)]
@@ -162,7 +162,7 @@ class HybridCache:
     consumed: list[int] | None = None   # per linear-attention slot: tokens its states have consumed
 
     @classmethod
-    def allocate(cls, config: ModelConfig, s: HybridSettings, max_model_len: int, dtype, device) -> "HybridCache":
+    def allocate(cls, config: ModelConfig, s: HybridSettings, max_model_len: int, dtype, device) -> HybridCache:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         full = [i for i, kind in enumerate(s.layer_types) if kind == FULL]

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
-from engine.models.qwen3 import Qwen3Model
+from engine.models.qwen3 import qwen3_stack
 
 
 class Qwen3MoeSparseMoeBlock(RoutedExperts):
@@ -33,6 +33,6 @@ class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, make_mlp=_make_mlp)
+        self.model = qwen3_stack(config, make_mlp=_make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
