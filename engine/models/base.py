@@ -49,8 +49,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        ids = torch.zeros((t, 1), dtype=torch.int64, device=x.device)    # [T, 1]
-        weights = torch.ones((t, 1), dtype=x.dtype, device=x.device)     # [T, 1]
+        ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)      # [T, 1]
+        weights = torch.ones((t, 1), dtype=torch.float32, device=x.device) # [T, 1]
         return self.ffn.forward(self.layer_idx, x, ids, weights)
 
 
@@ -77,7 +77,8 @@ class RoutedExperts(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Softmax router: gate logits [T, E] -> top-k ids and weights [T, k]."""
+    """Softmax router: gate logits [T, E] -> top-k ids [T, k] int32 and weights [T, k]
+    fp32, the wire's types (an FFN backend sends them as they are)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -89,7 +90,7 @@ class TopKRouter(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)                        # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids.to(torch.int32), weights
 
 
 class DecoderStack(nn.Module):

@@ -281,7 +281,7 @@ class DeepseekV3TopkRouter(nn.Module):
         weights = scores.gather(1, ids)                                                   # [T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, (weights * self.scaling).to(x.dtype)
+        return ids.to(torch.int32), weights * self.scaling                                # int32, fp32: the wire's types
 
 
 class DeepseekV3MoE(RoutedExperts):
