@@ -132,15 +132,15 @@ def cmd_cache(args) -> int:
 
 def cmd_bench(args, rest: list[str]) -> int:
     if args.what == "kernels":
-        from native.bench import main as bench_main
+        from bench.kernels import main as bench_main
         return bench_main(rest)
     if args.what == "transport":
-        from native.bench_transport import main as bench_main
+        from bench.transport import main as bench_main
         return bench_main(rest)
     if any(a == "--synthetic" or a.startswith("--synthetic=") for a in rest):
-        from engine.stepbench import main as synthetic_main
+        from bench.e2e_synthetic import main as synthetic_main
         return synthetic_main(rest)
-    from duckd.bench_e2e import main as bench_main
+    from bench.e2e import main as bench_main
     return bench_main(rest, _stubs(args))
 
 

@@ -55,7 +55,7 @@ class Daemon:
         host's read bandwidth with all their threads reading at once. Real ducks
         (wol) would have to measure their own: unknown (0) here."""
         if self.cfg.fleet.driver in ("local", "netns"):
-            from native.bench import measure_read_gbps
+            from native.kernels import measure_read_gbps
             threads = min(self.cfg.fleet.ducks * self.cfg.fleet.threads_per_duck, len(os.sched_getaffinity(0)))
             self.roofline_gbps = measure_read_gbps(threads)
             self.events.add("fleet", f"roofline: {self.roofline_gbps:.1f} GB/s read bandwidth "

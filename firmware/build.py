@@ -10,6 +10,7 @@ before the project is installed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -20,15 +21,24 @@ from pathlib import Path
 log = logging.getLogger("duck.firmware.build")
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE = ["native/fp9_codec.c", "native/fp9_synth.c", "native/kernels_ref.c", "native/kernels_avx2.c",
-          "native/kernels.c", "native/pool.c", "native/ffn.c", "native/wire.c"]
+
+def _native_sources():
+    """native/sources.py, the one list of native/'s C sources (loaded by path: nothing is installed yet)."""
+    spec = importlib.util.spec_from_file_location("native_sources", ROOT / "native" / "sources.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+NATIVE_SOURCES = _native_sources()
+NATIVE = NATIVE_SOURCES.DUCK
 CORE = ["firmware/log.c", "firmware/cache.c", "firmware/cache_upload.c", "firmware/cache_synth.c",
         "firmware/session.c", "firmware/reasm.c", "firmware/core.c", "firmware/handlers.c"]
 PLATFORM = ["firmware/net_linux.c", "firmware/main.c"]
 FUZZ = ["firmware/fuzz_parser.c"]
 
 COMMON = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-sign-compare",
-          "-fno-strict-aliasing", "-Inative", "-Ifirmware"]
+          "-fno-strict-aliasing", *(f"-I{d}" for d in NATIVE_SOURCES.INCLUDE_DIRS), "-Ifirmware"]
 VARIANTS = {
     "release": (["-O3", "-DNDEBUG"], ["-lpthread", "-lm"]),
     "asan": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -73,7 +83,7 @@ def build(variant: str = "release", output: Path | str | None = None) -> Path:
         raise BuildError(f"unknown variant {variant!r}: expected one of {sorted(VARIANTS)}")
     out = Path(output) if output else ROOT / "build" / "firmware" / f"duckfw-{variant}"
     srcs = sources(variant)
-    deps = [ROOT / s for s in srcs] + list((ROOT / "native").glob("*.h")) + list((ROOT / "firmware").glob("*.h"))
+    deps = [ROOT / s for s in srcs] + NATIVE_SOURCES.headers(ROOT) + list((ROOT / "firmware").glob("*.h"))
     if out.exists() and all(d.stat().st_mtime <= out.stat().st_mtime for d in deps):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

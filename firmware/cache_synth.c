@@ -1,5 +1,5 @@
 /* Synthetic tensors for benchmarks (WIRE_T_SYNTH): generated in RAM from
- * their descriptors (native/fp9_synth.h) instead of uploaded, keyed by
+ * their descriptors (native/fp9/fp9_synth.h) instead of uploaded, keyed by
  * wire_synth_digest, counted against the capacity like any entry, never
  * written to disk (the host makes them again after a restart: generating
  * is faster than reading them back would be). */

@@ -1,7 +1,7 @@
 /* duckfw: the duck runtime. The portable core (core.c, handlers.c,
  * cache.c, session.c, reasm.c) takes datagrams and hands replies to a send
  * callback; the platform layer (net_linux.c, main.c) owns sockets, threads
- * and signals. The wire format is native/wire.h; the kernels are native/. */
+ * and signals. The wire format is native/wire/wire.h; the kernels are native/kernels/. */
 #ifndef DUCKFW_H
 #define DUCKFW_H
 
@@ -10,6 +10,7 @@
 
 #include "ffn.h"
 #include "wire.h"
+#include "wire_synth.h"
 
 #define DUCKFW_VERSION_MAJOR 1
 #define DUCKFW_VERSION_MINOR 0

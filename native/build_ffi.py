@@ -5,9 +5,17 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-# Relative to the project root, where setup.py runs.
-SOURCES = ["native/fp9_codec.c", "native/fp9_synth.c", "native/kernels_ref.c", "native/kernels_avx2.c",
-           "native/kernels.c", "native/pool.c", "native/ffn.c", "native/bench.c"]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# Paths relative to the project root, where setup.py runs.
+sources = _load("native_sources", HERE / "sources.py")
 
 CDEF = """
 typedef struct fp9_block { uint64_t sign[2]; uint8_t mag[2][64]; } fp9_block;
@@ -78,9 +86,7 @@ void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t
 """
 
 # The wire protocol and host transport declare themselves in their own file.
-_spec = importlib.util.spec_from_file_location("transport_cdef", HERE / "transport_cdef.py")
-transport_cdef = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(transport_cdef)
+transport_cdef = _load("transport_cdef", HERE / "transport" / "cdef.py")
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
@@ -89,8 +95,8 @@ ffibuilder.set_source(
     "native._native",
     '#include "fp9.h"\n#include "fp9_synth.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
     + transport_cdef.INCLUDES,
-    sources=SOURCES + transport_cdef.SOURCES,
-    include_dirs=["native"],
+    sources=sources.EXTENSION,
+    include_dirs=sources.INCLUDE_DIRS,
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],
     libraries=["pthread", "m"],
 )

@@ -30,15 +30,15 @@ for step in "$@"; do
     fp8)
         python3 bench/gpu_fp8.py --json "$OUT/gpu_fp8.json" 2>&1 | tail -30 ;;
     deepseek)
-        python3 -m engine.stepbench --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks 4 --duck-threads 4 \
+        python3 -m bench.e2e_synthetic --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks 4 --duck-threads 4 \
             --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-deepseek.json" 2>"$OUT/e2e-deepseek.log"
         tail -4 "$OUT/e2e-deepseek.log"; python3 scripts/e2e_table.py "$OUT/e2e-deepseek.json" ;;
     qwen3)
-        python3 -m engine.stepbench --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
+        python3 -m bench.e2e_synthetic --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
             --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen3.json" 2>"$OUT/e2e-qwen3.log"
         tail -4 "$OUT/e2e-qwen3.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3.json" ;;
     qwen35)
-        python3 -m engine.stepbench --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
+        python3 -m bench.e2e_synthetic --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
             --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen35.json" 2>"$OUT/e2e-qwen35.log"
         tail -4 "$OUT/e2e-qwen35.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

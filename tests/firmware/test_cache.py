@@ -7,7 +7,7 @@ import pytest
 from native._native import ffi, lib
 from native.fp9 import Fp9Tensor
 from native.transport import DuckError
-from native.transport_upload import _upload_payload
+from native.transport.upload import _upload_payload
 from tests.transport.ducks import Ducks
 
 

@@ -72,7 +72,7 @@ def test_synthetic_entries_live_in_ram_only(tmp_path):
 # 400 tensors of 9280 and 4672 bytes: 86 fit 600 kB (5 requests); 256 entries at most (2 requests)
 @pytest.mark.parametrize("batch_bytes,requests", [(600_000, 5), (None, 2)])
 def test_many_tensors_go_in_bounded_batches(tmp_path, monkeypatch, batch_bytes, requests):
-    from native import transport_upload
+    from native.transport import upload as transport_upload
 
     tensors = flat(synth_experts(200, 64, 64, 1))[0]
     assert [t.nbytes for t in tensors[:2]] == [9280, 4672]

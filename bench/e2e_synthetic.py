@@ -1,4 +1,4 @@
-"""Decode-step measurements of a synthetic model at real shapes (engine.synthetic):
+"""Decode-step measurements of a synthetic model at real shapes (bench.synthetic):
 the product path (host model + fleet of local ducks) and, in the same run, the
 baselines a user would compare with: every FFN on the GPU (the upper bound) and
 the FFNs on the host CPU through plain torch bf16 (the naive offload).
@@ -34,7 +34,7 @@ from engine.lanes import (
     run_lane,
     run_two_lanes,
 )
-from engine.synthetic import (
+from bench.synthetic import (
     NOTE,
     SHAPES,
     build_host_model,
@@ -212,7 +212,7 @@ def _graph_stage_times(model, backend, device, steps: int) -> dict | None:
 
 
 def _measure_read(ducks: int, threads: int) -> float:
-    from native.bench import measure_read_gbps
+    from native.kernels import measure_read_gbps
     return measure_read_gbps(ducks * threads, mib=512, seconds=0.5)
 
 

@@ -1,7 +1,7 @@
 """fp9 tensors: packing from fp32 / bf16 / fp8 e4m3 (+128x128 block scales),
 the reference unpack, and the serialized form that travels to the ducks.
 
-The layout and the math are specified in docs/fp9.md and native/fp9.h.
+The layout and the math are specified in docs/fp9.md and native/fp9/fp9.h.
 """
 from __future__ import annotations
 

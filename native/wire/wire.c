@@ -181,12 +181,13 @@ void wire_digest(const void *data, size_t len, uint8_t out[WIRE_DIGEST_BYTES])
     b2_final(&s, out);
 }
 
-void wire_synth_digest(const fp9_synth_desc *d, uint8_t out[WIRE_DIGEST_BYTES])
+void wire_digest_tagged(const void *tag, size_t taglen, const void *data, size_t len,
+                        uint8_t out[WIRE_DIGEST_BYTES])
 {
     blake2b_state s;
     b2_init(&s, WIRE_DIGEST_BYTES, NULL, 0);
-    b2_update(&s, WIRE_SYNTH_TAG, sizeof WIRE_SYNTH_TAG - 1);
-    b2_update(&s, d, sizeof *d);
+    b2_update(&s, tag, taglen);
+    b2_update(&s, data, len);
     b2_final(&s, out);
 }
 

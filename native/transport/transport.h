@@ -2,7 +2,7 @@
  * requests, gather of replies with reassembly, retransmission on a
  * deadline, and a failure deadline after which the silent duck is named.
  * One caller at a time per transport; no call blocks past its deadline.
- * Python binds it through cffi (native/transport_cdef.py, transport.py). */
+ * Python binds it through cffi (native/transport/cdef.py, fleet.py, session.py). */
 #ifndef DUCK_TRANSPORT_H
 #define DUCK_TRANSPORT_H
 

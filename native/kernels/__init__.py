@@ -3,11 +3,12 @@ slice forward the ducks run. Every call releases the GIL while in C."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
 from native._native import ffi, lib
-from native.fp9 import Fp9Error, Fp9Tensor, _to_numpy
+from native.fp9 import Fp9Error, Fp9Tensor, _aligned_bytes, _to_numpy
 
 MAX_TOKENS = 64
 MAX_TOPK = 32
@@ -196,3 +197,24 @@ class MoeSlice:
                 raise Fp9Error(f"{self.name}: {_FFN_ERRORS.get(rc, rc)}")
             self.bytes_streamed += self._nbytes[0]
         return y
+
+
+# --- probes: what the benchmarks and the daemon measure this host with ---------
+
+def measure_read_gbps(threads: int, mib: int = 256, seconds: float = 0.2) -> float:
+    """Streaming read bandwidth of this host with `threads` threads reading at once."""
+    buf = _aligned_bytes(mib << 20)
+    buf[:] = 1
+    pool = Pool(threads)
+    return buf.size / timed_call(lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(buf), buf.size), seconds) / 1e9
+
+
+def timed_call(fn, min_seconds: float) -> float:
+    """Seconds per call of fn, repeated until min_seconds have passed."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds:
+            return elapsed / n

@@ -24,7 +24,17 @@ import numpy as np
 
 from native._native import ffi, lib
 from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
-from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace, kernels, kernels_name, matmul
+from native.kernels import (
+    ExpertSlice,
+    MoeSlice,
+    Pool,
+    Workspace,
+    kernels,
+    kernels_name,
+    matmul,
+    measure_read_gbps,
+    timed_call,
+)
 
 log = logging.getLogger("duck.bench.kernels")
 
@@ -47,25 +57,6 @@ def random_fp9(rows: int, cols: int, rng: np.random.Generator, name: str) -> Fp9
     return Fp9Tensor(buf, name)
 
 
-def measure_read_gbps(threads: int, mib: int = 256, seconds: float = 0.2) -> float:
-    """Streaming read bandwidth of this host with `threads` threads reading at once."""
-    buf = _aligned_bytes(mib * MiB)
-    buf[:] = 1
-    pool = Pool(threads)
-    return buf.size / _timed(lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(buf), buf.size), seconds) / 1e9
-
-
-def _timed(fn, min_seconds: float) -> float:
-    """Seconds per call of fn, repeated until min_seconds have passed."""
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_seconds:
-            return elapsed / n
-
-
 class Case:
     """One measured thing: a callable doing `work_bytes` of streaming per call."""
 
@@ -74,7 +65,7 @@ class Case:
         self.gbps: list[float] = []
 
     def run(self, min_seconds: float) -> None:
-        self.gbps.append(self.work_bytes / _timed(self.fn, min_seconds) / 1e9)
+        self.gbps.append(self.work_bytes / timed_call(self.fn, min_seconds) / 1e9)
 
 
 def _rotating(items):
@@ -185,7 +176,7 @@ def synth_bench(threads_list: list[int], rounds: int, min_seconds: float, rows: 
             lib.fp9_synth_generate(t.desc, ffi.from_buffer(buf), buf.size, ptr)
 
         for key, fn in (("warm_gbps", into_warm), ("fresh_gbps", into_fresh)):
-            gbps = [t.nbytes / _timed(fn, min_seconds) / 1e9 for _ in range(rounds)]
+            gbps = [t.nbytes / timed_call(fn, min_seconds) / 1e9 for _ in range(rounds)]
             out[key][str(threads)] = round(statistics.median(gbps), 3)
     return out
 

@@ -1,7 +1,7 @@
 """Transport benchmark: per-layer round trip through the Python API with real
 duckfw processes on loopback (becomes `duckctl bench transport`).
 
-  python -m native.bench_transport [--ducks 8] [--iters 2000] [--mtu 1500]
+  python -m bench.transport [--ducks 8] [--iters 2000] [--mtu 1500]
 
 Prints one JSON object:
   overhead_{N}_ducks / overhead_1_duck: one token, an empty expert list, a
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
               "host_spin_us": args.spin_us,
-              "command": " ".join(["python -m native.bench_transport", *(argv if argv is not None else sys.argv[1:])])}
+              "command": " ".join(["python -m bench.transport", *(argv if argv is not None else sys.argv[1:])])}
     for n in (args.ducks, 1):
         name = f"overhead_{n}_duck{'s' if n > 1 else ''}"
         result[name] = overhead(n, args.iters, args.mtu, args.threads, hidden=64, spin_us=args.spin_us)

@@ -1,6 +1,5 @@
-"""Weight sync and session set-up over a Fleet: content-addressed, resumable
-uploads (what a duck's cache holds is skipped), synthetic tensors generated
-on the ducks (benchmarks), and resident layer plans."""
+"""Weight sync over a Fleet: content-addressed, resumable uploads (what a duck's
+cache holds is skipped) and synthetic tensors generated on the ducks (benchmarks)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +7,6 @@ import time
 
 from native._native import ffi, lib
 from native.fp9 import Fp9Tensor, SynthTensor
-from native.kernels import ExpertSlice
 
 log = logging.getLogger("duck.transport")
 
@@ -124,22 +122,3 @@ def upload(fleet, tensors_per_duck: list[list[Fp9Tensor | SynthTensor]]) -> dict
              uploaded, nbytes / 1e6, synthesized, synth_bytes / 1e6, dt, skipped)
     return {"uploaded": uploaded, "skipped": skipped, "bytes": nbytes, "synthesized": synthesized,
             "synth_bytes": synth_bytes, "seconds": dt}
-
-
-def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int, session_id: int):
-    from native.transport import Session
-    so = ffi.new("wire_session_open *")
-    so.hidden = hidden
-    fleet._all(lib.WIRE_T_SESSION_OPEN, bytes(ffi.buffer(so)), session=session_id)
-    for layer, per_duck in sorted(layers.items()):
-        if len(per_duck) != fleet.n_ducks:
-            raise ValueError(f"layer {layer}: slices for {len(per_duck)} ducks, the fleet has {fleet.n_ducks}")
-        reqs = []
-        for d, experts in enumerate(per_duck):
-            lp = ffi.new("wire_layer_plan *")
-            lp.layer, lp.n_experts, lp.hidden = layer, len(experts), hidden
-            digests = b"".join(bytes.fromhex(e.gate_up.digest()) + bytes.fromhex(e.down.digest()) for e in experts)
-            reqs.append((d, lib.WIRE_T_LAYER_PLAN, bytes(ffi.buffer(lp)) + digests, 0))
-        fleet.call(reqs, session=session_id)
-    log.info("session %08x open on %d ducks: %d layers, hidden %d", session_id, fleet.n_ducks, len(layers), hidden)
-    return Session(fleet, session_id, hidden, set(layers))

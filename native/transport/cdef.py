@@ -1,10 +1,9 @@
-"""cffi declarations of native/wire.h and native/transport.h, imported by
+"""cffi declarations of native/wire/ and native/transport/, imported by
 native/build_ffi.py. Constants are declared with `...` so their values come
 from the C headers at build time: Python never holds a second copy of the
 wire format. Struct layouts end in `...;` so cffi checks them against C."""
 
-SOURCES = ["native/wire.c", "native/transport.c", "native/transport_run.c", "native/transport_forward.c"]
-INCLUDES = '#include "wire.h"\n#include "transport.h"\n'
+INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n'
 
 _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX

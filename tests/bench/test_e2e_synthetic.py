@@ -8,7 +8,7 @@ import json
 import pytest
 
 from duckd.ctl import main as duckctl
-from engine.synthetic import SHAPES, synthetic_config
+from bench.synthetic import SHAPES, synthetic_config
 
 
 def test_synthetic_configs_keep_the_published_widths():

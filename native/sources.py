@@ -1,0 +1,31 @@
+"""The C sources of native/, by concern, and their include folders: the one list
+that the cffi build (build_ffi.py), the firmware build (firmware/build.py) and the
+standalone C tests share. Paths are relative to the project root. Stdlib only:
+it is read before anything is installed.
+
+    fp9/        the weight format: codec, synthetic tensors (benchmarks)
+    kernels/    GEMV/GEMM kernels, the worker pool, the MoE/MLP slice forward;
+                the read-bandwidth probe and int8 peer the kernel benchmark uses
+    wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b MAC)
+    transport/  the host side of the wire: scatter, gather, retransmit, sum
+"""
+INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport"]
+
+FP9 = ["native/fp9/fp9_codec.c", "native/fp9/fp9_synth.c"]
+KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "native/kernels/kernels.c",
+           "native/kernels/pool.c", "native/kernels/ffn.c"]
+KERNEL_PROBES = ["native/kernels/bench.c"]
+WIRE = ["native/wire/wire.c"]
+TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
+             "native/transport/transport_forward.c"]
+C_TESTS = ["native/kernels/test_native.c"]
+
+# what a duck runs (the firmware links these with firmware/*.c)
+DUCK = FP9 + KERNELS + WIRE
+# the Python extension native._native
+EXTENSION = FP9 + KERNELS + KERNEL_PROBES + WIRE + TRANSPORT
+
+
+def headers(root) -> list:
+    """Every header of native/ under root (a pathlib.Path): rebuild dependencies."""
+    return [h for d in INCLUDE_DIRS for h in (root / d).glob("*.h")]

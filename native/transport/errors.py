@@ -1,0 +1,14 @@
+"""Errors of the host transport."""
+from __future__ import annotations
+
+
+class DuckError(RuntimeError):
+    """A duck failed a request; .duck is its index in the fleet, .status its wire status (0 if none)."""
+
+    def __init__(self, message: str, duck: int | None = None, status: int = 0):
+        super().__init__(message)
+        self.duck, self.status = duck, status
+
+
+class DuckTimeout(DuckError):
+    """A duck did not answer within the failure deadline."""

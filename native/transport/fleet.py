@@ -1,0 +1,219 @@
+"""One socket to N ducks (native/transport/transport.c, GIL released): requests,
+hello, ping, stats, cache queries and invalidation, uploads and sessions."""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from native._native import ffi, lib
+from native.fp9 import Fp9Tensor, SynthTensor
+from native.kernels import ExpertSlice
+from native.transport import session as _session
+from native.transport import upload as _upload
+from native.transport.errors import DuckError, DuckTimeout
+
+log = logging.getLogger("duck.transport")
+
+
+@dataclass(frozen=True)
+class DuckInfo:
+    """What a duck says in its hello."""
+    index: int
+    address: tuple[str, int]
+    duck_id: int
+    firmware: str
+    abi: int
+    cores: int
+    threads: int
+    mem_bytes: int
+    cache_bytes: int
+    cache_capacity: int
+    cache_entries: int
+    session: int
+    mtu: int
+    data_mac: bool
+    fault_injection: bool
+
+
+def _struct_dict(cdata) -> dict:
+    return {name: getattr(cdata, name) for name, _ in ffi.typeof(cdata).item.fields if not name.startswith("reserved")}
+
+
+class Fleet:
+    """One socket to N ducks. Not for concurrent use from several threads
+    (calls are serialized by a lock); the C releases the GIL while waiting.
+
+    retransmit_ms: silence before the first retransmit (doubles, up to 8x);
+    deadline_ms: silence after which a duck has failed (DuckTimeout names it).
+    """
+
+    def __init__(self, addresses, key: bytes, *, mtu: int = 1500, retransmit_ms: float = 10.0,
+                 deadline_ms: float = 1000.0, mac_data: bool = False, spin_us: int = 0):
+        self.addresses = [(str(h), int(p)) for h, p in addresses]
+        if not self.addresses:
+            raise ValueError("a fleet needs at least one duck address")
+        cfg = ffi.new("duck_transport_config *")
+        self._keep = [ffi.new("uint32_t[]", [int.from_bytes(socket.inet_aton(h), "little") for h, _ in self.addresses]),
+                      ffi.new("uint16_t[]", [p for _, p in self.addresses]), ffi.new("uint8_t[]", bytes(key))]
+        cfg.n_ducks = len(self.addresses)
+        cfg.addrs, cfg.ports, cfg.key = self._keep
+        cfg.key_len = len(key)
+        cfg.mtu = mtu
+        cfg.retransmit_us = int(retransmit_ms * 1000)
+        cfg.deadline_us = int(deadline_ms * 1000)
+        cfg.mac_data = int(mac_data)
+        cfg.spin_us = spin_us
+        err = ffi.new("char[256]")
+        ptr = lib.duck_transport_create(cfg, err, 256)
+        if ptr == ffi.NULL:
+            raise ValueError(f"cannot open the fleet transport: {ffi.string(err).decode()}")
+        self._t = ffi.gc(ptr, lib.duck_transport_destroy)
+        self.deadline_ms = deadline_ms
+        self.mac_data = mac_data
+        self._lock = threading.Lock()
+        self.infos: list[DuckInfo] = []
+        self.last_rtt_us: list[float] = []
+
+    @property
+    def n_ducks(self) -> int:
+        return len(self.addresses)
+
+    def name(self, d: int) -> str:
+        host, port = self.addresses[d]
+        ident = f" id {self.infos[d].duck_id}" if d < len(self.infos) else ""
+        return f"duck {d}{ident} ({host}:{port})"
+
+    def close(self) -> None:
+        if self._t is not None:
+            ffi.release(self._t)   # runs duck_transport_destroy now
+            self._t = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- requests -------------------------------------------------------------
+    def call(self, requests, session: int = 0, check: bool = True) -> list[tuple[int, bytes]]:
+        """Runs [(duck, type, payload, reply_cap)] concurrently; returns [(status, body)].
+        Raises DuckTimeout / DuckError naming the first duck that failed."""
+        n = len(requests)
+        calls = ffi.new("duck_call[]", n)
+        keep = []
+        for i, (duck, mtype, payload, cap) in enumerate(requests):
+            buf = ffi.from_buffer(payload) if len(payload) else ffi.NULL
+            reply = ffi.new("uint8_t[]", max(cap, lib.WIRE_MAX_ERROR_TEXT) + ffi.sizeof("wire_reply_head"))
+            keep += [payload, buf, reply]
+            c = calls[i]
+            c.duck, c.type, c.session = duck, mtype, session
+            c.payload, c.payload_len = buf, len(payload)
+            c.reply, c.reply_cap = reply, len(reply)
+        with self._lock:
+            if self._t is None:
+                raise RuntimeError("the fleet transport is closed")
+            lib.duck_transport_run(self._t, calls, n)
+        self.last_rtt_us = [calls[i].rtt_ns / 1000.0 for i in range(n)]
+        out = []
+        for i in range(n):
+            c, duck, mtype = calls[i], requests[i][0], requests[i][1]
+            what = ffi.string(lib.wire_type_str(mtype)).decode()
+            if c.result == lib.DUCK_T_ETIMEOUT:
+                st = self.transport_stats()
+                raise DuckTimeout(f"{self.name(duck)} did not answer {what} within {self.deadline_ms:.0f} ms "
+                                  f"({c.retransmits} retransmits; host saw {st['stale']} stale, "
+                                  f"{st['malformed']} malformed, {st['unauthenticated']} unauthenticated "
+                                  "datagrams in all)", duck)
+            if c.result != lib.DUCK_T_OK:
+                raise DuckError(f"{self.name(duck)}: {what} failed with transport error {c.result}", duck)
+            head = ffi.cast("wire_reply_head *", c.reply)
+            body = bytes(ffi.buffer(c.reply, c.reply_len)[ffi.sizeof("wire_reply_head"):])
+            if check and head.status != lib.WIRE_OK:
+                raise DuckError(f"{self.name(duck)} refused {what}: {body.decode(errors='replace')}", duck,
+                                head.status)
+            out.append((head.status, body))
+        return out
+
+    def _all(self, mtype, payload=b"", cap=256, ducks=None, session=0):
+        ducks = range(self.n_ducks) if ducks is None else ducks
+        return self.call([(d, mtype, payload, cap) for d in ducks], session)
+
+    def hello(self) -> list[DuckInfo]:
+        """Asks every duck who it is; also the link check (a duck that is down raises DuckTimeout)."""
+        infos = []
+        for d, (_, body) in enumerate(self._all(lib.WIRE_T_HELLO, cap=ffi.sizeof("wire_hello_reply"))):
+            h = ffi.cast("wire_hello_reply *", ffi.from_buffer(body))
+            infos.append(DuckInfo(d, self.addresses[d], h.duck_id, ffi.string(h.name).decode(errors="replace"),
+                                  h.abi, h.cores, h.threads, h.mem_bytes, h.cache_bytes, h.cache_capacity,
+                                  h.cache_entries, h.session, h.mtu, bool(h.flags & lib.WIRE_HELLO_DATA_MAC),
+                                  bool(h.flags & lib.WIRE_HELLO_FAULTS)))
+            if h.abi != lib.WIRE_ABI:
+                raise DuckError(f"{self.name(d)} speaks wire ABI {h.abi}, this host {lib.WIRE_ABI}; "
+                                "update its firmware", d)
+            if h.flags & lib.WIRE_HELLO_DATA_MAC and not self.mac_data:
+                raise DuckError(f"{self.name(d)} requires a MAC on forwards (duckfw --data-mac); "
+                                "open the Fleet with mac_data=True", d)
+        self.infos = infos
+        return infos
+
+    def ping(self) -> list[float]:
+        """Round trip to every duck (all at once), in microseconds."""
+        p = ffi.new("wire_ping *")
+        p.t_ns = time.monotonic_ns()
+        self._all(lib.WIRE_T_PING, bytes(ffi.buffer(p)), cap=ffi.sizeof("wire_ping"))
+        return list(self.last_rtt_us)
+
+    def stats(self) -> list[dict]:
+        """Each duck's counters (wire_stats field names)."""
+        return [_struct_dict(ffi.cast("wire_stats *", ffi.from_buffer(body)))
+                for _, body in self._all(lib.WIRE_T_STATS, cap=ffi.sizeof("wire_stats"))]
+
+    def transport_stats(self) -> dict:
+        s = ffi.new("duck_transport_stats *")
+        lib.duck_transport_stats_get(self._t, s)
+        return _struct_dict(s)
+
+    def cache_query(self, digests_per_duck: list[list[str]]) -> list[set[str]]:
+        """For each duck, which of the given hex digests its cache holds."""
+        reqs = []
+        for d, digests in enumerate(digests_per_duck):
+            payload = len(digests).to_bytes(4, "little") + b"".join(bytes.fromhex(h) for h in digests)
+            reqs.append((d, lib.WIRE_T_CACHE_QUERY, payload, 4 + len(digests) // 8 + 1))
+        out = []
+        for (_, body), digests in zip(self.call(reqs), digests_per_duck):
+            bits = np.unpackbits(np.frombuffer(body[4:], np.uint8), bitorder="little")
+            out.append({h for i, h in enumerate(digests) if bits[i]})
+        return out
+
+    def invalidate(self, digest: str | None = None, ducks=None) -> list[int]:
+        """Drops one entry (hex digest) or, with None, everything not in use; returns counts per duck."""
+        inv = ffi.new("wire_invalidate *")
+        if digest is None:
+            inv.flags = lib.WIRE_INVALIDATE_ALL
+        else:
+            inv.digest = list(bytes.fromhex(digest))
+        body = bytes(ffi.buffer(inv))
+        return [int.from_bytes(b[:4], "little") for _, b in self._all(lib.WIRE_T_CACHE_INVALIDATE, body, ducks=ducks)]
+
+    def shutdown(self, ducks=None) -> None:
+        self._all(lib.WIRE_T_SHUTDOWN, ducks=ducks)
+
+    def upload(self, tensors_per_duck: list[list[Fp9Tensor | SynthTensor]]) -> dict:
+        """Uploads each duck's tensors it does not hold yet, all ducks at once,
+        in parts; an interrupted upload resumes where the duck says it stopped.
+        SynthTensors are not sent: the ducks generate them (wire SYNTH).
+        Returns {'uploaded': n, 'skipped': n, 'bytes': n, 'synthesized': n,
+        'synth_bytes': n, 'seconds': s}."""
+        return _upload.upload(self, tensors_per_duck)
+
+    def open_session(self, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
+                     session_id: int | None = None) -> _session.Session:
+        """Makes the layer plans resident on every duck: layers[layer][duck] is
+        that duck's list of expert slices (split_experts' result), already uploaded."""
+        return _session.open_session(self, layers, hidden, session_id or (secrets.randbits(32) or 1))
