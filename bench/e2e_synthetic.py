@@ -30,7 +30,6 @@ from engine.lanes import (
     EagerLane,
     FfnWorker,
     StepTrace,
-    route_through_lanes,
     run_lane,
     run_two_lanes,
 )
@@ -50,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class TimedFfn(FfnBackend):
-    """Wraps a backend; records the wall time and the slowest duck's kernel time of each call."""
+    """The benchmark's view of a backend: the same calls, each one's wall time and the
+    slowest duck's kernel time recorded (eager steps on the CPU have no lane to time them)."""
     name = "timed"
 
     def __init__(self, backend: FfnBackend):
@@ -61,13 +61,25 @@ class TimedFfn(FfnBackend):
         self.backend.load_layer(layer)
 
     @property
-    def kernel_us_total(self) -> float:
-        return float(getattr(self.backend, "kernel_us_total", 0.0))
+    def host_io(self) -> bool:
+        return self.backend.host_io
 
-    def forward(self, layer, x, ids, weights):
+    @property
+    def captures_in_graph(self) -> bool:
+        return self.backend.captures_in_graph
+
+    @property
+    def kernel_us_total(self) -> float:
+        return self.backend.kernel_us_total
+
+    @property
+    def bytes_streamed(self) -> int:
+        return self.backend.bytes_streamed
+
+    def forward(self, layer, x, ids, weights, out=None):
         k0 = self.kernel_us_total
         t0 = time.perf_counter()
-        y = self.backend.forward(layer, x, ids, weights)
+        y = self.backend.forward(layer, x, ids, weights, out=out)
         self.calls.append((layer, time.perf_counter() - t0, (self.kernel_us_total - k0) * 1e-6))
         return y
 
@@ -80,18 +92,13 @@ def _sync(device) -> None:
 class Runner:
     """Prefill and decode steps of one model on one backend, timed. On CUDA the decode
     steps replay CUDA graphs (engine.gpu.graphs) unless graphs are off; a host-side
-    backend is called through pinned buffers."""
+    backend then gets its inputs in pinned buffers the graphs fill (engine.host_ffn)."""
 
     def __init__(self, model, backend: FfnBackend, device, use_graphs: bool):
         self.model, self.device = model, torch.device(device)
         self.timed = TimedFfn(backend)
         self.cuda = self.device.type == "cuda"
-        calls = self.timed
-        if self.cuda:
-            from engine.gpu.pinned import PinnedFfn, runs_on_host
-            if runs_on_host(backend):
-                calls = PinnedFfn(self.timed)
-        model.set_ffn(calls)
+        model.set_ffn(self.timed)
         self.vocab = model.config.vocab_size
         self.gen = torch.Generator().manual_seed(7)
         self.use_graphs = use_graphs and self.cuda
@@ -100,7 +107,7 @@ class Runner:
     @property
     def bytes_streamed(self) -> int:
         """fp9 bytes the ducks report having streamed (0 for the torch backends)."""
-        return int(getattr(self.timed.backend, "bytes_streamed", 0))
+        return self.timed.bytes_streamed
 
     def _ids(self, n: int) -> torch.Tensor:
         return torch.randint(2, self.vocab, (n,), generator=self.gen).to(self.device)
@@ -118,13 +125,12 @@ class Runner:
     def _lanes(self, cache, mode: str, tokens: int):
         """What runs the steps: None (the model's forward), a lane, or (lane, lane, worker)."""
         if mode == "lanes":
-            proxy = route_through_lanes(self.model)
             if self.use_graphs:
                 from engine.gpu.graphs import GraphLane
                 a, b = GraphLane(self.model, cache, 1, name="lane-a"), GraphLane(self.model, cache, 1, name="lane-b")
             else:
                 a, b = EagerLane(self.model, cache, "lane-a"), EagerLane(self.model, cache, "lane-b")
-            return (a, b, FfnWorker(proxy.backend))
+            return (a, b, FfnWorker(self.timed))
         if self.use_graphs:
             from engine.gpu.graphs import GraphLane
             return GraphLane(self.model, cache, tokens, name=f"decode-{tokens}")
@@ -204,7 +210,7 @@ def _graph_stage_times(model, backend, device, steps: int) -> dict | None:
     if torch.device(device).type != "cuda":
         return None
     try:
-        from engine.gpu.graphs import stage_times
+        from bench.gpu_stage import stage_times
     except ImportError as e:  # the GPU path is optional on a CPU build
         log.warning("no CUDA-graph stage timing: %s", e)
         return None

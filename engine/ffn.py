@@ -8,15 +8,21 @@ shared experts, attention and everything else stay in the model on the host.
     backend.finish_loading()                             once, after the last layer
     backend.forward(layer, x[T,H], ids[T,k], w[T,k])     -> y[T,H] = sum_e w_e * down_e(silu(gate_e x) * up_e x)
 
-Backends: TorchFfn (the reference, in the model's dtype on its device),
-Fp9Ffn (native fp9 kernels on this host: the math the ducks run) and
-engine.fleet.FleetFfn (the ducks, through native.transport).
+ids are int32 and w fp32 (the wire's types: the routers make them so). The model's
+FFN modules call ffn_call(backend, ...), which hands the call to the lane running
+on this thread if there is one (engine.lanes: a step cut at its FFN calls), else to
+the backend. No wrappers stack in front of a backend.
+
+Backends: TorchFfn (the reference, in the model's dtype on its device), and the
+host backends of engine.host_ffn (one C call per layer on host buffers in the
+wire's types): Fp9Ffn (native fp9 kernels on this host: the math the ducks run)
+and engine.fleet.FleetFfn (the ducks, through native.transport).
 """
 from __future__ import annotations
 
 import abc
 import logging
-import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +58,16 @@ class FfnLayer:
                 raise ValueError(f"FFN layer {self.index}: expert hidden size {e.gate.shape[1]} != {self.hidden}")
 
 
+@dataclass(slots=True)
+class FfnRequest:
+    """One FFN call of a step: what a lane hands out at each FFN call and takes the result of."""
+    layer: int
+    x: torch.Tensor                  # [T, H]
+    ids: torch.Tensor                # [T, k] int32
+    weights: torch.Tensor            # [T, k] fp32
+    out: torch.Tensor | None = None  # [T, H]: where the result goes (a lane's pinned buffer), or None
+
+
 class FfnBackend(abc.ABC):
     """One interface for every place the FFNs can run (see the module docstring)."""
     name = "abstract"
@@ -64,8 +80,32 @@ class FfnBackend(abc.ABC):
         """Called once after every layer was loaded (the fleet uploads and opens its session here)."""
 
     @abc.abstractmethod
-    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids / weights [T, k] -> [T, H]: sum_e w_e * down_e(silu(gate_e x) * up_e x)."""
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], ids / weights [T, k] -> [T, H]: sum_e w_e * down_e(silu(gate_e x) * up_e x),
+        written into out when given (and returned)."""
+
+    @property
+    def host_io(self) -> bool:
+        """Whether the backend computes on this host's CPU (or through it, the fleet), so a
+        model on the GPU hands it host copies of x / ids / weights (pinned, in the wire's types)."""
+        return False
+
+    @property
+    def captures_in_graph(self) -> bool:
+        """Whether the backend runs on the model's GPU without host syncs, so its calls stay
+        inside a CUDA graph of the decode step (engine.gpu.graphs)."""
+        return False
+
+    @property
+    def kernel_us_total(self) -> float:
+        """Kernel microseconds summed over every call so far (the fleet: the slowest duck's); 0 if unknown."""
+        return 0.0
+
+    @property
+    def bytes_streamed(self) -> int:
+        """fp9 bytes read by the kernels so far (0 for backends that do not count them)."""
+        return 0
 
     def close(self) -> None:
         pass
@@ -76,11 +116,27 @@ class FfnBackend(abc.ABC):
         return False
 
 
-def innermost_backend(backend: FfnBackend) -> FfnBackend:
-    """The backend that computes, behind any wrappers (LaneFfn, PinnedFfn, timing: anything with .backend)."""
-    while hasattr(backend, "backend"):
-        backend = backend.backend
-    return backend
+class _LaneHook(threading.local):
+    lane = None   # the lane whose step runs on this thread (engine.lanes), or None
+
+
+_hook = _LaneHook()
+
+
+def ffn_call(backend: FfnBackend, layer: int, x: torch.Tensor, ids: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+    """What a model's FFN module calls: the lane running on this thread takes the call
+    (it becomes that lane's FFN request), otherwise the backend computes it."""
+    lane = _hook.lane
+    if lane is not None:
+        return lane._ffn_call(FfnRequest(layer, x, ids, weights))
+    return backend.forward(layer, x, ids, weights)
+
+
+def set_lane(lane):
+    """Makes lane take this thread's FFN calls (None: back to the backends); returns the previous one."""
+    before, _hook.lane = _hook.lane, lane
+    return before
 
 
 def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: torch.Tensor,
@@ -132,76 +188,18 @@ class TorchFfn(FfnBackend):
                        for e in experts]
         self.layers[layer.index] = experts
 
-    def forward(self, layer, x, ids, weights):
+    @property
+    def host_io(self) -> bool:
+        return self.device is not None and self.device.type == "cpu"
+
+    def forward(self, layer, x, ids, weights, out=None):
         dtype = self.layers[layer][0].gate.dtype
         if self.device is None or (x.device == self.device and x.dtype == dtype):
-            return torch_experts_forward(self.layers[layer], x, ids, weights)
-        y = torch_experts_forward(self.layers[layer], x.to(self.device, dtype), ids.to(self.device),
-                                  weights.to(self.device, dtype))
-        return y.to(x.device, x.dtype)
-
-
-def _to_fp9(w: torch.Tensor, what: str):
-    """Packs a weight to fp9; from its fp8 codes bit-exactly when it came from an fp8 checkpoint."""
-    from native.fp9 import Fp9Tensor
-
-    src = getattr(w, "fp8_source", None)
-    if src is not None:
-        ckpt, cname, sname = src
-        return Fp9Tensor.from_fp8(ckpt.get(cname), ckpt.get(sname), name=cname)
-    if w.dtype == torch.bfloat16:
-        return Fp9Tensor.from_float(w.detach().cpu(), name=what)
-    return Fp9Tensor.from_float(w.detach().float().cpu().numpy(), name=what)
-
-
-def pack_expert_fp9(e: ExpertWeights, what: str):
-    """One whole expert as an fp9 ExpertSlice (gate/up rows interleaved)."""
-    from native.fp9 import Fp9Tensor, pack_gate_up
-    from native.kernels import ExpertSlice
-
-    if any(getattr(t, "fp8_source", None) is not None for t in (e.gate, e.up)):
-        # fp8 blocks span 128 rows of gate and of up separately: decode bit-exact, then interleave
-        g, u = _to_fp9(e.gate, what + ".gate").to_float(), _to_fp9(e.up, what + ".up").to_float()
-        gate_up = Fp9Tensor.from_float(pack_gate_up(g, u), name=what + ".gate_up")
-    else:
-        gate_up = Fp9Tensor.from_float(pack_gate_up(e.gate.detach().float().cpu().numpy(),
-                                                    e.up.detach().float().cpu().numpy()), name=what + ".gate_up")
-    return ExpertSlice(gate_up, _to_fp9(e.down, what + ".down"))
-
-
-class Fp9Ffn(FfnBackend):
-    """Local fp9 backend: each layer's experts packed once, run by native.kernels
-    on a worker pool of this host (the same slice forward a duck runs, tp=1)."""
-    name = "fp9"
-
-    def __init__(self, threads: int | None = None, kernel_set: str = "best"):
-        from native.kernels import Pool, Workspace
-
-        self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)
-        self.ws = Workspace()
-        self.kernel_set = kernel_set
-        self.slices: dict[int, object] = {}
-
-    @property
-    def frees_torch_weights(self) -> bool:
-        return True
-
-    def load_layer(self, layer: FfnLayer) -> None:
-        from native.kernels import MoeSlice
-
-        experts = [pack_expert_fp9(e, f"layers.{layer.index}.experts.{i}") for i, e in enumerate(layer.experts)]
-        self.slices[layer.index] = MoeSlice(experts, layer.hidden, name=f"layer {layer.index} FFN")
-
-    def forward(self, layer, x, ids, weights):
-        xs = x.detach()
-        xs = xs.cpu() if xs.dtype == torch.bfloat16 else xs.float().cpu().numpy()
-        y = self.slices[layer].forward(xs, ids.to(torch.int32).cpu().numpy(),
-                                       weights.float().cpu().numpy(), self.pool, self.ws, self.kernel_set)
-        return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
-
-    @property
-    def bytes_streamed(self) -> int:
-        return sum(s.bytes_streamed for s in self.slices.values())
+            y = torch_experts_forward(self.layers[layer], x, ids, weights)
+        else:
+            y = torch_experts_forward(self.layers[layer], x.to(self.device, dtype), ids.to(self.device),
+                                      weights.to(self.device, dtype)).to(x.device, x.dtype)
+        return y if out is None else out.copy_(y)
 
 
 def install(model, backend: FfnBackend, release_weights: bool | None = None) -> FfnBackend:

@@ -2,7 +2,7 @@
 is split into tp = n_ducks tensor-parallel fp9 slices of width multiple_of
 (zero-padded), uploaded once (what a duck's cache holds is skipped), made
 resident in one session, and run per layer as one request whose partials the
-transport sums."""
+transport sums: one C call per layer (engine.host_ffn, the FFN host contract)."""
 from __future__ import annotations
 
 import logging
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from engine.ffn import FfnBackend, FfnLayer
+from engine.ffn import FfnLayer
+from engine.host_ffn import HostFfn
 
 log = logging.getLogger(__name__)
 
 
-class FleetFfn(FfnBackend):
+class FleetFfn(HostFfn):
     name = "fleet"
 
     def __init__(self, fleet=None, *, addresses=None, key: bytes | None = None, key_file: str | None = None,
@@ -28,6 +29,7 @@ class FleetFfn(FfnBackend):
         key_file; or local_ducks=N to start N duckfw processes on this host (development)."""
         from native.transport import Fleet, read_key_file
 
+        super().__init__()
         self.local = None
         if fleet is None:
             if local_ducks:
@@ -45,10 +47,6 @@ class FleetFfn(FfnBackend):
         self.layers: dict[int, list] = {}
         self.session = None
         self.fleet.hello()  # link check: a duck that is down raises DuckTimeout naming it
-
-    @property
-    def frees_torch_weights(self) -> bool:
-        return True
 
     def load_layer(self, layer: FfnLayer) -> None:
         from native.transport import split_experts
@@ -81,11 +79,9 @@ class FleetFfn(FfnBackend):
                  done["synth_bytes"] / 1e6, done["skipped"])
         self.session = self.fleet.open_session(self.layers, self.hidden)
 
-    def forward(self, layer, x, ids, weights):
-        xs = x.detach()
-        xs = xs.cpu() if xs.dtype == torch.bfloat16 else xs.float().cpu().numpy()
-        y = self.session.forward(layer, xs, ids.to(torch.int32).cpu().numpy(), weights.float().cpu().numpy())
-        return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
+    def run(self, layer, x, ids, weights, out):
+        y = self.session.forward(layer, x, ids, weights)
+        out.copy_(torch.from_numpy(y))
 
     @property
     def kernel_us_total(self) -> int:

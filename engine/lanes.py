@@ -11,10 +11,10 @@ A *lane* exposes that alternation:
     lane.hidden                           # [T, H], the model's output
 
 EagerLane runs the unmodified model in a thread of its own and stops it at
-every FFN call (the model's FFN modules call a LaneFfn, which hands the request
-to the lane and waits for the answer); a CUDA-graph lane replays captured
-segments instead (engine.gpu). Only one lane runs host code at a time: the
-caller drives them.
+every FFN call (the model's FFN modules call engine.ffn.ffn_call, which hands
+the call to the lane of its thread; the lane passes the request out and waits
+for the answer); a CUDA-graph lane replays captured segments instead
+(engine.gpu). Only one lane runs host code at a time: the caller drives them.
 
 Dual lane (MTP1's verification pair, the seeds' "two-lane overlap"): token A and
 draft B at consecutive positions go through the model as two lanes, B one
@@ -38,17 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ffn import FfnBackend, FfnLayer
+from engine.ffn import FfnBackend, FfnRequest, set_lane
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class FfnRequest:
-    layer: int
-    x: torch.Tensor        # [T, H]
-    ids: torch.Tensor      # [T, k]
-    weights: torch.Tensor  # [T, k]
 
 
 @dataclass(slots=True)
@@ -65,53 +57,16 @@ class StepTrace:
     calls: int = 0
 
 
-class _LaneLocal(threading.local):
-    lane: EagerLane | None = None
-
-
-_current = _LaneLocal()
-
-
 @contextmanager
 def calls_to(lane):
-    """Within (on this thread), the model's FFN calls (through LaneFfn) go to
-    lane._ffn_call(FfnRequest) -> y: how a CUDA-graph lane cuts its capture into
-    segments (engine.gpu.graphs); EagerLane's thread sets the same thing itself."""
-    before = _current.lane
-    _current.lane = lane
+    """Within (on this thread), the model's FFN calls go to lane._ffn_call(FfnRequest) -> y:
+    how a CUDA-graph lane cuts its capture into segments (engine.gpu.graphs); EagerLane's
+    thread sets the same thing itself."""
+    before = set_lane(lane)
     try:
         yield
     finally:
-        _current.lane = before
-
-
-class LaneFfn(FfnBackend):
-    """Installed on a model's FFN modules in place of its backend: a call from a
-    lane's thread becomes that lane's request; any other call goes straight to
-    the backend (prefill, plain generate)."""
-    name = "lanes"
-
-    def __init__(self, backend: FfnBackend):
-        self.backend = backend
-
-    def load_layer(self, layer: FfnLayer) -> None:
-        raise RuntimeError("LaneFfn routes calls; load layers into its backend")
-
-    def forward(self, layer, x, ids, weights):
-        lane = _current.lane
-        if lane is None:
-            return self.backend.forward(layer, x, ids, weights)
-        return lane._ffn_call(FfnRequest(layer, x, ids, weights))
-
-
-def route_through_lanes(model) -> LaneFfn:
-    """Puts a LaneFfn in front of the model's FFN backend (idempotent); returns it."""
-    modules = model.ffn_modules()
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no FFN layers to run in lanes")
-    if isinstance(modules[0].ffn, LaneFfn):
-        return modules[0].ffn
-    return model.set_ffn(LaneFfn(modules[0].ffn))
+        set_lane(before)
 
 
 class EagerLane:
@@ -120,7 +75,6 @@ class EagerLane:
 
     def __init__(self, model, cache, name: str = "lane"):
         self.model, self.cache, self.name = model, cache, name
-        route_through_lanes(model)
         self._todo: queue.SimpleQueue = queue.SimpleQueue()    # to the lane thread: work, or FFN results
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # from it: FfnRequest, ("done",), exception
         self._thread = threading.Thread(target=self._main, name=f"duck-{name}", daemon=True)
@@ -150,7 +104,7 @@ class EagerLane:
 
     # -- lane thread ------------------------------------------------------------------
     def _main(self) -> None:
-        _current.lane = self
+        set_lane(self)
         while True:
             job = self._todo.get()
             if job[0] == "stop":
@@ -202,7 +156,7 @@ class FfnWorker:
             t0 = time.perf_counter()
             k0 = _kernel_us(self.backend)
             try:
-                y = self.backend.forward(req.layer, req.x, req.ids, req.weights)
+                y = self.backend.forward(req.layer, req.x, req.ids, req.weights, out=req.out)
             except BaseException as e:  # noqa: BLE001 - the waiter raises it
                 fut.set_exception(e)
                 continue
@@ -211,7 +165,7 @@ class FfnWorker:
 
 def _kernel_us(backend: FfnBackend) -> float:
     """Cumulative kernel microseconds the backend reports (the fleet's slowest duck per call)."""
-    return float(getattr(backend, "kernel_us_total", 0.0))
+    return float(backend.kernel_us_total)
 
 
 def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tensor,
@@ -223,7 +177,7 @@ def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tens
     while req is not None:
         t1 = time.perf_counter()
         k0 = _kernel_us(backend)
-        y = backend.forward(req.layer, req.x, req.ids, req.weights)
+        y = backend.forward(req.layer, req.x, req.ids, req.weights, out=req.out)
         t2 = time.perf_counter()
         if trace is not None:
             kern = (_kernel_us(backend) - k0) * 1e-6

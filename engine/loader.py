@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.ffn import FfnBackend, Fp9Ffn, TorchFfn, install
+from engine.ffn import FfnBackend, TorchFfn, install
+from engine.host_ffn import Fp9Ffn
 from engine.gpu.device import place_on_device, resolve_device
-from engine.gpu.pinned import pin_host_backend, runs_on_host
 from engine.models import model_class
 from engine.tokenizer import Tokenizer
 from engine.weights import SafetensorsCheckpoint, load_weights
@@ -107,8 +107,7 @@ def load_model(path: str | Path = "default", *, device: str | torch.device | Non
         from engine.gpu.fp8 import fp8_linears_from_checkpoint
         fp8_linears_from_checkpoint(model)   # no-op for a checkpoint without fp8 weights
     if device.type != "cpu":
-        place_on_device(model, device, keep_experts=runs_on_host(ffn))
-        pin_host_backend(model, ffn)
+        place_on_device(model, device, keep_experts=ffn.host_io)
     log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
              config.num_hidden_layers, device, dtype, ffn.name)
     return LoadedModel(model, tokenizer, config, ffn)

@@ -35,7 +35,6 @@ from engine.lanes import (
     EagerLane,
     FfnWorker,
     StepTrace,
-    route_through_lanes,
     run_two_lanes,
 )
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -112,7 +111,7 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
     lanes = None
     try:
         if overlap == "lanes":
-            backend = route_through_lanes(model).backend
+            backend = model.ffn_backend()
             pair = ((decoder.lane(1, "a"), decoder.lane(1, "b")) if decoder is not None
                     else (EagerLane(model, cache, "lane-a"), EagerLane(model, cache, "lane-b")))
             lanes = (*pair, FfnWorker(backend))

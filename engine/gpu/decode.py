@@ -22,8 +22,7 @@ import threading
 import torch
 
 from engine.gpu.graphs import GraphLane, reset_sequence_state
-from engine.gpu.pinned import runs_on_host
-from engine.lanes import LaneFfn, route_through_lanes, run_lane
+from engine.lanes import run_lane
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ class CudaDecoder:
         self.cache = None
         self.lanes: dict[tuple[int, str], GraphLane] = {}
         self.lock = threading.Lock()
-        self._first_ffn = model.ffn_modules()[0]
 
     # -- per request ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -76,18 +74,17 @@ class CudaDecoder:
 
     # -- steps ------------------------------------------------------------------------------
     def backend(self):
-        """What the lanes' FFN requests go to: the backend behind the model's lane proxy."""
-        proxy = self._first_ffn.ffn
-        if not isinstance(proxy, LaneFfn):
-            proxy = route_through_lanes(self.model)
-        return proxy.backend
+        """What the lanes' FFN requests go to: the model's backend."""
+        return self.model.ffn_backend()
 
     def lane(self, tokens: int, name: str = "main") -> GraphLane:
-        """The graph lane for `tokens`-token steps on the cache (name: one lane per role, e.g. the dual lane's a and b)."""
+        """The graph lane for `tokens`-token steps on the cache (name: one lane per role, e.g. the dual lane's
+        a and b), captured again when the model's backend changed since."""
         lane = self.lanes.get((tokens, name))
-        if lane is None or lane.closed:
+        if lane is None or lane.closed or lane.backend is not self.backend():
+            if lane is not None:
+                lane.close()
             lane = self.lanes[(tokens, name)] = GraphLane(self.model, self.cache, tokens, name=f"{name}-{tokens}")
-        lane.host_io = runs_on_host(self.backend())
         return lane
 
     @torch.inference_mode()

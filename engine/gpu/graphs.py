@@ -4,7 +4,7 @@ layer, the duck call, the next replay.
     lane = GraphLane(model, cache, tokens=1)
     req = lane.start(ids, positions)    # inputs into static buffers, replay graph 0 -> layer 0's FFN call
     while req is not None:
-        y = backend.forward(req.layer, req.x, req.ids, req.weights)
+        y = backend.forward(req.layer, req.x, req.ids, req.weights, out=req.out)
         req = lane.resume(y)            # y into the static buffer graph i+1 reads, replay it
     lane.hidden                         # [T, H], valid until the next start()
 
@@ -22,21 +22,23 @@ tensors the graphs write in place.
 
 Every start() / resume() returns once its replay is done (an event wait): the
 request's tensors are then final whichever thread or stream reads them, and the
-host would wait for them anyway. With a host-side backend (host_io) the request
-carries pinned host copies of x / ids / weights, made right after the replay, and
-y goes back through a pinned buffer before the next replay.
+host would wait for them anyway. With a backend that computes on the host
+(backend.host_io: the fleet, the local fp9 kernels) the FFN host contract of
+engine.host_ffn holds: each segment's graph ends by copying x / ids / weights, in
+the wire's types, into the lane's pinned FfnIO, the request hands out those host
+views with out = the pinned y buffer, and the next segment's graph begins by
+copying y back to the device: per layer one replay, one event wait, one C call.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 from dataclasses import dataclass
 
 import torch
 
-from engine.ffn import innermost_backend
-from engine.gpu.pinned import HostStaging, runs_on_host
-from engine.lanes import EagerLane, FfnRequest, calls_to, route_through_lanes, run_lane
+from engine.ffn import FfnRequest
+from engine.host_ffn import WIRE_DTYPES, FfnIO
+from engine.lanes import EagerLane, calls_to
 from engine.layers import KVCache, static_decode
 
 log = logging.getLogger(__name__)
@@ -121,23 +123,21 @@ class _InlineFfn:
         return self.backend.forward(req.layer, req.x, req.ids, req.weights)
 
 
-def captures_in_graph(backend) -> bool:
-    """Whether backend (looked through wrappers with .backend) may be captured inside a graph."""
-    return bool(getattr(innermost_backend(backend), "captures_in_graph", False))
-
-
 @dataclass(slots=True)
 class _Segment:
     graph: torch.cuda.CUDAGraph
-    call: FfnRequest | None    # the FFN call that ends it (static device tensors); None for the last
-    y: torch.Tensor | None     # the static buffer that call's result goes to, read by the next segment
+    call: FfnRequest | None    # the FFN call that ends it: static device tensors, or (host io) the pinned
+    #                            host views the graph copied them into, out = where the result is read from
+    y: torch.Tensor | None     # the static device buffer that call's result goes to, read by the next segment
 
 
 class _Capture:
-    """Stands in for the lane while the forward is captured: each FFN call cuts the graph."""
+    """Stands in for the lane while the forward is captured: each FFN call cuts the graph.
+    With io (FfnIO, pinned), the copies of x / ids / weights to the host end the segment
+    inside its graph, and the copy of y back begins the next one."""
 
-    def __init__(self, pool, inline=None):
-        self.pool, self.inline = pool, inline   # inline: an _InlineFfn, whose calls do not cut the graph
+    def __init__(self, pool, inline=None, io: FfnIO | None = None):
+        self.pool, self.inline, self.io = pool, inline, io   # inline: an _InlineFfn, whose calls do not cut the graph
         self.segments: list[_Segment] = []
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -149,11 +149,27 @@ class _Capture:
     def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
         if self.inline is not None:
             return self.inline._ffn_call(req)
+        call = req
+        if self.io is not None:
+            t, k = req.ids.shape
+            xh, ih, wh, yh = self.io.views(t, k)
+            xh.copy_(req.x.to(xh.dtype), non_blocking=True)      # device -> pinned host, in the graph
+            ih.copy_(req.ids.to(torch.int32), non_blocking=True)
+            wh.copy_(req.weights.to(torch.float32), non_blocking=True)
+            call = FfnRequest(req.layer, xh, ih, wh, out=yh)
         self.graph.capture_end()
         y = torch.empty_like(req.x)   # allocated between captures: a plain buffer, alive as long as the lane
-        self.segments.append(_Segment(self.graph, req, y))
+        staged = torch.empty(y.shape, dtype=call.out.dtype, device=y.device) if (
+            call.out is not None and call.out.dtype != y.dtype) else None
+        self.segments.append(_Segment(self.graph, call, y))
         self.graph = None
         self.begin()
+        if call.out is not None:   # pinned host -> device, first in the next graph
+            if staged is None:
+                y.copy_(call.out, non_blocking=True)
+            else:
+                staged.copy_(call.out, non_blocking=True)
+                y.copy_(staged)
         return y
 
     def end(self) -> list[_Segment]:
@@ -173,10 +189,11 @@ class _Capture:
 
 class GraphLane:
     """A decode step of `tokens` tokens over `cache`, captured as CUDA graphs between
-    FFN calls (see the module docstring). host_io: hand out pinned host copies of the
-    FFN inputs (default: when the model's FFN backend computes on the host)."""
+    FFN calls (see the module docstring), for the FFN backend given (default: the
+    model's). A backend that computes on the host gets pinned host copies of x / ids /
+    weights in the wire's types, made inside the graphs, and its result goes back the same way."""
 
-    def __init__(self, model, cache, tokens: int = 1, *, name: str = "graph", host_io: bool | None = None,
+    def __init__(self, model, cache, tokens: int = 1, *, name: str = "graph", backend=None,
                  warmup: int = WARMUP_FORWARDS):
         device = model.model.embed_tokens.weight.device
         if device.type != "cuda":
@@ -187,12 +204,12 @@ class GraphLane:
         if cache.max_model_len < tokens:
             raise ValueError(f"a cache of {cache.max_model_len} positions cannot hold a {tokens}-token step")
         self.model, self.cache, self.tokens, self.name, self.device = model, cache, tokens, name, device
-        proxy = route_through_lanes(model)
-        self.host_io = runs_on_host(proxy.backend) if host_io is None else host_io
+        self.backend = model.ffn_backend() if backend is None else backend
+        self.host_io = self.backend.host_io
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
         self._done = torch.cuda.Event()
-        self._staging: HostStaging | None = None
+        self.io = self._host_buffers() if self.host_io else None
         self._inputs = torch.zeros((2, tokens), dtype=torch.int64, pin_memory=True)   # ids, positions
         self.timing: list | None = None   # a list: (segment, start event, end event) of every replay go there
         self.hidden: torch.Tensor | None = None
@@ -202,16 +219,23 @@ class GraphLane:
             # warm-up and capture positions: the last slots (the warm-up's writes are put back)
             self.positions = torch.arange(cache.max_model_len - tokens, cache.max_model_len, device=device)
             self.segments, self._hidden = self._capture(warmup)
-        log.info("%s: %d-token decode captured as %d CUDA graphs (%d FFN calls), cache of %d positions",
-                 name, tokens, len(self.segments), len(self.segments) - 1, cache.max_model_len)
+        log.info("%s: %d-token decode captured as %d CUDA graphs (%d FFN calls%s), cache of %d positions",
+                 name, tokens, len(self.segments), len(self.segments) - 1,
+                 ", host copies inside the graphs" if self.host_io else "", cache.max_model_len)
+
+    def _host_buffers(self) -> FfnIO:
+        config = self.model.config
+        dtype = self.model.model.embed_tokens.weight.dtype
+        wire = dtype if dtype in WIRE_DTYPES else torch.float32
+        return FfnIO.allocate(self.tokens, config.hidden_size, max(1, config.num_experts_per_tok or 1), wire,
+                              pinned=True)
 
     def _capture(self, warmup: int) -> tuple[list[_Segment], torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
         guard = _StateGuard(self.cache, self.positions)
         self.stream.wait_stream(current)
-        proxy = route_through_lanes(self.model)
-        inline = _InlineFfn(proxy.backend) if captures_in_graph(proxy.backend) else None
-        capture = _Capture(self.pool, inline)
+        inline = _InlineFfn(self.backend) if self.backend.captures_in_graph else None
+        capture = _Capture(self.pool, inline, self.io)
         with torch.cuda.stream(self.stream), static_decode():
             with calls_to(inline or _ZeroFfn()):
                 for _ in range(warmup):
@@ -260,8 +284,9 @@ class GraphLane:
         if tuple(y.shape) != tuple(seg.y.shape):
             raise ValueError(f"{self.name}: FFN result of layer {seg.call.layer} has shape {tuple(y.shape)}, "
                              f"expected {tuple(seg.y.shape)}")
-        if y.device.type == "cpu":
-            self._host().to_device(y, seg.y, self.stream)
+        if seg.call.out is not None:
+            if y is not seg.call.out:
+                seg.call.out.copy_(y)   # the next graph copies it to the device
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             y.record_stream(self.stream)
@@ -285,13 +310,6 @@ class GraphLane:
             self._inputs[row].copy_(src)
             dst.copy_(self._inputs[row], non_blocking=True)
 
-    def _host(self) -> HostStaging:
-        if self._staging is None:
-            call = self.segments[0].call
-            self._staging = HostStaging(self.tokens, call.x.shape[1], call.x.dtype, call.ids.dtype,
-                                        call.weights.dtype, self.segments[0].y.dtype)
-        return self._staging
-
     def _replay(self) -> FfnRequest | None:
         i = self._next
         seg = self.segments[i]
@@ -309,11 +327,8 @@ class GraphLane:
             self._next, self.hidden = None, self._hidden
             return None
         self._next = i + 1
-        if self.host_io:
-            c = seg.call
-            return FfnRequest(c.layer, *self._host().to_host(c.x, c.ids, c.weights, self.stream))
         self._done.record(self.stream)
-        self._done.synchronize()
+        self._done.synchronize()   # x / ids / weights are final (on the host too, with host io)
         return seg.call
 
 
@@ -323,108 +338,3 @@ def make_lane(model, cache, tokens: int = 1, name: str = "lane", graphs: bool = 
     if graphs and model.model.embed_tokens.weight.device.type == "cuda":
         return GraphLane(model, cache, tokens, name=name)
     return EagerLane(model, cache, name)
-
-
-# -- per-layer GPU stage time, eager vs graphs ----------------------------------------------
-class _EagerTimer:
-    """Eager forward cut at its FFN calls by CUDA events (start of a segment, end of it)."""
-
-    def __init__(self, backend, stream):
-        self.backend, self.stream = backend, stream
-        self.events: list[tuple[int | None, torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: torch.cuda.Event | None = None
-
-    def begin(self, first: bool = True) -> None:
-        if first:
-            self.events.clear()
-        self._open = torch.cuda.Event(enable_timing=True)
-        self._open.record(self.stream)
-
-    def close(self, layer: int | None) -> torch.cuda.Event:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        self.events.append((layer, self._open, end))
-        return end
-
-    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
-        self.close(req.layer).synchronize()   # as a real FFN call waits for x: the next stage starts on an idle GPU
-        y = torch.zeros_like(req.x) if self.backend is None else self.backend.forward(
-            req.layer, req.x, req.ids, req.weights)
-        self.begin(first=False)
-        return y
-
-
-def _default_len(model) -> int:
-    n = min(2048, model.config.max_position_embeddings)
-    index_topk = getattr(getattr(model, "args", None), "index_topk", 0)
-    return min(n, index_topk) if index_topk else n
-
-
-@torch.inference_mode()
-def stage_times(model, backend=None, *, steps: int = 20, tokens: int = 1, max_model_len: int | None = None,
-                position: int | None = None) -> dict:
-    """GPU time of each stage (the GPU work between two FFN calls) of a decode step of
-    `tokens` tokens, eager and replayed from CUDA graphs: CUDA events around every stage,
-    median over `steps` steps after one warm step. FFN calls go to backend (zeros when None:
-    the stage times do not depend on them). Eager runs today's attention over the first
-    position + 1 slots, the graphs attend over the whole cache of max_model_len."""
-    device = model.model.embed_tokens.weight.device
-    if device.type != "cuda":
-        raise ValueError(f"stage_times measures CUDA work; the model is on {device}")
-    length = max_model_len or _default_len(model)
-    position = length // 2 if position is None else position
-    if not 0 <= position <= length - tokens:
-        raise ValueError(f"position {position} with {tokens} tokens does not fit max_model_len={length}")
-    cache = model.make_cache(length)
-    route_through_lanes(model)
-    ids = torch.full((tokens,), 2, dtype=torch.int64)
-    positions = torch.arange(position, position + tokens)
-    stream = torch.cuda.current_stream(device)
-    timer = _EagerTimer(backend, stream)
-    eager: list[list[float]] = []
-    layers: list[int | None] = []
-    for step in range(steps + 1):
-        _rewind(cache, position)
-        timer.begin()
-        with calls_to(timer):
-            model(ids.to(device), positions.to(device), cache)
-        timer.close(None)
-        torch.cuda.synchronize(device)
-        if step:
-            eager.append([a.elapsed_time(b) for _, a, b in timer.events])
-        layers = [layer for layer, _, _ in timer.events]
-    lane = GraphLane(model, cache, tokens, name="stage-times")
-    graph: list[list[float]] = []
-    ffn = _ZeroBackend() if backend is None else backend
-    try:
-        for step in range(steps + 1):
-            _rewind(cache, position)
-            lane.timing = []
-            run_lane(lane, ffn, ids, positions)
-            torch.cuda.synchronize(device)
-            if step:
-                graph.append([a.elapsed_time(b) for _, a, b in lane.timing])
-    finally:
-        lane.close()
-    eager_ms = [statistics.median(s) for s in zip(*eager)]
-    graph_ms = [statistics.median(s) for s in zip(*graph)]
-    calls = max(1, len(layers) - 1)
-    return {"tokens": tokens, "max_model_len": length, "position": position, "steps": steps,
-            "segments": [{"ends_at_layer": layer, "eager_ms": e, "graph_ms": g}
-                         for layer, e, g in zip(layers, eager_ms, graph_ms)],
-            "eager_step_ms": sum(eager_ms), "graph_step_ms": sum(graph_ms),
-            "per_layer_eager_ms": sum(eager_ms) / calls, "per_layer_graph_ms": sum(graph_ms) / calls,
-            "speedup": sum(eager_ms) / sum(graph_ms) if sum(graph_ms) > 0 else None}
-
-
-def _rewind(cache, position: int) -> None:
-    """Lets a hybrid cache's linear attention run again from `position` (timing only: the state is not restored)."""
-    if hasattr(cache, "consumed"):
-        cache.consumed = [position] * cache.conv.shape[0]
-
-
-class _ZeroBackend:
-    """Zeros for every FFN call (stage timing without a backend)."""
-
-    def forward(self, layer, x, ids, weights):
-        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)

@@ -108,8 +108,10 @@ class GpuExpertsFfn(FfnBackend):
         self.layers[index] = (gate_up, down)
         self.experts[index] = [ExpertWeights(gate_up[x, 0::2], gate_up[x, 1::2], down[x]) for x in range(e)]
 
-    def forward(self, layer, x, ids, weights):
+    def forward(self, layer, x, ids, weights, out=None):
         gate_up, down = self.layers[layer]
         if x.device.type == "cuda" and ids.numel() <= MAX_PAIRS and triton is not None:
-            return grouped_experts_forward(gate_up, down, x, ids.to(torch.int32), weights)
-        return torch_experts_forward(self.experts[layer], x, ids, weights)
+            y = grouped_experts_forward(gate_up, down, x, ids.to(torch.int32), weights)
+        else:
+            y = torch_experts_forward(self.experts[layer], x, ids, weights)
+        return y if out is None else out.copy_(y)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.ffn import ExpertWeights, FfnBackend, FfnLayer
+from engine.ffn import ExpertWeights, FfnBackend, FfnLayer, ffn_call
 from engine.layers import KVCache, RMSNorm
 from engine.weights import WeightSpec
 
@@ -19,7 +19,7 @@ class NoFfnBackend(FfnBackend):
     def load_layer(self, layer):
         self.forward(layer.index, None, None, None)
 
-    def forward(self, layer, x, ids, weights):
+    def forward(self, layer, x, ids, weights, out=None):
         raise RuntimeError("no FFN backend installed on this model: call engine.ffn.install(model, backend) "
                            "or load it with engine.loader.load_model(..., backend=...)")
 
@@ -51,7 +51,7 @@ class GatedMLP(nn.Module):
         t = x.shape[0]
         ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)      # [T, 1]
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device) # [T, 1]
-        return self.ffn.forward(self.layer_idx, x, ids, weights)
+        return ffn_call(self.ffn, self.layer_idx, x, ids, weights)
 
 
 class RoutedExperts(nn.Module):
@@ -73,7 +73,7 @@ class RoutedExperts(nn.Module):
         return [p for e in self.experts for p in e.expert_parameters()]
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.ffn.forward(self.layer_idx, x, ids, weights)   # [T, H]
+        return ffn_call(self.ffn, self.layer_idx, x, ids, weights)   # [T, H]
 
 
 class TopKRouter(nn.Module):
@@ -142,9 +142,19 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if hasattr(m, "ffn_layer") and m.layer_idx >= 0]
 
     def set_ffn(self, backend: FfnBackend) -> FfnBackend:
-        """Makes every FFN module call backend (a backend, or a wrapper in front of one); returns it."""
+        """Makes every FFN module call backend; returns it."""
         for m in self.ffn_modules():
             m.ffn = backend
+        return backend
+
+    def ffn_backend(self) -> FfnBackend:
+        """The backend every FFN module calls (install / set_ffn give them one)."""
+        modules = self.ffn_modules()
+        if not modules:
+            raise ValueError(f"{type(self).__name__} has no FFN layers")
+        backend = modules[0].ffn
+        if any(m.ffn is not backend for m in modules):
+            raise RuntimeError(f"{type(self).__name__}: the FFN modules call different backends")
         return backend
 
     def ffn_layers(self):

@@ -76,7 +76,7 @@ def test_mtp_greedy_is_token_identical(mtp_checkpoint, backend, report, caplog):
     try:
         calls = []
         forward = lm.ffn.forward
-        lm.ffn.forward = lambda layer, x, ids, w: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w)
+        lm.ffn.forward = lambda layer, x, ids, w, out=None: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w, out=out)
         accepted = verified = 0
         for seed in SEEDS:
             prompt = _prompt(seed)
@@ -133,7 +133,7 @@ def test_dual_lane_mtp_is_token_identical_and_overlaps(mtp_checkpoint, report):
     try:
         calls = []
         forward = lm.ffn.forward
-        lm.ffn.forward = lambda layer, x, ids, w: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w)
+        lm.ffn.forward = lambda layer, x, ids, w, out=None: calls.append((layer, x.shape[0])) or forward(layer, x, ids, w, out=out)
         prompt = _prompt(SEEDS[0])
         params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
         plain = generate(lm.model, lm.tokenizer, prompt, params)

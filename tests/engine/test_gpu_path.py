@@ -2,7 +2,7 @@
 the rest on one): static decode (attention over the whole static cache under a mask)
 gives the logits of today's decode for every family, at steps of 1 and 2 tokens and
 up to the cache's last slot, without a host sync; the device choice and its
-switches; placing a model on another device; the pinned FFN adapter's CPU path."""
+switches; placing a model on another device; which backends take host io."""
 from __future__ import annotations
 
 import pytest
@@ -17,15 +17,16 @@ from engine.gpu.device import (
     place_on_device,
     resolve_device,
 )
+from bench.gpu_stage import stage_times
 from engine.gpu.graphs import (
     GraphLane,
     make_lane,
     reset_sequence_state,
     set_linear_progress,
-    stage_times,
 )
-from engine.gpu.pinned import HostStaging, PinnedFfn, pin_host_backend, runs_on_host
-from engine.lanes import EagerLane, LaneFfn, calls_to, route_through_lanes
+from engine.gpu.moe import GpuExpertsFfn
+from engine.host_ffn import Fp9Ffn
+from engine.lanes import EagerLane, calls_to
 from engine.layers import static_decode
 from engine.loader import load_model
 
@@ -110,7 +111,6 @@ def test_static_decode_never_waits_for_the_device(kind, t, family):
     cache = model.make_cache(CACHE)
     ids, positions = _tokens(model.config.vocab_size, t, seed=3), torch.arange(5, 5 + t)
     syncs = _HostSyncs()
-    route_through_lanes(model)
     with calls_to(_ZeroFfn()), static_decode(), syncs:
         model(ids, positions, cache)
     assert syncs.seen == [], f"{kind}: static decode synchronizes with the device: {syncs.seen}"
@@ -127,7 +127,6 @@ def test_static_decode_runs_on_the_device_alone(kind, family):
     runs through, so it makes no host tensor and reads no device value (the meta device
     has none to read); the eager step, which does, cannot."""
     model = load_model(family(kind), device="cpu").model
-    route_through_lanes(model)
     place_on_device(model, "meta")
     cache = model.make_cache(CACHE)
     for t in (1, 2):
@@ -210,39 +209,13 @@ def test_place_on_device_moves_all_but_the_experts(family):
         assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings
 
 
-# -- the pinned adapter and the lanes, CPU side ----------------------------------------------
+# -- which backends take host io, and the lanes, CPU side --------------------------------------
 def test_which_backends_run_on_the_host():
-    assert runs_on_host(TorchFfn(device="cpu")) and not runs_on_host(TorchFfn())
-    assert not runs_on_host(LaneFfn(TorchFfn())) and runs_on_host(LaneFfn(PinnedFfn(TorchFfn(device="cpu"))))
-
-
-@torch.inference_mode()
-def test_pinned_adapter_passes_host_calls_through(tiny_checkpoint):
-    lm = load_model(tiny_checkpoint("qwen3_moe")[0], device="cpu", backend="fp9")
-    prompt = _tokens(lm.config.vocab_size, 9, seed=6)
-    ref = lm.model(prompt, torch.arange(9), lm.model.make_cache(9))
-    pinned = pin_host_backend(lm.model, lm.ffn)
-    assert isinstance(pinned, PinnedFfn) and all(m.ffn is pinned for m in lm.model.ffn_modules())
-    before = pinned.bytes_streamed
-    got = lm.model(prompt, torch.arange(9), lm.model.make_cache(9))
-    assert torch.equal(got, ref) and pinned.bytes_streamed > before and pinned.frees_torch_weights
-    on_device = TorchFfn()
-    assert pin_host_backend(lm.model, on_device) is on_device and all(m.ffn is pinned for m in lm.model.ffn_modules())
-
-
-def test_host_staging_hands_out_contiguous_copies():
-    st = HostStaging(4, 6, torch.float32, torch.int64, torch.float32)
-    x, w = torch.randn(3, 6), torch.rand(3, 2)
-    ids = torch.tensor([[1, 4], [0, 2], [3, 3]])
-    xh, ih, wh = st.to_host(x, ids, w)
-    assert torch.equal(xh, x) and torch.equal(ih, ids) and torch.equal(wh, w)
-    assert xh.is_contiguous() and ih.is_contiguous() and wh.is_contiguous()
-    ih1 = st.to_host(x[:1], ids[:1, :1], w[:1, :1])[1]
-    assert ih1.shape == (1, 1) and ih1.is_contiguous()
-    out = torch.empty(3, 6)
-    assert torch.equal(st.to_device(x * 2, out), x * 2)
-    with pytest.raises(ValueError, match="does not fit staging for 4 tokens"):
-        st.to_host(torch.randn(5, 6), torch.zeros(5, 2, dtype=torch.int64), torch.rand(5, 2))
+    """host_io: a GPU model hands these pinned host copies (engine.host_ffn); the grouped
+    GPU backend stays inside the CUDA graph instead."""
+    assert TorchFfn(device="cpu").host_io and not TorchFfn().host_io
+    assert Fp9Ffn(threads=1).host_io and not Fp9Ffn(threads=1).captures_in_graph
+    assert GpuExpertsFfn().captures_in_graph and not GpuExpertsFfn().host_io
 
 
 def test_graph_parts_refuse_a_cpu_model(tiny_checkpoint):

@@ -13,7 +13,6 @@ from engine.lanes import (
     EagerLane,
     FfnWorker,
     StepTrace,
-    route_through_lanes,
     run_lane,
     run_two_lanes,
 )
@@ -31,16 +30,16 @@ def test_lanes_reproduce_the_forward(family, tiny_family):
     with torch.inference_mode():
         model(prompt, torch.arange(9), ref_cache)
         model(prompt, torch.arange(9), cache)
-    proxy = route_through_lanes(model)
+    backend = model.ffn_backend()
     lane_a, lane_b = EagerLane(model, cache, "a"), EagerLane(model, cache, "b")
-    worker = FfnWorker(proxy.backend)
+    worker = FfnWorker(backend)
     threads_seen = set()
-    forward = proxy.backend.forward
+    forward = backend.forward
 
-    def spy(layer, x, ids, w):
+    def spy(layer, x, ids, w, out=None):
         threads_seen.add(threading.current_thread().name)
-        return forward(layer, x, ids, w)
-    proxy.backend.forward = spy
+        return forward(layer, x, ids, w, out=out)
+    backend.forward = spy
     try:
         pos = 9
         for step in range(3):   # single lane, then two lanes, alternating
@@ -54,13 +53,13 @@ def test_lanes_reproduce_the_forward(family, tiny_family):
                 n_ffn = len(model.ffn_modules())
                 assert trace.calls == 2 * n_ffn and trace.wall > 0 and trace.host > 0
             else:
-                got = run_lane(lane_a, proxy.backend, ids, positions, trace)
+                got = run_lane(lane_a, backend, ids, positions, trace)
                 assert trace.calls == len(model.ffn_modules())
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             pos += 2
         assert "duck-ffn-worker" in threads_seen
     finally:
-        proxy.backend.forward = forward
+        backend.forward = forward
         for part in (lane_a, lane_b, worker):
             part.close()
 

@@ -78,7 +78,7 @@ def _quantize_fp8(w: torch.Tensor, pow2: bool):
 def test_fp8_checkpoint_loads_and_packs_exactly(tmp_path):
     import transformers
 
-    from engine.ffn import _to_fp9
+    from engine.host_ffn import _to_fp9
 
     cfg = transformers.LlamaConfig(vocab_size=150, hidden_size=160, intermediate_size=300, num_hidden_layers=2,
                                    num_attention_heads=5, num_key_value_heads=1, head_dim=32)

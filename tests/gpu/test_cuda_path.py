@@ -1,10 +1,11 @@
 """The CUDA host path (engine.gpu) on a GPU: decode steps replayed from CUDA graphs
 against the eager forward, generate() on CUDA against the CPU, the dual lane with
-graph lanes against the 2-token forward, the pinned FFN adapter, the decoder's
-cache reuse and the per-layer stage timing. Skipped without CUDA.
+graph lanes against the 2-token forward, a host backend called with CUDA tensors,
+the decoder's cache reuse and the per-layer stage timing. Skipped without CUDA.
 
-The FFNs run on the host through the pinned adapter (TorchFfn on the CPU, and the
-fp9 kernels) unless a test says otherwise; TF32 is off so that fp32 means fp32."""
+The FFNs run on the host (TorchFfn on the CPU, and the fp9 kernels through the FFN
+host contract: pinned copies made inside the graphs) unless a test says otherwise;
+TF32 is off so that fp32 means fp32."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,9 @@ import torch
 from engine.ffn import TorchFfn
 from engine.generate import SamplingParams, generate
 from engine.gpu.decode import cuda_decoder, release_cuda_decoder
-from engine.gpu.graphs import GraphLane, stage_times
-from engine.gpu.pinned import PinnedFfn
-from engine.lanes import FfnWorker, route_through_lanes, run_lane, run_two_lanes
+from bench.gpu_stage import stage_times
+from engine.gpu.graphs import GraphLane
+from engine.lanes import FfnWorker, run_lane, run_two_lanes
 from engine.layers import static_decode
 from engine.loader import load_model
 from engine.mtp import generate_mtp
@@ -77,7 +78,8 @@ def _graphs_against_eager(lm, steps: int, static_reference: bool) -> float:
     prompt = _tokens(lm.config.vocab_size, PROMPT, seed=1)
     graph_cache, ref_cache = _prefilled(model, prompt, PROMPT + steps + 3, 2)
     lane = GraphLane(model, graph_cache, tokens=1)
-    backend = route_through_lanes(model).backend
+    backend = model.ffn_backend()
+    assert lane.host_io == backend.host_io and (lane.io is None or lane.io.x.is_pinned())
     token, worst = prompt[-1], 0.0
     try:
         for i in range(steps):
@@ -99,7 +101,6 @@ def _graphs_against_eager(lm, steps: int, static_reference: bool) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_graph_replay_equals_eager_fp32(kind, checkpoint):
     lm = _load(checkpoint(kind))
-    assert isinstance(lm.model.ffn_modules()[0].ffn, PinnedFfn), "a host-side backend goes through pinned buffers"
     worst = _graphs_against_eager(lm, STEPS, static_reference=False)
     assert worst <= FP32_VS_EAGER_RTOL, f"{kind}: graph replay differs from eager decode by {worst:.2e} (fp32)"
 
@@ -130,7 +131,7 @@ def test_pair_graph_equals_two_token_forward(kind, ffn, checkpoint):
     graph_cache, ref_cache = _prefilled(model, prompt, PROMPT + 2 * 6, 2)
     lane = GraphLane(model, graph_cache, tokens=2)
     assert lane.host_io == (ffn == "torch-cpu")
-    backend = route_through_lanes(model).backend
+    backend = model.ffn_backend()
     pairs = torch.tensor(_tokens(lm.config.vocab_size, 12, seed=3)).view(6, 2)
     try:
         for i, pair in enumerate(pairs):
@@ -151,7 +152,7 @@ def test_dual_lane_with_graph_lanes_equals_two_token_forward(kind, checkpoint):
     cache, ref_cache = _prefilled(model, prompt, PROMPT + 2 * 4, 2)
     lane_a, lane_b = GraphLane(model, cache, 1, name="a"), GraphLane(model, cache, 1, name="b")
     assert lane_a.stream != lane_b.stream and lane_a.pool != lane_b.pool
-    worker = FfnWorker(route_through_lanes(model).backend)
+    worker = FfnWorker(model.ffn_backend())
     pairs = torch.tensor(_tokens(lm.config.vocab_size, 8, seed=5)).view(4, 2)
     try:
         for i, pair in enumerate(pairs):
@@ -179,7 +180,7 @@ def test_generate_on_cuda_matches_the_cpu(kind, ffn, checkpoint, monkeypatch):
             assert generate(gpu.model, gpu.tokenizer, prompt, params).token_ids == want, f"seed {seed}"
         decoder = gpu.model._cuda_decoder
         assert list(decoder.lanes) == [(1, "main")]
-        monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")   # eager on CUDA, through the same pinned adapter
+        monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")   # eager on CUDA: the backend gets CUDA tensors
         assert generate(gpu.model, gpu.tokenizer, prompt, params).token_ids == want
     finally:
         release_cuda_decoder(gpu.model)
@@ -211,9 +212,9 @@ def test_decoder_reuses_its_cache_and_drops_its_graphs_when_it_grows(checkpoint)
 
 
 @torch.inference_mode()
-def test_pinned_adapter_matches_the_backend_on_host_tensors(checkpoint):
-    lm = _load(checkpoint("qwen3_moe"))
-    pinned = lm.model.ffn_modules()[0].ffn
+def test_host_backend_called_with_cuda_tensors_matches_host_tensors(checkpoint):
+    """engine.host_ffn stages a call with CUDA tensors through the thread's pinned buffers."""
+    lm = _load(checkpoint("qwen3_moe"), backend="fp9")
     layer = lm.model.ffn_modules()[0].layer_idx
     hidden, k = lm.config.hidden_size, lm.config.num_experts_per_tok
     for t in (1, 2, 5, 1):   # the staging grows and is reused
@@ -222,7 +223,7 @@ def test_pinned_adapter_matches_the_backend_on_host_tensors(checkpoint):
         w = torch.rand(t, k, device="cuda")
         if layer in TINY["qwen3_moe"]["mlp_only_layers"]:
             ids, w = ids[:, :1] * 0, w[:, :1]
-        y = pinned.forward(layer, x, ids, w)
+        y = lm.ffn.forward(layer, x, ids, w)
         assert y.is_cuda and y.dtype == x.dtype
         torch.testing.assert_close(y.cpu(), lm.ffn.forward(layer, x.cpu(), ids.cpu(), w.cpu()))
 
