@@ -56,6 +56,7 @@ class TimedFfn(FfnBackend):
     def __init__(self, backend: FfnBackend):
         self.backend = backend
         self.calls: list[tuple[int, float, float]] = []   # (layer, wall s, kernel s)
+        self.routes: list[tuple[int, tuple[int, ...]]] = []   # (layer, experts chosen) of calls with host ids
 
     def load_layer(self, layer):
         self.backend.load_layer(layer)
@@ -81,7 +82,32 @@ class TimedFfn(FfnBackend):
         t0 = time.perf_counter()
         y = self.backend.forward(layer, x, ids, weights, out=out)
         self.calls.append((layer, time.perf_counter() - t0, (self.kernel_us_total - k0) * 1e-6))
+        if ids.device.type == "cpu" and ids.shape[1] > 1:   # a routed layer; device ids would cost a sync
+            self.routes.append((layer, tuple(sorted(set(ids.flatten().tolist())))))
         return y
+
+
+def routing_spread(steps: list[list[tuple[int, tuple[int, ...]]]], n_experts: int) -> dict | None:
+    """How the decode steps spread over the experts, per routed layer: distinct experts per
+    step, the share of a step's experts that the step before also read (data a cache may
+    still hold: a trained model reuses few), and the share of all experts read over the steps.
+    A random model whose routing collapsed onto a few experts shows here."""
+    per_layer: dict[int, list[set[int]]] = {}
+    for step in steps:
+        for layer, experts in step:
+            per_layer.setdefault(layer, []).append(set(experts))
+    if not per_layer:
+        return None
+    distinct, reused, coverage = [], [], []
+    for sets in per_layer.values():
+        distinct += [len(s) for s in sets]
+        reused += [len(a & b) / len(b) for a, b in zip(sets, sets[1:])]
+        coverage.append(len(set().union(*sets)) / n_experts)
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    return {"layers": len(per_layer), "steps": len(steps), "experts": n_experts,
+            "distinct_experts_per_layer_step": mean(distinct),
+            "reused_from_previous_step": mean(reused),
+            "experts_read_over_the_steps": mean(coverage)}
 
 
 def _sync(device) -> None:
@@ -150,12 +176,13 @@ class Runner:
                     part.close()
 
     def _decode(self, runner, cache, start, steps, tokens, mode) -> dict:
-        walls, hosts, ffns, kerns, calls_per, heads = [], [], [], [], [], []
+        walls, hosts, ffns, kerns, calls_per, heads, routes = [], [], [], [], [], [], []
         streamed0 = self.bytes_streamed
         pos = start
         for _ in range(steps):
             ids, positions = self._ids(tokens), torch.arange(pos, pos + tokens, device=self.device)
             self.timed.calls.clear()
+            self.timed.routes.clear()
             trace = StepTrace()
             _sync(self.device)
             t0 = time.perf_counter()
@@ -181,6 +208,7 @@ class Runner:
             ffns.append(ffn)
             kerns.append(kern)
             calls_per.append(n)
+            routes.append(list(self.timed.routes))
             pos += tokens
         med = statistics.median
         n_layers = self.n_layers   # FFN calls may be fewer: a GPU backend's stay inside the CUDA graph
@@ -195,7 +223,8 @@ class Runner:
                                  "transport": (med(ffns) - med(kerns)) * 1e3 / n_layers if med(kerns) else None,
                                  "duck_kernel": med(kerns) * 1e3 / n_layers if med(kerns) else None,
                                  "ffn_call": med(ffns) * 1e3 / n_layers},
-                "ffn_calls_per_step": calls_per[0]}
+                "ffn_calls_per_step": calls_per[0],
+                "routing": routing_spread(routes, self.model.config.num_experts or 1)}
 
 
 def _duck_share(n_experts: int, hidden: int, intermediate: int, tp: int, multiple_of: int) -> int:
@@ -383,6 +412,12 @@ def _table(r: dict) -> str:
             extra = "".join(f", {n} {v:.2f}" for n, v in split.items() if v is not None)
             lines.append(f"{kind:9s} prompt {p['prompt_len']:5d}: ttft {p['ttft_s']:.3f} s, prefill "
                          f"{p['prefill_tok_s']:.1f} tok/s, decode {d['tok_s']:.2f} tok/s; per layer ms: {extra[2:]}")
+            r = d.get("routing")
+            if r:
+                lines.append(f"{kind:9s} routing over {r['steps']} steps: {r['distinct_experts_per_layer_step']:.1f} "
+                             f"distinct experts per layer and step, {100 * r['reused_from_previous_step']:.0f}% "
+                             f"read by the step before too, {100 * r['experts_read_over_the_steps']:.0f}% of the "
+                             f"{r['experts']} experts read")
         if "mtp_pair" in k:
             m = k["mtp_pair"]
             lines.append(f"{kind:9s} MTP pair: single {m['single_step_ms']:.1f} ms, serial {m['serial_ms']:.1f}, "

@@ -45,3 +45,20 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     assert pair["lanes"]["ffn_calls_per_step"] == 4 and pair["batch"]["ffn_calls_per_step"] == 2
     assert pair["serial_ms"] == pytest.approx(2 * pair["single_step_ms"])
     assert fleet["speedup_over_cpu_torch"] == pytest.approx(fleet["decode_tok_s"] / cpu["decode_tok_s"])
+    # routing honesty: the ids the FFN calls carried, counted per routed layer and step
+    routing = d["routing"]
+    assert routing["layers"] == 2 and routing["steps"] == 3 and routing["experts"] == 16
+    assert routing["distinct_experts_per_layer_step"] == 8       # top-8 of 16, one token: 8 distinct
+    assert 0 <= routing["reused_from_previous_step"] <= 1 and 8 / 16 <= routing["experts_read_over_the_steps"] <= 1
+
+
+def test_routing_spread_counts_what_repeats():
+    from bench.e2e_synthetic import routing_spread
+
+    steps = [[(0, (1, 2)), (1, (5, 6))], [(0, (1, 3)), (1, (5, 6))], [(0, (4, 7)), (1, (5, 6))]]
+    r = routing_spread(steps, n_experts=8)
+    assert r["layers"] == 2 and r["steps"] == 3 and r["distinct_experts_per_layer_step"] == 2
+    # layer 0 reuses 1/2 then 0/2, layer 1 all of it twice (a collapsed router): (0.5 + 0 + 1 + 1) / 4
+    assert r["reused_from_previous_step"] == pytest.approx(0.625)
+    assert r["experts_read_over_the_steps"] == pytest.approx((5 / 8 + 2 / 8) / 2)
+    assert routing_spread([[], []], 8) is None
