@@ -56,7 +56,7 @@ class TimedFfn(FfnBackend):
     def __init__(self, backend: FfnBackend):
         self.backend = backend
         self.calls: list[tuple[int, float, float]] = []   # (layer, wall s, kernel s)
-        self.routes: list[tuple[int, tuple[int, ...]]] = []   # (layer, experts chosen) of calls with host ids
+        self.routes: list[tuple[int, torch.Tensor]] = []   # (layer, ids) of calls with host ids
 
     def load_layer(self, layer):
         self.backend.load_layer(layer)
@@ -83,11 +83,11 @@ class TimedFfn(FfnBackend):
         y = self.backend.forward(layer, x, ids, weights, out=out)
         self.calls.append((layer, time.perf_counter() - t0, (self.kernel_us_total - k0) * 1e-6))
         if ids.device.type == "cpu" and ids.shape[1] > 1:   # a routed layer; device ids would cost a sync
-            self.routes.append((layer, tuple(sorted(set(ids.flatten().tolist())))))
+            self.routes.append((layer, ids.clone()))   # counted after the step
         return y
 
 
-def routing_spread(steps: list[list[tuple[int, tuple[int, ...]]]], n_experts: int) -> dict | None:
+def routing_spread(steps: list[list[tuple[int, object]]], n_experts: int) -> dict | None:
     """How the decode steps spread over the experts, per routed layer: distinct experts per
     step, the share of a step's experts that the step before also read (data a cache may
     still hold: a trained model reuses few), and the share of all experts read over the steps.
@@ -95,7 +95,8 @@ def routing_spread(steps: list[list[tuple[int, tuple[int, ...]]]], n_experts: in
     per_layer: dict[int, list[set[int]]] = {}
     for step in steps:
         for layer, experts in step:
-            per_layer.setdefault(layer, []).append(set(experts))
+            chosen = experts.flatten().tolist() if isinstance(experts, torch.Tensor) else experts
+            per_layer.setdefault(layer, []).append(set(chosen))
     if not per_layer:
         return None
     distinct, reused, coverage = [], [], []
