@@ -81,15 +81,20 @@ void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t
 _spec = importlib.util.spec_from_file_location("transport_cdef", HERE / "transport_cdef.py")
 transport_cdef = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(transport_cdef)
+# ... and so do the native CPU decoder's (native/host/).
+_spec = importlib.util.spec_from_file_location("host_cdef", HERE / "host" / "cdef.py")
+host_cdef = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_cdef)
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.cdef(transport_cdef.CDEF)
+ffibuilder.cdef(host_cdef.CDEF)
 ffibuilder.set_source(
     "native._native",
     '#include "fp9.h"\n#include "fp9_synth.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
-    + transport_cdef.INCLUDES,
-    sources=SOURCES + transport_cdef.SOURCES,
+    + transport_cdef.INCLUDES + host_cdef.INCLUDES,
+    sources=SOURCES + transport_cdef.SOURCES + host_cdef.SOURCES,
     include_dirs=["native"],
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],
     libraries=["pthread", "m"],
