@@ -9,31 +9,10 @@
 #include <string.h>
 
 #include "host_decoder.h"
-
-static int failures, checks;
-
-#define CHECK(cond, ...)                                         \
-    do {                                                         \
-        checks++;                                                \
-        if (!(cond)) {                                           \
-            failures++;                                          \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                        \
-            fprintf(stderr, "\n");                               \
-        }                                                        \
-    } while (0)
+#include "test_check.h"
 
 #define PAD 5          /* NaN floats after every row: a kernel reading them returns NaN */
 #define REL_TOL 4e-6f  /* fast vs ref, relative to sum |w| |x| */
-
-static uint32_t rng_state = 2024;
-static float frand(void)   /* deterministic, varied: xorshift in [-1, 1) */
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 17;
-    rng_state ^= rng_state << 5;
-    return (float)((rng_state >> 8) * (1.0 / 8388608.0)) - 1.0f;
-}
 
 /* rows x (cols + PAD) floats, the pad NaN */
 static float *padded_random(uint32_t rows, uint32_t cols)
