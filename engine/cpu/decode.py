@@ -61,10 +61,11 @@ class CpuDecoder:
         self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)   # spin_us=0: blocks when idle
         # the FFN's inputs, written by C, read by the backend
         topk = c.num_experts_per_tok if any(self.host.routed) else 1
-        self.ffn_in = torch.zeros(max_tokens, c.hidden_size)                   # [Tmax, H]
-        self.expert_ids = torch.zeros(max_tokens, topk, dtype=torch.int32)      # [Tmax, k]
-        self.expert_weights = torch.zeros(max_tokens, topk)                     # [Tmax, k]
-        self._dense = (torch.zeros(max_tokens, 1, dtype=torch.int32), torch.ones(max_tokens, 1))  # id 0, weight 1
+        f32, i32 = torch.float32, torch.int32
+        self.ffn_in = torch.zeros(max_tokens, c.hidden_size, dtype=f32)        # [Tmax, H]
+        self.expert_ids = torch.zeros(max_tokens, topk, dtype=i32)             # [Tmax, k]
+        self.expert_weights = torch.zeros(max_tokens, topk, dtype=f32)         # [Tmax, k]
+        self._dense = (torch.zeros(max_tokens, 1, dtype=i32), torch.ones(max_tokens, 1, dtype=f32))  # id 0, weight 1
         io = self._io = ffi.new("duck_host_io *")
         io.ffn_in = ffi.cast("float *", self.ffn_in.data_ptr())
         io.expert_ids = ffi.cast("int32_t *", self.expert_ids.data_ptr())
@@ -117,7 +118,7 @@ class CpuDecoder:
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head after the last layer's FFN output y [T, H] -> logits [T, V]."""
-        out = torch.empty(y.shape[0], self.vocab)
+        out = torch.empty(y.shape[0], self.vocab, dtype=torch.float32)
         self._check(lib.duck_host_finish(self._d, self._out_ptr(y), ffi.cast("float *", out.data_ptr())))
         return out
 

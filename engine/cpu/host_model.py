@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 from engine.layers import KVCache, rope_inv_freq
+from engine.models.base import GatedMLP
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
 from native._native import ffi
 
+FAMILIES = (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
 
 
@@ -22,23 +27,13 @@ class UnsupportedModel(ValueError):
     """The native CPU decoder cannot run this model (or this cache); says why."""
 
 
-def _model_types():
-    from engine.models.base import GatedMLP
-    from engine.models.llama import LlamaForCausalLM
-    from engine.models.qwen3 import Qwen3ForCausalLM
-    from engine.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
-
-    return (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM), GatedMLP, Qwen3MoeSparseMoeBlock
-
-
 class HostModel:
     """duck_host_model and its layer table for one model and one KV cache.
     .model is the cffi struct; .ffn[i] the module whose backend runs layer i's FFN."""
 
     def __init__(self, model, cache: KVCache, max_tokens: int):
-        families, dense_mlp, moe_block = _model_types()
         config = model.config
-        if type(model) not in families:
+        if type(model) not in FAMILIES:
             raise UnsupportedModel(f"{type(model).__name__} ({config.model_type}) is not supported by the native "
                                    f"CPU decoder (supported: {', '.join(SUPPORTED)})")
         self._keep: list[torch.Tensor] = []   # every tensor the C points into
@@ -58,7 +53,7 @@ class HostModel:
         self.ffn: list[nn.Module] = []
         self.routed: list[bool] = []
         for i, layer in enumerate(model.model.layers):
-            self._describe_layer(i, layer, cache, dense_mlp, moe_block)
+            self._describe_layer(i, layer, cache)
         m.hidden, m.heads, m.kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         m.head_dim, m.layers, m.vocab = config.head_dim, config.num_hidden_layers, config.vocab_size
         m.max_len, m.max_tokens, m.eps = cache.max_model_len, max_tokens, config.rms_norm_eps
@@ -103,7 +98,7 @@ class HostModel:
     def _bias(self, module: nn.Linear, what: str, n: int):
         return self._weight(module.bias, what + ".bias", (n,)) if module.bias is not None else ffi.NULL
 
-    def _describe_layer(self, i: int, layer: nn.Module, cache: KVCache, dense_mlp, moe_block) -> None:
+    def _describe_layer(self, i: int, layer: nn.Module, cache: KVCache) -> None:
         c, d = self.config, self.layers[i]
         h, qd, kvd = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         p = f"model.layers.{i}."
@@ -120,17 +115,17 @@ class HostModel:
             setattr(d, name, self._weight(norm.weight, p + f"self_attn.{name}.weight", (c.head_dim,))
                     if norm is not None else ffi.NULL)
         mlp = layer.mlp
-        if type(mlp) is moe_block:
+        if type(mlp) is Qwen3MoeSparseMoeBlock:
             d.router = self._weight(mlp.gate.weight, p + "mlp.gate.weight", (c.num_experts, h))
             if (mlp.gate.top_k, mlp.gate.norm_topk_prob) != (c.num_experts_per_tok, c.norm_topk_prob):
                 raise UnsupportedModel(f"{p}mlp.gate routes top-{mlp.gate.top_k}, the config says "
                                        f"{c.num_experts_per_tok}")
-        elif type(mlp) is not dense_mlp:
+        elif type(mlp) is not GatedMLP:
             raise UnsupportedModel(f"{p}mlp is a {type(mlp).__name__}: the native CPU decoder runs dense gated "
                                    f"MLPs and softmax-routed experts")
         if mlp.layer_idx != i:
             raise UnsupportedModel(f"{p}mlp has layer_idx {mlp.layer_idx}, expected {i}")
         self.ffn.append(mlp)
-        self.routed.append(type(mlp) is moe_block)
+        self.routed.append(type(mlp) is Qwen3MoeSparseMoeBlock)
         d.k_cache = self._ptr(cache.k[i], "float *")
         d.v_cache = self._ptr(cache.v[i], "float *")
