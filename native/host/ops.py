@@ -93,15 +93,15 @@ def gemv_t(p, v, kernel_set: str, pad: int = 0) -> np.ndarray:
 
 def rmsnorm(x, w, eps: float, kernel_set: str = "best", add=None) -> tuple[np.ndarray, np.ndarray]:
     """Per row of x [T, N]: x += add (when given), then y = rmsnorm(x) * w; returns (y, x)."""
-    x, w = _f32(x).copy(), _f32(w)
-    add = _f32(add) if add is not None else None
+    w = _f32(w)
+    n = w.shape[0]
+    x = _f32(x).reshape(-1, n).copy()
+    add = _f32(add).reshape(-1, n) if add is not None else None
     y = _poisoned(x.shape)
     k = host_kernels(kernel_set)
-    n = x.shape[-1]
-    for t in range(x.reshape(-1, n).shape[0]):
-        xs, ys = x.reshape(-1, n)[t], y.reshape(-1, n)[t]
-        lib.duck_host_add_rmsnorm(k, _ptr(xs), _ptr(add.reshape(-1, n)[t]) if add is not None else ffi.NULL,
-                                  _ptr(w), n, eps, _ptr(ys))
+    for t in range(x.shape[0]):
+        lib.duck_host_add_rmsnorm(k, _ptr(x[t]), _ptr(add[t]) if add is not None else ffi.NULL, _ptr(w), n, eps,
+                                  _ptr(y[t]))
     return y, x
 
 
