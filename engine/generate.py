@@ -117,6 +117,7 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
     decoder = cuda_decoder(model, max_model_len)   # None on the CPU: a cache of this request, eager steps
     cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
+    native = cpu_decoder(model, cache) if decoder is None else None   # decode steps in C on the CPU
     stream = StreamDecoder(tokenizer)
     hold = max((len(s) for s in params.stop), default=1) - 1
     out_ids: list[int] = []
@@ -130,8 +131,11 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     ttft = 0.0
     try:
         while True:
-            hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
-            logits = model.compute_logits(hidden[-1:])[0]       # [V]
+            if native is not None and out_ids:              # a decode step; the prefill stays in torch
+                logits = native(ids, positions)[-1]             # [V]
+            else:
+                hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
+                logits = model.compute_logits(hidden[-1:])[0]   # [V]
             if keep_logits:
                 logits_kept.append(logits.float().cpu())
             token = sample(logits, params, generator)
@@ -176,6 +180,16 @@ def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):
         return None
     from engine.gpu.decode import cuda_decoder as decoder_for
     return decoder_for(model, max_model_len, steps)
+
+
+def cpu_decoder(model, cache):
+    """engine.cpu.decode's native decoder for the decode steps of a model on the CPU,
+    on the cache the torch prefill fills; None on CUDA, for a model it does not run
+    (it says why at debug level) or with DUCK_CPU_NATIVE=0."""
+    if model.model.embed_tokens.weight.device.type != "cpu":
+        return None
+    from engine.cpu.decode import cpu_decoder as decoder_for
+    return decoder_for(model, cache)
 
 
 @torch.inference_mode()

@@ -87,14 +87,17 @@ void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t
 
 # The wire protocol and host transport declare themselves in their own file.
 transport_cdef = _load("transport_cdef", HERE / "transport" / "cdef.py")
+# ... and so do the native CPU decoder's (native/host/).
+host_cdef = _load("host_cdef", HERE / "host" / "cdef.py")
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.cdef(transport_cdef.CDEF)
+ffibuilder.cdef(host_cdef.CDEF)
 ffibuilder.set_source(
     "native._native",
     '#include "fp9.h"\n#include "fp9_synth.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
-    + transport_cdef.INCLUDES,
+    + transport_cdef.INCLUDES + host_cdef.INCLUDES,
     sources=sources.EXTENSION,
     include_dirs=sources.INCLUDE_DIRS,
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],

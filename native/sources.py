@@ -8,8 +8,9 @@ it is read before anything is installed.
                 the read-bandwidth probe and int8 peer the kernel benchmark uses
     wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b MAC)
     transport/  the host side of the wire: scatter, gather, retransmit, sum
+    host/       the CPU host path: fp32 kernels, ops and a Llama-family decode step
 """
-INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport"]
+INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport", "native/host"]
 
 FP9 = ["native/fp9/fp9_codec.c", "native/fp9/fp9_synth.c"]
 KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "native/kernels/kernels.c",
@@ -18,12 +19,15 @@ KERNEL_PROBES = ["native/kernels/bench.c"]
 WIRE = ["native/wire/wire.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
              "native/transport/transport_forward.c"]
+HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",
+        "native/host/host_kernels.c", "native/host/host_ops.c", "native/host/host_decoder.c"]
 C_TESTS = ["native/kernels/test_native.c"]
+HOST_C_TESTS = ["native/host/test_host.c"]
 
 # what a duck runs (the firmware links these with firmware/*.c)
 DUCK = FP9 + KERNELS + WIRE
 # the Python extension native._native
-EXTENSION = FP9 + KERNELS + KERNEL_PROBES + WIRE + TRANSPORT
+EXTENSION = FP9 + KERNELS + KERNEL_PROBES + WIRE + TRANSPORT + HOST
 
 
 def headers(root) -> list:

@@ -1,0 +1,146 @@
+"""Decoding on the CPU for engine.generate: the decode steps of a Llama-family
+model in native C (native/host/), over the model's own fp32 weights and the
+KV cache the torch prefill filled. One step of T tokens:
+
+    duck_host_begin                     embeddings, rotary tables
+    per layer: duck_host_layer_step     [+ previous FFN output] input norm, q/k/v, rotary, cache write,
+                                        attention, o_proj, residual add, post norm (, router)
+               CpuDecoder.ffn           the layer's FFN backend: one C call on these buffers
+                                        (engine.host_ffn, the FFN host contract)
+    duck_host_finish                    [+ last FFN output] final norm, lm_head -> logits [T, V]
+
+    decoder = cpu_decoder(model, cache)          # None: not on the CPU, unsupported, or DUCK_CPU_NATIVE=0
+    logits = decoder(ids, positions)             # [T, V], T <= decoder.max_tokens
+
+Greedy answers are those of the torch path (same fp32 math; sums may be
+ordered differently). Threads: a pool of one per CPU this process may run on,
+blocking when idle (the ducks share these cores).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.cpu.host_model import HostModel, UnsupportedModel
+from native._native import ffi, lib
+from native.host.ops import host_kernels, kernels_name
+from native.kernels import Pool
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "DUCK_CPU_NATIVE"   # auto (default): where supported; 0: never; 1: always (unsupported raises)
+_MODES = {"auto": "auto", "": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
+          "1": "on", "on": "on", "true": "on", "yes": "on", "force": "on"}
+MAX_TOKENS = 16   # decode steps, MTP pairs and short verification steps; longer ones are prefills (torch)
+
+
+class NativeDecodeError(RuntimeError):
+    """The C decoder refused a step (bad token id, position past the cache, ...); says what."""
+
+
+def native_mode() -> str:
+    """'auto', 'off' or 'on', from DUCK_CPU_NATIVE."""
+    raw = os.environ.get(NATIVE_ENV, "auto")
+    mode = _MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"{NATIVE_ENV}={raw!r}: expected auto, 0 (torch decode steps) or 1 (native, required)")
+    return mode
+
+
+class CpuDecoder:
+    """The native decode steps of one model over one KV cache (see the module docstring)."""
+
+    def __init__(self, model, cache, kernel_set: str = "best", threads: int | None = None,
+                 max_tokens: int = MAX_TOKENS):
+        self.model, self.cache = model, cache
+        self.host = HostModel(model, cache, max_tokens)   # raises UnsupportedModel
+        c = model.config
+        self.max_tokens, self.hidden, self.vocab = max_tokens, c.hidden_size, c.vocab_size
+        self.kernels = host_kernels(kernel_set)
+        self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)   # spin_us=0: blocks when idle
+        # the FFN's inputs, written by C, read by the backend
+        topk = c.num_experts_per_tok if any(self.host.routed) else 1
+        f32, i32 = torch.float32, torch.int32
+        self.ffn_in = torch.zeros(max_tokens, c.hidden_size, dtype=f32)        # [Tmax, H]
+        self.expert_ids = torch.zeros(max_tokens, topk, dtype=i32)             # [Tmax, k]
+        self.expert_weights = torch.zeros(max_tokens, topk, dtype=f32)         # [Tmax, k]
+        self._dense = (torch.zeros(max_tokens, 1, dtype=i32), torch.ones(max_tokens, 1, dtype=f32))  # id 0, weight 1
+        self.ffn_out = torch.zeros(max_tokens, c.hidden_size, dtype=f32)       # [Tmax, H], the FFN's result
+        io = self._io = ffi.new("duck_host_io *")
+        io.ffn_in = ffi.cast("float *", self.ffn_in.data_ptr())
+        io.expert_ids = ffi.cast("int32_t *", self.expert_ids.data_ptr())
+        io.expert_weights = ffi.cast("float *", self.expert_weights.data_ptr())
+        err = ffi.new("char[]", 256)
+        ptr = lib.duck_host_decoder_create(self.host.model, io, self.kernels, self.pool.ptr, err, 256)
+        if ptr == ffi.NULL:
+            raise UnsupportedModel(f"native CPU decoder: {ffi.string(err).decode()}")
+        self._d = ffi.gc(ptr, lib.duck_host_decoder_destroy)
+        log.debug("native CPU decoder for %s: %s kernels, %d threads, cache of %d positions",
+                  type(model).__name__, kernels_name(self.kernels), self.pool.threads, cache.max_model_len)
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            raise NativeDecodeError(ffi.string(lib.duck_host_decoder_error(self._d)).decode())
+        return rc
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids, positions [T] (CPU) -> logits [T, V]; the step's keys and values go into the cache."""
+        return self.logits(self.layers(ids, positions))
+
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every layer of a step: returns the last layer's FFN output [T, H] (for logits)."""
+        ids = ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        if ids.dim() != 1 or ids.shape != positions.shape:
+            raise ValueError(f"ids {tuple(ids.shape)} and positions {tuple(positions.shape)} must be one [T] each")
+        ntok = ids.shape[0]
+        self._check(lib.duck_host_begin(self._d, ntok, ffi.cast("const int64_t *", ids.data_ptr()),
+                                        ffi.cast("const int64_t *", positions.data_ptr())))
+        y = None
+        for layer in range(len(self.host.ffn)):
+            routed = self._check(lib.duck_host_layer_step(self._d, layer, self._out_ptr(y)))
+            y = self.ffn(layer, ntok, bool(routed))
+        return y
+
+    def ffn(self, layer: int, ntok: int, routed: bool) -> torch.Tensor:
+        """Layer `layer`'s FFN on the step's ffn_in, into ffn_out: the one place the decoder
+        calls out. The buffers are in the wire's types, so a host backend (the fleet, the
+        local fp9 kernels) makes one C call on them (engine.host_ffn). Returns y [T, H]."""
+        module = self.host.ffn[layer]
+        ids, weights = (self.expert_ids, self.expert_weights) if routed else self._dense
+        y = module.ffn.forward(layer, self.ffn_in[:ntok], ids[:ntok], weights[:ntok], out=self.ffn_out[:ntok])
+        if y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+            y = y.to("cpu", torch.float32).contiguous()
+        if tuple(y.shape) != (ntok, self.hidden):
+            raise NativeDecodeError(f"layer {layer}: the FFN backend {module.ffn.name!r} returned "
+                                    f"{tuple(y.shape)}, expected {(ntok, self.hidden)}")
+        return y
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head after the last layer's FFN output y [T, H] -> logits [T, V]."""
+        out = torch.empty(y.shape[0], self.vocab, dtype=torch.float32)
+        self._check(lib.duck_host_finish(self._d, self._out_ptr(y), ffi.cast("float *", out.data_ptr())))
+        return out
+
+    @staticmethod
+    def _out_ptr(y: torch.Tensor | None):
+        return ffi.NULL if y is None else ffi.cast("const float *", y.data_ptr())
+
+
+def cpu_decoder(model, cache, **options) -> CpuDecoder | None:
+    """The native decoder of model on cache when the model is on the CPU and supported;
+    None otherwise (the torch path), or with DUCK_CPU_NATIVE=0. With DUCK_CPU_NATIVE=1
+    an unsupported model raises UnsupportedModel instead."""
+    mode = native_mode()
+    if mode == "off" or model.model.embed_tokens.weight.device.type != "cpu":
+        return None
+    try:
+        return CpuDecoder(model, cache, **options)
+    except UnsupportedModel as e:
+        if mode == "on":
+            raise
+        log.debug("decode steps in torch: %s", e)
+        return None

@@ -1,0 +1,307 @@
+/* The native CPU decoder; see host_decoder.h. A layer step is one pool run
+ * in phases (host_ops.h): the input norm by token; q/k/v by head, each head
+ * then normed, rotated and (keys, values) written to the cache by the worker
+ * that made it; attention by (token, query head); o_proj by rows; the
+ * residual add and post norm by token; for a routed layer the router's
+ * logits by rows and its top-k by token. */
+#include "host_decoder.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct duck_host_decoder {
+    duck_host_model m;
+    duck_host_layer *layers;
+    duck_host_io io;
+    const duck_host_kernels *k;
+    duck_pool *pool;
+    float scale;                 /* head_dim ** -0.5 */
+    /* the step in progress */
+    uint32_t ntok, next_layer;   /* next_layer: the layer step expected next; layers + 1: none begun */
+    const duck_host_layer *cur;
+    const float *ffn_out;        /* the previous FFN's output [ntok, hidden], or NULL */
+    duck_host_phase phases[8];
+    duck_host_gemm_job gemm_o, gemm_router, gemm_lm_head;
+    int64_t positions[DUCK_HOST_MAX_TOKENS];
+    /* scratch, one allocation */
+    float *mem;
+    float *cos, *sin;            /* [max_tokens, head_dim / 2] */
+    float *x;                    /* the residual stream [max_tokens, hidden] */
+    float *h;                    /* normed input of the attention [max_tokens, hidden] */
+    float *q, *attn;             /* [max_tokens, heads * head_dim] */
+    float *kn, *vn;              /* the new keys / values [max_tokens, kv_heads * head_dim] */
+    float *o;                    /* o_proj output [max_tokens, hidden] */
+    float *router;               /* router logits [max_tokens, n_experts] */
+    float *scores;               /* attention scores, max_len per worker */
+    char err[256];
+};
+
+static int fail(duck_host_decoder *d, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->err, sizeof d->err, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static const char *check_model(const duck_host_model *m, const duck_host_io *io)
+{
+    if (!m->hidden || !m->heads || !m->kv_heads || !m->head_dim || !m->layers || !m->vocab || !m->max_len)
+        return "hidden, heads, kv_heads, head_dim, layers, vocab and max_len must all be positive";
+    if (m->head_dim % 2)
+        return "head_dim must be even for rotary embeddings";
+    if (m->heads % m->kv_heads)
+        return "heads must be a multiple of kv_heads";
+    if (!m->max_tokens || m->max_tokens > DUCK_HOST_MAX_TOKENS)
+        return "max_tokens must be in 1..DUCK_HOST_MAX_TOKENS";
+    if (!m->inv_freq || !m->embed || !m->final_norm || !m->lm_head || !m->layer || !io || !io->ffn_in)
+        return "inv_freq, embed, final_norm, lm_head, the layer table and io.ffn_in are required";
+    if (!(m->eps > 0.0f))
+        return "eps must be positive";
+    int routed = 0;
+    for (uint32_t i = 0; i < m->layers; i++) {
+        const duck_host_layer *l = &m->layer[i];
+        if (!l->input_norm || !l->post_norm || !l->wq || !l->wk || !l->wv || !l->wo || !l->k_cache || !l->v_cache)
+            return "a layer lacks a norm, a projection or its cache";
+        routed |= l->router != NULL;
+    }
+    if (routed && (!m->n_experts || !m->topk || m->topk > m->n_experts || m->topk > DUCK_HOST_MAX_TOPK ||
+                   !io->expert_ids || !io->expert_weights))
+        return "routed layers need n_experts, topk in 1..min(n_experts, 32) and io's expert buffers";
+    return NULL;
+}
+
+duck_host_decoder *duck_host_decoder_create(const duck_host_model *m, const duck_host_io *io,
+                                            const duck_host_kernels *k, duck_pool *pool, char *err,
+                                            uint32_t errlen)
+{
+    const char *bad = k ? check_model(m, io) : "no kernel set";
+    if (bad) {
+        if (err && errlen)
+            snprintf(err, errlen, "%s", bad);
+        return NULL;
+    }
+    duck_host_decoder *d = calloc(1, sizeof *d);
+    if (!d)
+        goto oom;
+    d->m = *m;
+    d->io = *io;
+    d->k = k;
+    d->pool = pool;
+    d->scale = 1.0f / sqrtf((float)m->head_dim);
+    d->next_layer = m->layers + 1;
+    d->layers = malloc(sizeof *d->layers * m->layers);
+    if (!d->layers)
+        goto oom;
+    memcpy(d->layers, m->layer, sizeof *d->layers * m->layers);
+    d->m.layer = d->layers;
+
+    const size_t T = m->max_tokens, half = m->head_dim / 2, qd = (size_t)m->heads * m->head_dim;
+    const size_t kvd = (size_t)m->kv_heads * m->head_dim, workers = pool ? duck_pool_size(pool) : 1;
+    const size_t sizes[] = {T * half, T * half, T * m->hidden, T * m->hidden, T * qd, T * qd, T * kvd, T * kvd,
+                            T * m->hidden, T * m->n_experts, workers * m->max_len};
+    float **slots[] = {&d->cos, &d->sin, &d->x, &d->h, &d->q, &d->attn, &d->kn, &d->vn, &d->o, &d->router,
+                       &d->scores};
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+        total += (sizes[i] + 15) & ~(size_t)15;   /* each slot 64-byte aligned */
+    d->mem = aligned_alloc(64, total * sizeof(float));
+    if (!d->mem)
+        goto oom;
+    memset(d->mem, 0, total * sizeof(float));
+    float *p = d->mem;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        *slots[i] = p;
+        p += (sizes[i] + 15) & ~(size_t)15;
+    }
+    return d;
+oom:
+    if (err && errlen)
+        snprintf(err, errlen, "out of memory for the decoder's buffers");
+    duck_host_decoder_destroy(d);
+    return NULL;
+}
+
+void duck_host_decoder_destroy(duck_host_decoder *d)
+{
+    if (!d)
+        return;
+    free(d->mem);
+    free(d->layers);
+    free(d);
+}
+
+const char *duck_host_decoder_error(const duck_host_decoder *d) { return d->err; }
+
+int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions)
+{
+    const duck_host_model *m = &d->m;
+    d->next_layer = m->layers + 1;
+    if (ntok == 0 || ntok > m->max_tokens)
+        return fail(d, "%u tokens in one step: this decoder takes 1 to %u", ntok, m->max_tokens);
+    const uint32_t half = m->head_dim / 2;
+    for (uint32_t t = 0; t < ntok; t++) {
+        if (ids[t] < 0 || ids[t] >= m->vocab)
+            return fail(d, "token id %lld is outside the vocabulary of %u", (long long)ids[t], m->vocab);
+        if (positions[t] < 0 || positions[t] >= m->max_len)
+            return fail(d, "position %lld is beyond the KV cache (max_model_len=%u): make a longer cache",
+                        (long long)positions[t], m->max_len);
+        memcpy(d->x + (size_t)t * m->hidden, m->embed + (size_t)ids[t] * m->hidden, sizeof(float) * m->hidden);
+        duck_host_rope_table(positions[t], m->inv_freq, half, d->cos + (size_t)t * half, d->sin + (size_t)t * half);
+        d->positions[t] = positions[t];
+    }
+    d->ntok = ntok;
+    d->next_layer = 0;
+    d->err[0] = 0;
+    return 0;
+}
+
+static void add_bias(float *v, const float *b, uint32_t n)
+{
+    if (b)
+        for (uint32_t i = 0; i < n; i++)
+            v[i] += b[i];
+}
+
+/* Head unit u: query heads first, then key heads, then value heads. */
+static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    const duck_host_model *m = &d->m;
+    const duck_host_layer *l = d->cur;
+    const uint32_t D = m->head_dim, H = m->hidden, T = d->ntok, half = D / 2;
+    const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
+    if (u < m->heads) {
+        float *q = d->q + (size_t)u * D;
+        d->k->gemm(l->wq + (size_t)u * D * H, H, D, H, T, d->h, H, q, qd);
+        for (uint32_t t = 0; t < T; t++) {
+            add_bias(q + t * qd, l->bq ? l->bq + (size_t)u * D : NULL, D);
+            duck_host_rope(d->k, q + t * qd, 1, D, d->cos + t * half, d->sin + t * half, l->q_norm, m->eps);
+        }
+        return;
+    }
+    const int is_key = u < m->heads + m->kv_heads;
+    const uint32_t j = is_key ? u - m->heads : u - m->heads - m->kv_heads;
+    const float *w = (is_key ? l->wk : l->wv) + (size_t)j * D * H;
+    const float *b = is_key ? l->bk : l->bv;
+    float *out = (is_key ? d->kn : d->vn) + (size_t)j * D, *cache = is_key ? l->k_cache : l->v_cache;
+    d->k->gemm(w, H, D, H, T, d->h, H, out, kvd);
+    for (uint32_t t = 0; t < T; t++) {
+        float *v = out + t * kvd;
+        add_bias(v, b ? b + (size_t)j * D : NULL, D);
+        if (is_key)
+            duck_host_rope(d->k, v, 1, D, d->cos + t * half, d->sin + t * half, l->k_norm, m->eps);
+        memcpy(cache + (size_t)d->positions[t] * kvd + (size_t)j * D, v, sizeof(float) * D);
+    }
+}
+
+/* Item i: token i / heads, query head i % heads, over positions 0..its own. */
+static void attention_item(void *ctx, uint32_t i, unsigned worker)
+{
+    duck_host_decoder *d = ctx;
+    const duck_host_model *m = &d->m;
+    const uint32_t D = m->head_dim, t = i / m->heads, h = i % m->heads, kvh = h / (m->heads / m->kv_heads);
+    const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
+    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, d->cur->k_cache + (size_t)kvh * D,
+                     d->cur->v_cache + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D, d->scale,
+                     d->scores + (size_t)worker * m->max_len, d->attn + t * qd + (size_t)h * D);
+}
+
+/* Item t: the residual add of the previous FFN's output, then the input norm. */
+static void input_norm_item(void *ctx, uint32_t t, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    const uint32_t H = d->m.hidden;
+    duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out ? d->ffn_out + t * H : NULL, d->cur->input_norm, H,
+                          d->m.eps, d->h + t * H);
+}
+
+/* Item t: x + o_proj(attention) (the bias belongs to the projection), then the
+ * post-attention norm into the FFN's input. */
+static void post_norm_item(void *ctx, uint32_t t, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    const uint32_t H = d->m.hidden;
+    float *x = d->x + t * H;
+    const float *o = d->o + t * H, *bo = d->cur->bo;
+    for (uint32_t i = 0; i < H; i++)
+        x[i] += bo ? o[i] + bo[i] : o[i];
+    duck_host_rmsnorm(d->k, x, d->cur->post_norm, H, d->m.eps, d->io.ffn_in + t * H);
+}
+
+static void topk_item(void *ctx, uint32_t t, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    const duck_host_model *m = &d->m;
+    duck_host_topk_softmax(d->router + (size_t)t * m->n_experts, m->n_experts, m->topk, m->norm_topk,
+                           d->io.expert_ids + t * m->topk, d->io.expert_weights + t * m->topk);
+}
+
+static void final_norm_item(void *ctx, uint32_t t, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    const uint32_t H = d->m.hidden;
+    duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out + t * H, d->m.final_norm, H, d->m.eps, d->h + t * H);
+}
+
+static duck_host_phase *add_phase(duck_host_phase *p, uint32_t n, duck_host_body_fn body, void *ctx)
+{
+    p->n = n;
+    p->body = body;
+    p->ctx = ctx;
+    return p + 1;
+}
+
+int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out)
+{
+    const duck_host_model *m = &d->m;
+    if (d->next_layer > m->layers)
+        return fail(d, "layer step %u without duck_host_begin", layer);
+    if (layer != d->next_layer)
+        return fail(d, "layer step %u out of order: layer %u comes next", layer, d->next_layer);
+    if (layer > 0 && !ffn_out)
+        return fail(d, "layer step %u needs layer %u's FFN output", layer, layer - 1);
+    const duck_host_layer *l = d->cur = &d->layers[layer];
+    const uint32_t H = m->hidden, T = d->ntok;
+    d->ffn_out = layer ? ffn_out : NULL;
+    d->gemm_o = (duck_host_gemm_job){d->k, l->wo, d->attn, d->o, H, m->heads * m->head_dim, T, 0};
+    duck_host_phase *p = d->phases;
+    p = add_phase(p, T, input_norm_item, d);
+    p = add_phase(p, m->heads + 2 * m->kv_heads, qkv_unit, d);
+    p = add_phase(p, T * m->heads, attention_item, d);
+    duck_host_gemm_phase(&d->gemm_o, p++);
+    p = add_phase(p, T, post_norm_item, d);
+    if (l->router) {
+        d->gemm_router = (duck_host_gemm_job){d->k, l->router, d->io.ffn_in, d->router, m->n_experts, H, T, 0};
+        duck_host_gemm_phase(&d->gemm_router, p++);
+        p = add_phase(p, T, topk_item, d);
+    }
+    duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));
+    d->next_layer = layer + 1;
+    return l->router != NULL;
+}
+
+int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits)
+{
+    const duck_host_model *m = &d->m;
+    if (d->next_layer != m->layers)
+        return fail(d, "finish before the last layer step (layer %u comes next of %u)", d->next_layer, m->layers);
+    if (!ffn_out || !logits)
+        return fail(d, "finish needs the last layer's FFN output and a logits buffer");
+    d->ffn_out = ffn_out;
+    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, d->ntok, 0};
+    duck_host_phase *p = add_phase(d->phases, d->ntok, final_norm_item, d);
+    duck_host_gemm_phase(&d->gemm_lm_head, p++);
+    duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));
+    d->next_layer = m->layers + 1;
+    return 0;
+}

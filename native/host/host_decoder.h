@@ -1,0 +1,79 @@
+/* The native CPU decoder of the Llama family (Llama, Qwen3, Qwen3-MoE): the
+ * host part of a decode step over the model's own fp32 weights and KV cache
+ * (engine.layers.KVCache: k, v [layers, max_len, kv_heads, head_dim]), read
+ * and written in place. The FFNs stay outside: each layer step leaves the
+ * FFN's input (and for a routed layer the router's choice) in the caller's
+ * buffers, and the next step adds the FFN's output into the residual.
+ *
+ *   duck_host_begin(d, ntok, ids, positions)      embeddings, rotary tables
+ *   for layer: duck_host_layer_step(d, layer, y)   y: the previous layer's FFN output (NULL at layer 0)
+ *              ... caller runs the FFN on io.ffn_in -> y
+ *   duck_host_finish(d, y, logits)                 final norm + lm_head: logits [ntok, vocab]
+ */
+#ifndef DUCK_HOST_DECODER_H
+#define DUCK_HOST_DECODER_H
+
+#include "host_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DUCK_HOST_MAX_TOKENS 64   /* tokens in one step (decode and short verification steps) */
+#define DUCK_HOST_MAX_TOPK 32     /* the wire's limit on experts per token */
+
+/* One decoder layer's tensors, row-major [out, in] as torch nn.Linear keeps them. */
+typedef struct duck_host_layer {
+    const float *input_norm, *post_norm;       /* [hidden] */
+    const float *wq, *wk, *wv, *wo;           /* [heads*D, hidden], [kv*D, hidden] x2, [hidden, heads*D] */
+    const float *bq, *bk, *bv, *bo;           /* the biases, or NULL (attention_bias) */
+    const float *q_norm, *k_norm;             /* [head_dim] per-head RMSNorm (Qwen3), or NULL */
+    const float *router;                      /* [n_experts, hidden] softmax router, or NULL: a dense FFN */
+    float *k_cache, *v_cache;                 /* this layer's [max_len, kv_heads, head_dim] */
+} duck_host_layer;
+
+typedef struct duck_host_model {
+    uint32_t hidden, heads, kv_heads, head_dim, layers, vocab;
+    uint32_t max_len;                         /* the KV cache's positions */
+    uint32_t max_tokens;                      /* most tokens per step, <= DUCK_HOST_MAX_TOKENS */
+    uint32_t n_experts, topk;                 /* routed layers: experts, experts per token */
+    int32_t norm_topk;                        /* norm_topk_prob */
+    float eps;                                /* rms_norm_eps */
+    const float *inv_freq;                    /* [head_dim / 2], engine.layers.rope_inv_freq */
+    const float *embed;                       /* [vocab, hidden] */
+    const float *final_norm;                  /* [hidden] */
+    const float *lm_head;                     /* [vocab, hidden] (the embedding when tied) */
+    const duck_host_layer *layer;             /* [layers], copied by create */
+} duck_host_model;
+
+/* What the caller reads after a layer step (its FFN's inputs); it owns them. */
+typedef struct duck_host_io {
+    float *ffn_in;                            /* [max_tokens, hidden] */
+    int32_t *expert_ids;                      /* [max_tokens, topk], routed layers only (NULL if none) */
+    float *expert_weights;                    /* [max_tokens, topk] */
+} duck_host_io;
+
+typedef struct duck_host_decoder duck_host_decoder;
+
+/* NULL with a message in err when the description is inconsistent. pool
+ * NULL: everything on the calling thread. The pool must outlive the decoder. */
+duck_host_decoder *duck_host_decoder_create(const duck_host_model *m, const duck_host_io *io,
+                                            const duck_host_kernels *k, duck_pool *pool, char *err,
+                                            uint32_t errlen);
+void duck_host_decoder_destroy(duck_host_decoder *d);
+/* The last failure's message (empty when none). */
+const char *duck_host_decoder_error(const duck_host_decoder *d);
+
+/* Each returns 0, or -1 with a message in duck_host_decoder_error. */
+int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions);
+/* Attention part of layer `layer` (steps go 0, 1, ... in order); ffn_out is
+ * the previous layer's FFN output [ntok, hidden] (NULL at layer 0). Returns 1
+ * when the layer is routed (io's expert ids / weights filled), 0 when dense. */
+int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out);
+/* After the last layer: final norm and lm_head into logits [ntok, vocab]. */
+int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

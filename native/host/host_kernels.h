@@ -1,0 +1,47 @@
+/* fp32 kernels of the host's own decode step (engine.cpu's native decoder):
+ * the few primitives every host op is built from, as a table with a portable
+ * scalar reference (_ref), an AVX2+FMA set and an AVX-512F set, chosen at run
+ * time from what the CPU has. Weights are the model's own fp32 tensors,
+ * read in place. */
+#ifndef DUCK_HOST_KERNELS_H
+#define DUCK_HOST_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[t * ldy + r] = sum_c w[r * ldw + c] * x[t * ldx + c] for rows r < rows,
+ * tokens t < ntok, c < k. Each (row, token) sum is formed the same way
+ * whatever rows and ntok are, so results do not depend on how callers split
+ * the rows between threads. */
+typedef void (*duck_host_gemm_fn)(const float *w, size_t ldw, uint32_t rows, uint32_t k,
+                                  uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
+/* sum_i a[i] * b[i], i < n */
+typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
+/* y[c] = sum_r p[r] * v[r * ldv + c] for c < n (attention's weighted sum of values) */
+typedef void (*duck_host_gemv_t_fn)(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n,
+                                    float *y);
+
+typedef struct duck_host_kernels {
+    const char *name;
+    duck_host_gemm_fn gemm;
+    duck_host_dot_fn dot;
+    duck_host_gemv_t_fn gemv_t;
+} duck_host_kernels;
+
+const duck_host_kernels *duck_host_kernels_ref(void);
+/* NULL where the build or the CPU lacks AVX2+FMA */
+const duck_host_kernels *duck_host_kernels_avx2(void);
+/* NULL where the build or the CPU lacks AVX-512F */
+const duck_host_kernels *duck_host_kernels_avx512(void);
+/* The fastest this CPU runs; DUCK_HOST_KERNELS=ref|avx2|avx512 in the
+ * environment forces one (an unsupported choice falls back to the next best). */
+const duck_host_kernels *duck_host_kernels_best(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

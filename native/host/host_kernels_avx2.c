@@ -1,0 +1,119 @@
+/* AVX2+FMA host kernels: 8 lanes, tails through maskload (masked-off lanes
+ * are not read). Same shape as the AVX-512 set: one accumulator per sum,
+ * four rows at a time. */
+#include "host_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include <immintrin.h>
+
+/* loadu(ones_then_zeros + 8 - n) has its first n lanes set */
+static const int32_t ones_then_zeros[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline __m256i tail_mask(uint32_t lanes)
+{
+    return _mm256_loadu_si256((const __m256i *)(ones_then_zeros + 8 - (lanes > 8 ? 8 : lanes)));
+}
+
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The one way every sum is formed: full vectors in index order, then the tail. */
+static inline float dot8(const float *a, const float *b, uint32_t full, uint32_t rest, __m256i tail)
+{
+    __m256 acc = _mm256_setzero_ps();
+    for (uint32_t c = 0; c < full; c += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+    if (rest)
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + full, tail), _mm256_maskload_ps(b + full, tail), acc);
+    return hsum(acc);
+}
+
+static float dot_avx2(const float *a, const float *b, uint32_t n)
+{
+    return dot8(a, b, n & ~7u, n & 7u, tail_mask(n & 7u));
+}
+
+static void gemm_avx2(const float *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
+                      const float *x, size_t ldx, float *y, size_t ldy)
+{
+    const uint32_t full = k & ~7u, rest = k & 7u;
+    const __m256i tail = tail_mask(rest);
+    uint32_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float *w0 = w + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        for (uint32_t t = 0; t < ntok; t++) {
+            const float *xt = x + t * ldx;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (uint32_t c = 0; c < full; c += 8) {
+                const __m256 xv = _mm256_loadu_ps(xt + c);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c), xv, a3);
+            }
+            if (rest) {
+                const __m256 xv = _mm256_maskload_ps(xt + full, tail);
+                a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + full, tail), xv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + full, tail), xv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + full, tail), xv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + full, tail), xv, a3);
+            }
+            float *yt = y + t * ldy + r;
+            yt[0] = hsum(a0);
+            yt[1] = hsum(a1);
+            yt[2] = hsum(a2);
+            yt[3] = hsum(a3);
+        }
+    }
+    for (; r < rows; r++)
+        for (uint32_t t = 0; t < ntok; t++)
+            y[t * ldy + r] = dot8(w + r * ldw, x + t * ldx, full, rest, tail);
+}
+
+/* 32 columns (four vectors) per pass over the rows. */
+static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
+{
+    for (uint32_t c0 = 0; c0 < n; c0 += 32) {
+        const uint32_t left = n - c0;
+        const __m256i m0 = tail_mask(left), m1 = tail_mask(left > 8 ? left - 8 : 0);
+        const __m256i m2 = tail_mask(left > 16 ? left - 16 : 0), m3 = tail_mask(left > 24 ? left - 24 : 0);
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (uint32_t r = 0; r < rows; r++) {
+            const float *vr = v + r * ldv + c0;
+            const __m256 pr = _mm256_set1_ps(p[r]);
+            a0 = _mm256_fmadd_ps(_mm256_maskload_ps(vr, m0), pr, a0);
+            a1 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 8, m1), pr, a1);
+            a2 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 16, m2), pr, a2);
+            a3 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 24, m3), pr, a3);
+        }
+        _mm256_maskstore_ps(y + c0, m0, a0);
+        _mm256_maskstore_ps(y + c0 + 8, m1, a1);
+        _mm256_maskstore_ps(y + c0 + 16, m2, a2);
+        _mm256_maskstore_ps(y + c0 + 24, m3, a3);
+    }
+}
+
+#pragma GCC pop_options
+
+static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2};
+
+const duck_host_kernels *duck_host_kernels_avx2(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &k_avx2 : NULL;
+}
+
+#else
+
+const duck_host_kernels *duck_host_kernels_avx2(void) { return NULL; }
+
+#endif

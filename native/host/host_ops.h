@@ -1,0 +1,80 @@
+/* The host ops of a decode step (norms, rotary, cached attention, router,
+ * pooled GEMM), written once over a kernel table (host_kernels.h): with
+ * duck_host_kernels_ref() they are the reference, with the AVX2 or AVX-512
+ * set the fast path. Everything is fp32, one sequence, like engine/layers.py. */
+#ifndef DUCK_HOST_OPS_H
+#define DUCK_HOST_OPS_H
+
+#include "host_kernels.h"
+#include "pool.h"
+
+#include <stdatomic.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y = w * (x / sqrt(mean(x^2) + eps)), n values (engine.layers.RMSNorm) */
+void duck_host_rmsnorm(const duck_host_kernels *k, const float *x, const float *w, uint32_t n, float eps, float *y);
+/* x += add (a residual add; add may be NULL), then y = rmsnorm(x) */
+void duck_host_add_rmsnorm(const duck_host_kernels *k, float *x, const float *add, const float *w, uint32_t n,
+                           float eps, float *y);
+
+/* cos / sin of (float)position * inv_freq[i] for i < half, in fp32 as
+ * engine.layers.RotaryEmbedding computes them */
+void duck_host_rope_table(int64_t position, const float *inv_freq, uint32_t half, float *cos_out, float *sin_out);
+/* In place on heads consecutive vectors of head_dim: an optional per-head
+ * RMSNorm (norm_w: [head_dim], or NULL; Qwen3's q_norm / k_norm), then the
+ * half-split rotation (Hugging Face rotate_half) by a duck_host_rope_table. */
+void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32_t head_dim, const float *cos,
+                    const float *sin, const float *norm_w, float eps);
+
+/* One query head over cached positions [0, n_ctx): out[head_dim] =
+ * softmax(scale * q K^T) V with the softmax in fp32. keys / values point at
+ * this head's vector of position 0; ld floats lie between positions.
+ * scores: n_ctx floats of scratch. */
+void duck_host_attend(const duck_host_kernels *k, const float *q, const float *keys, const float *values,
+                      size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores, float *out);
+
+/* The softmax router of one token: probabilities of n logits, the topk largest
+ * (ties: the lower id first) as ids and weights, renormalized to sum 1 when
+ * normalize (norm_topk_prob), as engine.models.base.TopKRouter. */
+void duck_host_topk_softmax(const float *logits, uint32_t n, uint32_t topk, int normalize, int32_t *ids,
+                            float *weights);
+
+/* Work for the pool in phases: each phase is n items, body(ctx, item, worker)
+ * runs once per item on whichever worker claims it, and no item of a phase
+ * starts before every item of the phase before has finished. A whole decode
+ * layer is one pool run this way: a worker that wakes late (the pool's
+ * workers block between runs) joins at whatever phase is under way, and a
+ * worker waits only for items other workers are running, never for one
+ * that sleeps. */
+typedef void (*duck_host_body_fn)(void *ctx, uint32_t item, unsigned worker);
+typedef struct duck_host_phase {
+    uint32_t n;
+    duck_host_body_fn body;
+    void *ctx;
+    atomic_uint next, done;   /* claimed, finished: zero before the run */
+} duck_host_phase;
+/* pool NULL (or of one thread): every phase in order on the calling thread, worker 0. */
+void duck_host_run_phases(duck_pool *pool, duck_host_phase *phases, uint32_t n_phases);
+
+/* The items of a row-split GEMM job, for a phase: y[ntok, rows] = x W^T. */
+typedef struct duck_host_gemm_job {
+    const duck_host_kernels *k;
+    const float *w, *x;
+    float *y;
+    uint32_t rows, kdim, ntok, rows_per_item;
+} duck_host_gemm_job;
+/* Fills a phase with the job's items (about 64 KiB of weights each). */
+void duck_host_gemm_phase(duck_host_gemm_job *job, duck_host_phase *phase);
+
+/* y[ntok, rows] = x[ntok, kdim] W[rows, kdim]^T, rows split over the pool
+ * (NULL: the calling thread); results do not depend on the split. */
+void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, const float *w, uint32_t rows, uint32_t kdim,
+                    uint32_t ntok, const float *x, float *y);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,185 @@
+/* Standalone test of native/host/, built with ASan/UBSan by the test suite
+ * (tests/native/test_host_c_build.py): every kernel set against _ref on odd
+ * shapes with NaN beside every row, and a tiny random model decoded on a pool
+ * of three threads against one thread with the ref set. Exit status = number
+ * of failures. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host_decoder.h"
+#include "test_check.h"
+
+#define PAD 5          /* NaN floats after every row: a kernel reading them returns NaN */
+#define REL_TOL 4e-6f  /* fast vs ref, relative to sum |w| |x| */
+
+/* rows x (cols + PAD) floats, the pad NaN */
+static float *padded_random(uint32_t rows, uint32_t cols)
+{
+    float *a = malloc(sizeof(float) * rows * (cols + PAD));
+    for (uint32_t r = 0; r < rows; r++)
+        for (uint32_t c = 0; c < cols + PAD; c++)
+            a[(size_t)r * (cols + PAD) + c] = c < cols ? frand() : NAN;
+    return a;
+}
+
+static void test_kernels(const duck_host_kernels *fast)
+{
+    static const uint32_t dims[] = {1, 3, 17, 33, 64, 65, 576};
+    const duck_host_kernels *ref = duck_host_kernels_ref();
+    const size_t nd = sizeof dims / sizeof *dims;
+    for (size_t a = 0; a < nd; a++)
+        for (size_t b = 0; b < nd; b++) {
+            const uint32_t rows = dims[a], k = dims[b], ntok = 1 + (rows + k) % 3;
+            float *w = padded_random(rows, k), *x = padded_random(ntok, k);
+            float *y0 = padded_random(ntok, rows), *y1 = padded_random(ntok, rows);
+            ref->gemm(w, k + PAD, rows, k, ntok, x, k + PAD, y0, rows + PAD);
+            fast->gemm(w, k + PAD, rows, k, ntok, x, k + PAD, y1, rows + PAD);
+            for (uint32_t t = 0; t < ntok; t++)
+                for (uint32_t r = 0; r < rows + PAD; r++) {
+                    const float v0 = y0[t * (rows + PAD) + r], v1 = y1[t * (rows + PAD) + r];
+                    if (r >= rows) {
+                        CHECK(isnan(v1), "%s gemm %ux%u wrote past row %u", fast->name, rows, k, rows);
+                        continue;
+                    }
+                    float scale = 0.0f;
+                    for (uint32_t c = 0; c < k; c++)
+                        scale += fabsf(w[r * (k + PAD) + c] * x[t * (k + PAD) + c]);
+                    CHECK(fabsf(v0 - v1) <= REL_TOL * scale + 1e-30f, "%s gemm %ux%u t%u r%u: %g vs ref %g",
+                          fast->name, rows, k, t, r, v1, v0);
+                }
+            /* gemv_t: rows of p over a [rows, k] matrix */
+            float *p = padded_random(1, rows), *z0 = padded_random(1, k), *z1 = padded_random(1, k);
+            ref->gemv_t(p, w, k + PAD, rows, k, z0);
+            fast->gemv_t(p, w, k + PAD, rows, k, z1);
+            for (uint32_t c = 0; c < k; c++) {
+                float scale = 0.0f;
+                for (uint32_t r = 0; r < rows; r++)
+                    scale += fabsf(p[r] * w[r * (k + PAD) + c]);
+                CHECK(fabsf(z0[c] - z1[c]) <= REL_TOL * scale + 1e-30f, "%s gemv_t %ux%u c%u", fast->name, rows,
+                      k, c);
+            }
+            CHECK(isnan(z1[k]), "%s gemv_t %ux%u wrote past column %u", fast->name, rows, k, k);
+            CHECK(fabsf(ref->dot(w, x, k) - fast->dot(w, x, k)) <= REL_TOL * (float)k, "%s dot %u", fast->name, k);
+            free(w), free(x), free(y0), free(y1), free(p), free(z0), free(z1);
+        }
+}
+
+/* A tiny Qwen3-MoE-shaped model: GQA, q/k norms, biases, one dense and one routed layer. */
+enum { HIDDEN = 40, HEADS = 4, KV = 2, HD = 10, LAYERS = 2, VOCAB = 37, LEN = 9, EXPERTS = 5, TOPK = 2 };
+
+static float *random_floats(size_t n, float offset)
+{
+    float *a = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++)
+        a[i] = offset + 0.3f * frand();
+    return a;
+}
+
+static void decode(const duck_host_kernels *k, duck_pool *pool, const duck_host_model *src, float *logits,
+                   int32_t *ids_out)
+{
+    duck_host_model m = *src;
+    duck_host_layer layers[LAYERS];
+    memcpy(layers, src->layer, sizeof layers);
+    for (int l = 0; l < LAYERS; l++) {   /* a fresh cache per run */
+        layers[l].k_cache = calloc(LEN * KV * HD, sizeof(float));
+        layers[l].v_cache = calloc(LEN * KV * HD, sizeof(float));
+    }
+    m.layer = layers;
+    float ffn_in[3 * HIDDEN], weights[3 * TOPK], y[3 * HIDDEN];
+    int32_t ids[3 * TOPK];
+    duck_host_io io = {ffn_in, ids, weights};
+    char err[256];
+    duck_host_decoder *d = duck_host_decoder_create(&m, &io, k, pool, err, sizeof err);
+    CHECK(d != NULL, "create: %s", err);
+    if (!d)
+        return;
+    const int64_t steps[3][3] = {{3, 7, 11}, {5, 0, 0}, {8, 2, 0}}, ntoks[3] = {3, 1, 2};
+    int64_t pos = 0;
+    for (int s = 0; s < 3; s++) {
+        int64_t positions[3] = {pos, pos + 1, pos + 2};
+        CHECK(duck_host_begin(d, (uint32_t)ntoks[s], steps[s], positions) == 0, "begin: %s",
+              duck_host_decoder_error(d));
+        for (uint32_t l = 0; l < LAYERS; l++) {
+            const int routed = duck_host_layer_step(d, l, l ? y : NULL);
+            CHECK(routed == (l == 1), "layer %u: %s", l, duck_host_decoder_error(d));
+            for (int i = 0; i < ntoks[s] * HIDDEN; i++)   /* a stand-in FFN: any function of ffn_in */
+                y[i] = tanhf(ffn_in[i]) + (routed ? weights[0] * (float)ids[0] : 0.0f);
+            if (routed)
+                memcpy(ids_out, ids, sizeof ids);
+        }
+        CHECK(duck_host_finish(d, y, logits + s * 3 * VOCAB) == 0, "finish: %s", duck_host_decoder_error(d));
+        pos += ntoks[s];
+    }
+    int64_t bad = LEN;
+    CHECK(duck_host_begin(d, 1, steps[1], &bad) == -1 && strstr(duck_host_decoder_error(d), "beyond the KV cache"),
+          "a position past the cache is refused");
+    duck_host_decoder_destroy(d);
+    for (int l = 0; l < LAYERS; l++)
+        free(layers[l].k_cache), free(layers[l].v_cache);
+}
+
+static void test_decoder(void)
+{
+    duck_host_layer layers[LAYERS];
+    memset(layers, 0, sizeof layers);
+    for (int l = 0; l < LAYERS; l++) {
+        duck_host_layer *x = &layers[l];
+        x->input_norm = random_floats(HIDDEN, 1.0f), x->post_norm = random_floats(HIDDEN, 1.0f);
+        x->wq = random_floats(HEADS * HD * HIDDEN, 0), x->wk = random_floats(KV * HD * HIDDEN, 0);
+        x->wv = random_floats(KV * HD * HIDDEN, 0), x->wo = random_floats(HIDDEN * HEADS * HD, 0);
+        x->bq = random_floats(HEADS * HD, 0), x->bk = random_floats(KV * HD, 0);
+        x->bv = random_floats(KV * HD, 0), x->bo = random_floats(HIDDEN, 0);
+        x->q_norm = random_floats(HD, 1.0f), x->k_norm = random_floats(HD, 1.0f);
+        x->router = l == 1 ? random_floats(EXPERTS * HIDDEN, 0) : NULL;
+    }
+    float inv_freq[HD / 2];
+    for (int i = 0; i < HD / 2; i++)
+        inv_freq[i] = powf(10000.0f, -2.0f * i / HD);
+    float *embed = random_floats(VOCAB * HIDDEN, 0), *final_norm = random_floats(HIDDEN, 1.0f);
+    duck_host_model m = {HIDDEN, HEADS, KV, HD, LAYERS, VOCAB, LEN, 3, EXPERTS, TOPK, 1, 1e-6f,
+                         inv_freq, embed, final_norm, embed, layers};
+    static float want[3 * 3 * VOCAB], got[3 * 3 * VOCAB];
+    int32_t want_ids[3 * TOPK], got_ids[3 * TOPK];
+    decode(duck_host_kernels_ref(), NULL, &m, want, want_ids);
+    duck_pool *pool = duck_pool_create(3, 0, 0);
+    decode(duck_host_kernels_best(), pool, &m, got, got_ids);
+    duck_pool_destroy(pool);
+    float worst = 0.0f, top = 0.0f;
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        worst = fmaxf(worst, fabsf(want[i] - got[i]));
+        top = fmaxf(top, fabsf(want[i]));
+    }
+    CHECK(worst <= 1e-5f * top, "decoder best set on 3 threads vs ref: %g of %g", worst, top);
+    CHECK(memcmp(want_ids, got_ids, sizeof want_ids) == 0, "the router chose other experts");
+    m.heads = 3;
+    char err[256];
+    float ffn_in[HIDDEN];
+    duck_host_io io = {ffn_in, NULL, NULL};
+    CHECK(!duck_host_decoder_create(&m, &io, duck_host_kernels_ref(), NULL, err, sizeof err) &&
+              strstr(err, "multiple of kv_heads"), "bad head counts refused");
+    for (int l = 0; l < LAYERS; l++) {
+        const float **w[] = {&layers[l].input_norm, &layers[l].post_norm, &layers[l].wq, &layers[l].wk,
+                             &layers[l].wv, &layers[l].wo, &layers[l].bq, &layers[l].bk, &layers[l].bv,
+                             &layers[l].bo, &layers[l].q_norm, &layers[l].k_norm, &layers[l].router};
+        for (size_t i = 0; i < sizeof w / sizeof *w; i++)
+            free((void *)*w[i]);
+    }
+    free(embed), free(final_norm);
+}
+
+int main(void)
+{
+    const duck_host_kernels *sets[] = {duck_host_kernels_avx2(), duck_host_kernels_avx512()};
+    for (size_t i = 0; i < 2; i++) {
+        if (sets[i])
+            test_kernels(sets[i]);
+        else
+            printf("skipped: this CPU lacks the %s host kernels' instructions\n", i ? "avx512" : "avx2");
+    }
+    test_decoder();
+    printf("%d checks, %d failed\n", checks, failures);
+    return failures;
+}

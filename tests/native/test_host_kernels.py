@@ -1,0 +1,98 @@
+"""The native decoder's fp32 kernels (native/host/): AVX2 and AVX-512 against the
+scalar reference against float64, on odd sizes, with NaN-poisoned outputs and
+NaN padding beside every row (a kernel writing past its output or reading past
+its input shows as NaN)."""
+import numpy as np
+import pytest
+
+from native.host import ops
+from native.kernels import Pool
+
+# Error of an fp32 sum of K products, relative to sum |w| |x|: the sets sum in
+# different orders (one scalar chain; 8 or 16 lanes), all far below K * 2^-24.
+DOT_REL_TOL = 4e-6
+
+FAST = ("avx2", "avx512")
+SETS = ("ref",) + FAST
+KS = [1, 3, 17, 33, 576]
+NS = [1, 5, 4099]          # 4099: the lm_head's 49152 rows cut down, not a multiple of the 4-row block
+TS = [1, 2, 3]
+
+
+def kernel_set(name: str) -> str:
+    """name, or a skip saying which instructions this CPU lacks."""
+    if not ops.available(name):
+        pytest.skip(f"this CPU lacks the instructions of the {name} host kernels "
+                    f"({'AVX-512F' if name == 'avx512' else 'AVX2 and FMA'}): not testable here")
+    return name
+
+
+def _check_rel(y: np.ndarray, exact: np.ndarray, scale: np.ndarray, what: str, tol: float = DOT_REL_TOL):
+    assert np.all(np.isfinite(y)), f"{what}: unwritten (NaN) or non-finite outputs"
+    err = float(np.max(np.abs(y - exact) / (scale + 1e-30)))
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def _data(*shape, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_the_best_set_is_the_widest_this_cpu_runs():
+    best = ops.kernels_name(ops.host_kernels("best"))
+    assert best == next(s for s in ("avx512", "avx2", "ref") if ops.available(s))
+
+
+def test_unknown_set_is_named():
+    with pytest.raises(ValueError, match="unknown host kernel set 'sse9'"):
+        ops.host_kernels("sse9")
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("t", TS)
+def test_gemm_matches_float64(name, n, k, t):
+    w, x = _data(n, k, seed=n * 1000 + k), _data(t, k, seed=k + t)
+    y = ops.kernel_gemm(w, x, kernel_set(name), pad=3)
+    assert np.all(np.isnan(y[:, n:])), f"{name}: wrote past the output rows"
+    w64, x64 = w.astype(np.float64), x.astype(np.float64)
+    _check_rel(y[:, :n], x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, f"{name} gemm {t}x{k} by {n}x{k}")
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("k", KS)
+def test_fast_gemm_agrees_with_ref(name, k):
+    w, x = _data(37, k, seed=k), _data(3, k, seed=k + 1)
+    fast, ref = ops.kernel_gemm(w, x, kernel_set(name)), ops.kernel_gemm(w, x, "ref")
+    w64, x64 = np.abs(w.astype(np.float64)), np.abs(x.astype(np.float64))
+    _check_rel(fast, ref, x64 @ w64.T, f"{name} vs ref", 2 * DOT_REL_TOL)
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pooled_gemm_is_identical_to_one_thread(name, threads):
+    """Rows are split between workers; each (row, token) sum is formed the same way."""
+    w, x = _data(4099, 576, seed=1), _data(3, 576, seed=2)
+    one = ops.kernel_gemm(w, x, kernel_set(name))
+    assert np.array_equal(ops.gemm(w, x, name, Pool(threads, pin=False)), one)
+    assert np.array_equal(ops.gemm(w, x, name), one)
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", [1, 3, 17, 33, 576])
+def test_dot_matches_float64(name, n):
+    a, b = _data(n, seed=n), _data(n, seed=n + 1)
+    exact = float(a.astype(np.float64) @ b.astype(np.float64))
+    scale = float(np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)))
+    _check_rel(np.float32(ops.dot(a, b, kernel_set(name))), exact, scale, f"{name} dot {n}")
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", [1, 3, 17, 33, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_gemv_t_matches_float64(name, n, rows):
+    p, v = np.abs(_data(rows, seed=rows)), _data(rows, n, seed=n)
+    y = ops.gemv_t(p, v, kernel_set(name), pad=5)
+    assert np.all(np.isnan(y[n:])), f"{name}: wrote past the output"
+    p64, v64 = p.astype(np.float64), v.astype(np.float64)
+    _check_rel(y[:n], p64 @ v64, p64 @ np.abs(v64), f"{name} gemv_t {rows}x{n}")
