@@ -42,7 +42,9 @@ typedef struct duck_kernels { const char *name; fp9_gemm_fn gemm; } duck_kernels
 const duck_kernels *duck_kernels_ref(void);
 const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
+const duck_kernels *duck_kernels_avx512(void);
 const duck_kernels *duck_kernels_best(void);
+const duck_kernels *duck_kernels_named(const char *name);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
 

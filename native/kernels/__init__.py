@@ -17,22 +17,24 @@ _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out 
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
 
 
-KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend")
+KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512")
+_NEEDS = {"avx2": "AVX2+FMA", "avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL"}
 
 
 def kernels(name: str = "best"):
     """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref',
-    'avx2' (the variant for this CPU's vendor), 'avx2-xor' or 'avx2-blend'."""
-    if name == "best":
-        return lib.duck_kernels_best()
-    if name == "ref":
-        return lib.duck_kernels_ref()
-    if name in ("avx2", "avx2-xor", "avx2-blend"):
-        k = lib.duck_kernels_avx2() if name == "avx2" else lib.duck_kernels_avx2_variant(int(name == "avx2-blend"))
-        if k == ffi.NULL:
-            raise RuntimeError("AVX2+FMA kernels are not available on this CPU or build")
-        return k
-    raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
+    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend' or 'avx512'."""
+    if name not in KERNEL_SETS:
+        raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
+    k = lib.duck_kernels_named(name.encode())
+    if k == ffi.NULL:
+        raise RuntimeError(f"the {name} kernels need {_NEEDS[name]}, which this CPU or build lacks")
+    return k
+
+
+def kernels_available() -> list[str]:
+    """The named kernel sets this CPU runs (not 'best')."""
+    return [n for n in KERNEL_SETS[1:] if lib.duck_kernels_named(n.encode()) != ffi.NULL]
 
 
 def kernels_name(k) -> str:

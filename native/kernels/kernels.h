@@ -1,5 +1,6 @@
-/* fp9 matrix kernels: each op has a portable scalar reference (_ref) and an
- * AVX2+FMA version, chosen at run time by CPU feature detection. */
+/* fp9 matrix kernels: each op has a portable scalar reference (_ref), an
+ * AVX2+FMA version and an AVX-512 version, chosen at run time by CPU
+ * feature detection. */
 #ifndef DUCK_KERNELS_H
 #define DUCK_KERNELS_H
 
@@ -38,9 +39,15 @@ const duck_kernels *duck_kernels_ref(void);
  * picks the one faster on this CPU's vendor. */
 const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
-/* The fastest the CPU supports; DUCK_KERNELS=ref|avx2-xor|avx2-blend in the
- * environment forces one (an unsupported choice falls back to ref). */
+/* NULL where the build or the CPU lacks AVX-512 F/BW/VL (and FMA). */
+const duck_kernels *duck_kernels_avx512(void);
+/* The fastest the CPU supports (avx512, else avx2, else ref);
+ * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512 in the environment forces
+ * one (a choice the CPU cannot run falls back to the best it can). */
 const duck_kernels *duck_kernels_best(void);
+/* The set of that name ("best" too), or NULL where this CPU or build lacks it
+ * or the name is unknown. */
+const duck_kernels *duck_kernels_named(const char *name);
 
 /* Activation in kernel form: x * 2^FP9_ACT_SHIFT, zero-padded to n_padded
  * (a multiple of 64, >= n). */

@@ -194,6 +194,10 @@ int main(void)
         test_kernels_agree(duck_kernels_avx2_variant(1));
     } else
         printf("note: no AVX2+FMA on this CPU; only the reference was tested\n");
+    if (duck_kernels_avx512())
+        test_kernels_agree(duck_kernels_avx512());
+    else
+        printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
     test_moe_pool();
     printf("%d passed, %d failed\n", checks - failures, failures);
     return failures;
