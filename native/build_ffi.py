@@ -51,6 +51,7 @@ void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float 
 typedef struct duck_pool duck_pool;
 duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us);
 unsigned duck_pool_size(const duck_pool *pool);
+void duck_f32_to_bf16(const float *x, size_t n, uint16_t *out);
 unsigned duck_pool_pinned(const duck_pool *pool);
 void duck_pool_destroy(duck_pool *pool);
 
@@ -71,8 +72,11 @@ int fp9_synth_generate(const fp9_synth_desc *d, void *dst, size_t len, duck_pool
 typedef struct duck_expert_slice { fp9_matrix gate_up; fp9_matrix down; } duck_expert_slice;
 typedef struct duck_moe_args {
     const duck_expert_slice *experts; uint32_t n_experts; uint32_t ntok; uint32_t topk; uint32_t hidden;
-    const int32_t *expert_ids; const float *expert_weights; const void *x; int x_is_bf16; float *y;
+    const int32_t *expert_ids; const float *expert_weights; const void *x;
+    uint32_t x_dtype; uint32_t y_dtype; void *y;
 } duck_moe_args;
+#define DUCK_DT_F32 ...
+#define DUCK_DT_BF16 ...
 typedef struct duck_ffn_workspace duck_ffn_workspace;
 duck_ffn_workspace *duck_ffn_workspace_create(void);
 void duck_ffn_workspace_destroy(duck_ffn_workspace *ws);

@@ -3,8 +3,13 @@
 #include "ffn.h"
 
 #include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Down pieces are whole groups of the narrow kernels' row pairs. */
+#define DUCK_FFN_DOWN_ALIGN 8
 
 /* All (token, slot) assignments that route to one expert. */
 typedef struct moe_job {
@@ -49,67 +54,96 @@ int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden)
     return DUCK_FFN_OK;
 }
 
+/* Phase 1 is cut into pieces of one job's gate/up row pairs [pb, pe);
+ * phase 2 into pieces of DUCK_FFN_DOWN_ALIGN-aligned down row pairs, each
+ * summed over every job by the thread that owns it. */
+typedef struct moe_piece {
+    uint32_t job, pb, pe;
+} moe_piece;
+
 typedef struct moe_task {
     const duck_moe_args *a;
     const duck_kernels *k;
+    duck_pool *pool;
     const moe_job *jobs;
     uint32_t njobs;
-    uint32_t total_pairs;           /* sum over jobs of gate_up row pairs */
+    const moe_piece *pieces;        /* phase 1 */
+    uint32_t npieces;
+    uint32_t down_pairs;            /* row pairs per phase-2 piece */
+    uint32_t ndown;                 /* phase-2 pieces */
     const float *const *xrows;      /* per assignment: its token's prepared x */
     float *const *gurows;           /* per assignment: gate/up output, 2S floats */
     float *const *actrows;          /* per assignment: prepared activation, padded */
-    float *const *yrows;            /* per assignment: its token's output row */
+    float *const *yrows;            /* per assignment: its token's fp32 output row */
     const float *weights;           /* per assignment: routing weight */
+    float *y32;                     /* [ntok][hidden] fp32 sums (a->y itself when y is fp32) */
+    _Alignas(64) atomic_uint next_up;
+    _Alignas(64) atomic_uint done_up;
+    _Alignas(64) atomic_uint next_down;
 } moe_task;
 
 static inline unsigned long round_up(unsigned long v, unsigned long a) { return (v + a - 1) / a * a; }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Phase 1: gate/up rows of every job, split evenly by row pair. */
-static void phase_gate_up(void *arg, unsigned w, unsigned nw)
+static void gate_up_piece(const moe_task *t, const moe_piece *pc)
 {
-    const moe_task *t = arg;
-    unsigned long begin, end, base = 0;
-    duck_split(t->total_pairs, w, nw, &begin, &end);
-    for (uint32_t j = 0; j < t->njobs && base < end; j++) {
-        const duck_expert_slice *e = &t->a->experts[t->jobs[j].expert];
-        unsigned long pairs = e->gate_up.row_pairs;
-        if (base + pairs > begin) {
-            /* cut inside a job at multiples of DUCK_ROW_PAIR_ALIGN, like duck_split_aligned */
-            uint32_t pb = (uint32_t)(begin > base ? round_up(begin - base, DUCK_ROW_PAIR_ALIGN) : 0);
-            uint32_t pe = (uint32_t)(end < base + pairs ? round_up(end - base, DUCK_ROW_PAIR_ALIGN) : pairs);
-            pb = pb < pairs ? pb : (uint32_t)pairs;
-            pe = pe < pairs ? pe : (uint32_t)pairs;
-            uint32_t first = t->jobs[j].first, n = t->jobs[j].count;
-            t->k->gemm(&e->gate_up, pb, pe, n, t->xrows + first, t->gurows + first, 0);
-            for (uint32_t i = first; i < first + n; i++) {
-                const float *gu = t->gurows[i];
-                float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
-                for (uint32_t p = pb; p < pe; p++)
-                    t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
-            }
-        }
-        base += pairs;
+    const moe_job *job = &t->jobs[pc->job];
+    const duck_expert_slice *e = &t->a->experts[job->expert];
+    uint32_t first = job->first, n = job->count;
+    t->k->gemm(&e->gate_up, pc->pb, pc->pe, n, t->xrows + first, t->gurows + first, 0);
+    for (uint32_t i = first; i < first + n; i++) {
+        const float *gu = t->gurows[i];
+        float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
+        for (uint32_t p = pc->pb; p < pc->pe; p++)
+            t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
     }
 }
 
-/* Phase 2: down rows (the hidden dimension), all jobs accumulated. */
-static void phase_down(void *arg, unsigned w, unsigned nw)
+/* The first weights a thread will read of the next job, so that its
+ * stream does not start with a miss. */
+static void prefetch_start(const fp9_matrix *m, uint32_t pair)
 {
-    const moe_task *t = arg;
+    const char *p = (const char *)fp9_pair_run(m, pair, 0);
+    for (int i = 0; i < 2048; i += 64)
+        __builtin_prefetch(p + i);
+}
+
+static void down_piece(const moe_task *t, uint32_t piece)
+{
     const duck_moe_args *a = t->a;
-    unsigned long begin, end;
-    duck_split_aligned((a->hidden + 1) / 2, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
-    uint32_t r0 = 2 * (uint32_t)begin, r1 = 2 * (uint32_t)end < a->hidden ? 2 * (uint32_t)end : a->hidden;
-    for (uint32_t tok = 0; tok < a->ntok && r1 > r0; tok++)
-        memset(a->y + (size_t)tok * a->hidden + r0, 0, (r1 - r0) * sizeof(float));
+    uint32_t hp = (a->hidden + 1) / 2, pb = piece * t->down_pairs;
+    uint32_t pe = pb + t->down_pairs < hp ? pb + t->down_pairs : hp;
+    uint32_t r0 = 2 * pb, r1 = 2 * pe < a->hidden ? 2 * pe : a->hidden;
+    for (uint32_t tok = 0; tok < a->ntok; tok++)
+        memset(t->y32 + (size_t)tok * a->hidden + r0, 0, (r1 - r0) * sizeof(float));
     for (uint32_t j = 0; j < t->njobs; j++) {
+        if (j + 1 < t->njobs)
+            prefetch_start(&a->experts[t->jobs[j + 1].expert].down, pb);
         const duck_expert_slice *e = &a->experts[t->jobs[j].expert];
         uint32_t first = t->jobs[j].first;
-        t->k->gemm(&e->down, (uint32_t)begin, (uint32_t)end, t->jobs[j].count,
-                   (const float *const *)(t->actrows + first), t->yrows + first, 1);
+        t->k->gemm(&e->down, pb, pe, t->jobs[j].count, (const float *const *)(t->actrows + first),
+                   t->yrows + first, 1);
     }
+    if (a->y_dtype == DUCK_DT_BF16)
+        for (uint32_t tok = 0; tok < a->ntok; tok++)
+            duck_f32_to_bf16(t->y32 + (size_t)tok * a->hidden + r0, r1 - r0,
+                             (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
+}
+
+/* Run by every thread that joins: claim gate/up pieces, wait for all of
+ * them to be done, claim down pieces. */
+static void moe_run(void *arg, unsigned w, unsigned nw)
+{
+    moe_task *t = arg;
+    (void)w, (void)nw;
+    for (unsigned c; (c = atomic_fetch_add(&t->next_up, 1)) < t->npieces;) {
+        gate_up_piece(t, &t->pieces[c]);
+        duck_pool_latch_add(t->pool, &t->done_up, t->npieces);
+    }
+    duck_pool_latch_wait(t->pool, &t->done_up, t->npieces);
+    for (unsigned c; (c = atomic_fetch_add(&t->next_down, 1)) < t->ndown;)
+        down_piece(t, c);
 }
 
 typedef struct assignment {
@@ -127,10 +161,36 @@ static int by_expert(const void *pa, const void *pb)
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* Row pairs of about piece_bytes of weights at pair_bytes each, a multiple
+ * of align (at least align). */
+static uint32_t piece_pairs(size_t pair_bytes, uint32_t align, size_t piece_bytes)
+{
+    size_t n = piece_bytes / (pair_bytes ? pair_bytes : 1) / align * align;
+    return n < align ? align : (uint32_t)(n > 0x10000000u ? 0x10000000u : n);
+}
+
+/* Bytes per piece for a phase of total bytes on nthreads: whole jobs (the
+ * longest streams) on one thread, else a few pieces per thread so that the
+ * threads end the phase together. Piece boundaries only decide which
+ * thread computes a row, never how: the result is the same for any size. */
+static size_t piece_bytes(size_t total, unsigned nthreads)
+{
+    if (nthreads <= 1)
+        return SIZE_MAX;
+    size_t b = total / ((size_t)nthreads * DUCK_FFN_PIECES_PER_THREAD);
+    return b > DUCK_FFN_MIN_PIECE_BYTES ? b : DUCK_FFN_MIN_PIECE_BYTES;
+}
+
+static void zero_output(const duck_moe_args *a)
+{
+    memset(a->y, 0, (size_t)a->ntok * a->hidden * (a->y_dtype == DUCK_DT_BF16 ? 2 : 4));
+}
+
 int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
                      const duck_moe_args *a, uint64_t *bytes_streamed)
 {
     if (!k || !ws || !a || a->ntok > DUCK_MAX_TOKENS || a->topk > DUCK_MAX_TOPK || a->hidden == 0 ||
+        a->x_dtype > DUCK_DT_BF16 || a->y_dtype > DUCK_DT_BF16 ||
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights || !a->experts)))))
         return DUCK_FFN_EINVAL;
     uint32_t hp = (a->hidden + FP9_GROUP - 1) / FP9_GROUP * FP9_GROUP;
@@ -154,64 +214,95 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         }
     }
     if (nassign == 0) {
-        memset(a->y, 0, (size_t)a->ntok * a->hidden * sizeof(float));
+        zero_output(a);
         if (bytes_streamed)
             *bytes_streamed = 0;
         return DUCK_FFN_OK;
     }
     qsort(list, nassign, sizeof list[0], by_expert);
+    uint32_t njobs = 1;
+    for (uint32_t i = 1; i < nassign; i++)
+        njobs += list[i].expert != list[i - 1].expert;
 
-    /* workspace: prepared x, per-assignment buffers and row pointers, jobs */
+    /* pieces: phase 1 runs of one job's gate/up pairs, phase 2 runs of down pairs over all jobs */
+    size_t gate_up_bytes = 0, down_pair_bytes = 0;
+    for (uint32_t i = 0; i < nassign; i++)
+        if (i == 0 || list[i].expert != list[i - 1].expert) {
+            const duck_expert_slice *e = &a->experts[list[i].expert];
+            gate_up_bytes += (size_t)e->gate_up.row_pairs * e->gate_up.groups * sizeof(fp9_block);
+            down_pair_bytes += (size_t)e->down.groups * sizeof(fp9_block);
+        }
+    unsigned nthreads = pool ? duck_pool_size(pool) : 1;
+    size_t up_piece = piece_bytes(gate_up_bytes, nthreads);
+    uint32_t npieces = 0;
+    for (uint32_t i = 0; i < nassign; i++)
+        if (i == 0 || list[i].expert != list[i - 1].expert) {
+            const fp9_matrix *gu = &a->experts[list[i].expert].gate_up;
+            uint32_t per = piece_pairs((size_t)gu->groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
+            npieces += (gu->row_pairs + per - 1) / per;
+        }
+
+    /* workspace: prepared x, per-assignment buffers and row pointers, jobs, pieces, fp32 y */
     size_t x_bytes = align64((size_t)a->ntok * hp * sizeof(float));
     size_t gu_stride = align64((size_t)(max_gu + 1) * sizeof(float)) / sizeof(float);
     size_t act_stride = align64((size_t)max_act * sizeof(float)) / sizeof(float);
-    size_t need = x_bytes + nassign * (gu_stride + act_stride) * sizeof(float) +
+    size_t y32_bytes = a->y_dtype == DUCK_DT_BF16 ? align64((size_t)a->ntok * a->hidden * sizeof(float)) : 0;
+    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride) * sizeof(float) +
                   align64(4 * nassign * sizeof(void *)) + align64(nassign * sizeof(float)) +
-                  nassign * sizeof(moe_job);
+                  align64(njobs * sizeof(moe_job)) + npieces * sizeof(moe_piece);
     uint8_t *mem = ws_reserve(ws, need);
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;
-    float *gu = (float *)(mem + x_bytes);
+    float *y32 = y32_bytes ? (float *)(mem + x_bytes) : (float *)a->y;
+    float *gu = (float *)(mem + x_bytes + y32_bytes);
     float *act = gu + nassign * gu_stride;
     void **ptrs = (void **)(act + nassign * act_stride);
     const float **xrows = (const float **)ptrs;
     float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **yrows = actrows + nassign;
     float *weights = (float *)((uint8_t *)ptrs + align64(4 * nassign * sizeof(void *)));
     moe_job *jobs = (moe_job *)((uint8_t *)weights + align64(nassign * sizeof(float)));
+    moe_piece *pieces = (moe_piece *)((uint8_t *)jobs + align64(njobs * sizeof(moe_job)));
 
     for (uint32_t t = 0; t < a->ntok; t++) {
-        if (a->x_is_bf16)
+        if (a->x_dtype == DUCK_DT_BF16)
             fp9_prepare_x_bf16((const uint16_t *)a->x + (size_t)t * a->hidden, a->hidden, hp, xp + (size_t)t * hp);
         else
             fp9_prepare_x_f32((const float *)a->x + (size_t)t * a->hidden, a->hidden, hp, xp + (size_t)t * hp);
     }
-    uint32_t njobs = 0, total_pairs = 0;
+    uint32_t nj = 0, np = 0;
     uint64_t bytes = 0;
     for (uint32_t i = 0; i < nassign; i++) {
         xrows[i] = xp + (size_t)list[i].token * hp;
         gurows[i] = gu + i * gu_stride;
         actrows[i] = act + i * act_stride;
         memset(actrows[i], 0, act_stride * sizeof(float));   /* zero padding columns */
-        yrows[i] = a->y + (size_t)list[i].token * a->hidden;
+        yrows[i] = y32 + (size_t)list[i].token * a->hidden;
         weights[i] = list[i].weight;
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
-            jobs[njobs++] = (moe_job){list[i].expert, i, 0};
-            total_pairs += e->gate_up.row_pairs;
+            uint32_t per = piece_pairs((size_t)e->gate_up.groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
+            for (uint32_t pb = 0; pb < e->gate_up.row_pairs; pb += per)
+                pieces[np++] = (moe_piece){nj, pb, pb + per < e->gate_up.row_pairs ? pb + per : e->gate_up.row_pairs};
+            jobs[nj++] = (moe_job){list[i].expert, i, 0};
             bytes += fp9_blocks_bytes(e->gate_up.rows, e->gate_up.cols) +
                      fp9_blocks_bytes(e->down.rows, e->down.cols);
         }
-        jobs[njobs - 1].count++;
+        jobs[nj - 1].count++;
     }
-    moe_task task = {a, k, jobs, njobs, total_pairs, xrows, gurows, actrows, yrows, weights};
-    if (pool) {
-        duck_pool_run(pool, phase_gate_up, &task);
-        duck_pool_run(pool, phase_down, &task);
-    } else {
-        phase_gate_up(&task, 0, 1);
-        phase_down(&task, 0, 1);
-    }
+    uint32_t down_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN,
+                                      piece_bytes(down_pair_bytes * ((a->hidden + 1) / 2), nthreads));
+    moe_task task = {.a = a, .k = k, .pool = pool, .jobs = jobs, .njobs = njobs, .pieces = pieces,
+                     .npieces = npieces, .down_pairs = down_pairs,
+                     .ndown = ((a->hidden + 1) / 2 + down_pairs - 1) / down_pairs, .xrows = xrows,
+                     .gurows = gurows, .actrows = actrows, .yrows = yrows, .weights = weights, .y32 = y32};
+    atomic_init(&task.next_up, 0);
+    atomic_init(&task.done_up, 0);
+    atomic_init(&task.next_down, 0);
+    if (pool)
+        duck_pool_run_shared(pool, moe_run, &task);
+    else
+        moe_run(&task, 0, 1);
     if (bytes_streamed)
         *bytes_streamed = bytes;
     return DUCK_FFN_OK;

@@ -54,6 +54,9 @@ const duck_kernels *duck_kernels_named(const char *name);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
 
+/* fp32 to bf16 bits, rounding to nearest even (NaN stays a quiet NaN). */
+void duck_f32_to_bf16(const float *x, size_t n, uint16_t *out);
+
 #ifdef __cplusplus
 }
 #endif

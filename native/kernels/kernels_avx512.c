@@ -209,8 +209,8 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     uint32_t p = pair_begin;
     for (; p + NARROW_PAIRS <= pair_end; p += NARROW_PAIRS) {
         const fp9_block *run = fp9_pair_run(m, p, 0);   /* pair p + i at run + i * groups */
-        for (uint32_t b = 0; b < NARROW_PAIRS * groups; b += 4)
-            _mm_prefetch((const char *)(run + b) + PREFETCH_BYTES, _MM_HINT_T0);
+        for (uint32_t off = 0; off < NARROW_PAIRS * groups * sizeof(fp9_block); off += 64)
+            _mm_prefetch((const char *)run + off + PREFETCH_BYTES, _MM_HINT_T0);
         __m512 a[16];
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++)

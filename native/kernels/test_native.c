@@ -99,36 +99,118 @@ static void test_codec(void)
     CHECK(fp9_tensor_view(out, 10, &(fp9_matrix){0}) == FP9_EFORMAT, "short buffer refused");
 }
 
-static void test_moe_pool(void)
+static uint16_t bf16_rne(float v)
 {
-    enum { H = 300, S = 64, E = 5, T = 7, K = 3 };
-    duck_expert_slice ex[E];
-    void *bufs[2 * E];
+    uint16_t b;
+    duck_f32_to_bf16(&v, 1, &b);
+    return b;
+}
+
+static void test_bf16_rounding(void)
+{
+    CHECK(bf16_rne(1.0f) == 0x3F80, "1.0");
+    CHECK(bf16_rne(1.0f + 0x1p-8f) == 0x3F80, "tie to even, down");
+    CHECK(bf16_rne(1.0f + 3 * 0x1p-8f) == 0x3F82, "tie to even, up");
+    CHECK(bf16_rne(1.0f + 0x1p-8f + 0x1p-20f) == 0x3F81, "above the tie");
+    CHECK(bf16_rne(-2.0f) == 0xC000, "sign");
+    CHECK(bf16_rne(3.4e38f) == 0x7F80, "rounds up to Inf past the largest bf16");
+    CHECK((bf16_rne(NAN) & 0x7FC0) == 0x7FC0, "NaN stays a quiet NaN");
+}
+
+/* MoE forward with every kernel set, fp32 and bf16 in and out, on one thread
+ * and on pools of 2..4 (a shared run: pieces claimed as they come), many
+ * times over: the bits must not change. */
+static void test_moe_pool(const duck_kernels *k)
+{
+    enum { H = 300, S = 64, E = 5, T = 7, K = 3, HB = 2048, SB = 192, EB = 9 };
+    duck_expert_slice ex[EB];
+    void *bufs[2 * EB];
     for (int e = 0; e < E; e++) {
         bufs[2 * e] = pack_random(2 * S, H, &ex[e].gate_up);
         bufs[2 * e + 1] = pack_random(H, S, &ex[e].down);
     }
-    float x[T * H], y1[T * H], y2[T * H], w[T * K];
-    int32_t ids[T * K];
-    for (int i = 0; i < T * H; i++)
+    static float x[T * HB], y1[T * HB], y2[T * HB];
+    static uint16_t xb[T * HB], yb[T * HB];
+    float w[T * 8];
+    int32_t ids[T * 8];
+    for (int i = 0; i < T * HB; i++) {
         x[i] = frand();
+        xb[i] = bf16_rne(x[i]);
+    }
     for (int i = 0; i < T * K; i++) {
         ids[i] = (i * 7 + 3) % (E + 1) - 1;   /* includes -1 slots */
         w[i] = 0.5f + frand() * 0.25f;
     }
-    duck_moe_args a = {ex, E, T, K, H, ids, w, x, 0, y1};
+    duck_moe_args a = {ex, E, T, K, H, ids, w, x, DUCK_DT_F32, DUCK_DT_F32, y1};
     duck_ffn_workspace *ws = duck_ffn_workspace_create();
-    duck_pool *pool = duck_pool_create(3, 1, 0);
     uint64_t bytes = 0;
-    CHECK(duck_moe_forward(NULL, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_OK && bytes > 0, "moe 1 thread");
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK && bytes > 0, "%s: moe 1 thread", k->name);
+    for (unsigned threads = 2; threads <= 4; threads++) {
+        duck_pool *pool = duck_pool_create(threads, 1, 0);
+        int same = 1;
+        for (int rep = 0; rep < 50; rep++) {
+            a.y = y2;
+            memset(y2, 0xFF, sizeof y2);
+            CHECK(duck_moe_forward(pool, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: moe pool", k->name);
+            same &= memcmp(y1, y2, sizeof(float) * T * H) == 0;
+        }
+        CHECK(same, "%s: %u threads changed the result", k->name, threads);
+        duck_pool_destroy(pool);
+    }
+    /* bf16 out is the fp32 result rounded once; bf16 in is x rounded */
+    a.y = yb;
+    a.y_dtype = DUCK_DT_BF16;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: bf16 out", k->name);
+    int rounded = 1;
+    for (int i = 0; i < T * H; i++)
+        rounded &= yb[i] == bf16_rne(y1[i]);
+    CHECK(rounded, "%s: bf16 output is not the fp32 sum rounded to nearest even", k->name);
+    a.x = xb;
+    a.x_dtype = DUCK_DT_BF16;
     a.y = y2;
-    CHECK(duck_moe_forward(pool, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_OK, "moe pool");
-    CHECK(memcmp(y1, y2, sizeof y1) == 0, "pool result differs from one thread");
+    a.y_dtype = DUCK_DT_F32;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: bf16 in", k->name);
+    double worst = 0, top = 0;
+    for (int i = 0; i < T * H; i++) {
+        worst = fmax(worst, fabs((double)y2[i] - y1[i]));
+        top = fmax(top, fabs((double)y1[i]));
+    }
+    CHECK(worst <= top * 0.02, "%s: bf16 input moved the result by %g of %g", k->name, worst, top);
+    a.x_dtype = 2;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EINVAL, "unknown x dtype accepted");
+    a.x_dtype = DUCK_DT_F32;
+    a.x = x;
     ids[4] = E;
-    CHECK(duck_moe_forward(pool, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_EEXPERT, "bad id refused");
-    duck_pool_destroy(pool);
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EEXPERT, "bad id refused");
+
+    /* a decode shape cut into many pieces (Qwen3-30B-A3B, one of four ducks): top-8 of 9, 1 and 2 tokens */
+    for (int e = 0; e < EB; e++) {
+        if (e < E) {
+            free(bufs[2 * e]);
+            free(bufs[2 * e + 1]);
+        }
+        bufs[2 * e] = pack_random(2 * SB, HB, &ex[e].gate_up);
+        bufs[2 * e + 1] = pack_random(HB, SB, &ex[e].down);
+    }
+    for (uint32_t ntok = 1; ntok <= 2; ntok++) {
+        for (uint32_t i = 0; i < ntok * 8; i++) {
+            ids[i] = (int32_t)((i * 5 + ntok) % EB);
+            w[i] = 0.1f + 0.01f * (float)i;
+        }
+        duck_moe_args d = {ex, EB, ntok, 8, HB, ids, w, x, DUCK_DT_F32, DUCK_DT_F32, y1};
+        CHECK(duck_moe_forward(NULL, k, ws, &d, &bytes) == DUCK_FFN_OK, "%s: decode shape", k->name);
+        duck_pool *pool = duck_pool_create(3, 0, 0);
+        int same = 1;
+        for (int rep = 0; rep < 20; rep++) {
+            d.y = y2;
+            CHECK(duck_moe_forward(pool, k, ws, &d, &bytes) == DUCK_FFN_OK, "%s: decode shape, pool", k->name);
+            same &= memcmp(y1, y2, sizeof(float) * ntok * HB) == 0;
+        }
+        CHECK(same, "%s: decode shape, %u token(s): 3 threads changed the result", k->name, ntok);
+        duck_pool_destroy(pool);
+    }
     duck_ffn_workspace_destroy(ws);
-    for (int i = 0; i < 2 * E; i++)
+    for (int i = 0; i < 2 * EB; i++)
         free(bufs[i]);
 }
 
@@ -198,7 +280,11 @@ int main(void)
         test_kernels_agree(duck_kernels_avx512());
     else
         printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
-    test_moe_pool();
+    test_bf16_rounding();
+    const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512()};
+    for (int i = 0; i < 3; i++)
+        if (sets[i])
+            test_moe_pool(sets[i]);
     printf("%d passed, %d failed\n", checks - failures, failures);
     return failures;
 }
