@@ -87,8 +87,14 @@ int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *
 int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden);
 
 uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes);
-void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t k,
-                          const float *x, float *y);
+#define DUCK_BENCH_SCALAR ...
+#define DUCK_BENCH_AVX2 ...
+#define DUCK_BENCH_AVX512 ...
+int duck_bench_isa(int want);
+int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,
+                         const float *x, float *y);
+void duck_bench_pool_wake(duck_pool *pool, uint32_t runs, uint32_t gap_us, int shared,
+                          double *wake_us, double *run_us);
 """
 
 # The wire protocol and host transport declare themselves in their own file.

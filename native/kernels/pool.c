@@ -55,18 +55,36 @@ static inline void cpu_relax(void)
 #endif
 }
 
+/* A bounded spin: spin_step is 0 once us microseconds have passed. It
+ * yields the CPU every few microseconds, since a spinning thread may share
+ * its core with the very thread it waits for. */
+typedef struct spinner {
+    double deadline;
+    unsigned steps;
+} spinner;
+
+static spinner spin_for(unsigned us) { return (spinner){now_us() + us, 0}; }
+
+static int spin_step(spinner *s)
+{
+    if ((++s->steps & 255) == 0) {
+        if (now_us() > s->deadline)
+            return 0;
+        sched_yield();
+    }
+    cpu_relax();
+    return 1;
+}
+
 /* Spins until *v != value or spin_us elapse; returns whether it changed. */
 static int spin_while_equal(atomic_uint *v, unsigned value, unsigned spin_us)
 {
     if (!spin_us)
         return 0;
-    double deadline = now_us() + spin_us;
-    unsigned i = 0;
-    while (atomic_load_explicit(v, memory_order_acquire) == value) {
-        if ((++i & 255) == 0 && now_us() > deadline)
+    spinner sp = spin_for(spin_us);
+    while (atomic_load_explicit(v, memory_order_acquire) == value)
+        if (!spin_step(&sp))
             return 0;
-        cpu_relax();
-    }
     return 1;
 }
 
@@ -206,9 +224,9 @@ void duck_pool_run(duck_pool *pool, duck_task_fn fn, void *arg)
     pthread_cond_broadcast(&pool->work_cv);
     pthread_mutex_unlock(&pool->lock);
     fn(arg, 0, pool->n);
-    double deadline = now_us() + pool->spin_us;
-    while (pool->spin_us && atomic_load_explicit(&pool->pending, memory_order_acquire) && now_us() < deadline)
-        cpu_relax();
+    spinner sp = spin_for(pool->spin_us);
+    while (pool->spin_us && atomic_load_explicit(&pool->pending, memory_order_acquire) && spin_step(&sp))
+        ;
     if (atomic_load_explicit(&pool->pending, memory_order_acquire)) {
         pthread_mutex_lock(&pool->lock);
         while (atomic_load(&pool->pending))
@@ -234,11 +252,9 @@ void duck_pool_run_shared(duck_pool *pool, duck_task_fn fn, void *arg)
     pthread_mutex_unlock(&pool->lock);
     fn(arg, 0, pool->n);
     uint64_t s = atomic_fetch_or(&pool->shared_state, SHARED_CLOSED) | SHARED_CLOSED;
-    double deadline = now_us() + pool->spin_us;
-    while ((s & SHARED_ACTIVE) && pool->spin_us && now_us() < deadline) {
-        cpu_relax();
+    spinner sp = spin_for(pool->spin_us);
+    while ((s & SHARED_ACTIVE) && pool->spin_us && spin_step(&sp))
         s = atomic_load(&pool->shared_state);
-    }
     if (s & SHARED_ACTIVE) {
         pthread_mutex_lock(&pool->lock);
         while (atomic_load(&pool->shared_state) & SHARED_ACTIVE)
@@ -260,14 +276,9 @@ void duck_pool_latch_wait(duck_pool *pool, atomic_uint *count, unsigned target)
 {
     if (atomic_load_explicit(count, memory_order_acquire) >= target)
         return;
-    unsigned spin = pool && pool->spin_us > DUCK_POOL_LATCH_SPIN_US ? pool->spin_us : DUCK_POOL_LATCH_SPIN_US;
-    double deadline = now_us() + spin;
-    unsigned i = 0;
-    while (atomic_load_explicit(count, memory_order_acquire) < target) {
-        if ((++i & 63) == 0 && now_us() > deadline)
-            break;
-        cpu_relax();
-    }
+    spinner sp = spin_for(pool && pool->spin_us > DUCK_POOL_LATCH_SPIN_US ? pool->spin_us : DUCK_POOL_LATCH_SPIN_US);
+    while (atomic_load_explicit(count, memory_order_acquire) < target && spin_step(&sp))
+        ;
     if (!pool || atomic_load_explicit(count, memory_order_acquire) >= target)
         return;
     /* seq_cst: either the adder sees this waiter, or this waiter sees the count */
