@@ -1,6 +1,7 @@
 /* Benchmark peers; see bench.h. */
 #define _POSIX_C_SOURCE 200809L
 #include "bench.h"
+#include "kernels.h"
 
 #include <stdlib.h>
 #include <time.h>
@@ -66,6 +67,7 @@ static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k)
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (uint32_t c = 0; c < k; c += 32) {
+        _mm_prefetch((const char *)row + c + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         WIDEN_FMA(a0, 0);
         WIDEN_FMA(a1, 8);
         WIDEN_FMA(a2, 16);
@@ -91,6 +93,7 @@ static float dot_int8_avx512(const int8_t *row, const float *x, uint32_t k)
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     for (uint32_t c = 0; c < k; c += 64) {
+        _mm_prefetch((const char *)row + c + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         WIDEN_FMA16(a0, 0);
         WIDEN_FMA16(a1, 16);
         WIDEN_FMA16(a2, 32);

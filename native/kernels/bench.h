@@ -27,8 +27,9 @@ int duck_bench_isa(int want);
 
 /* y = W x with W int8 [n, k] in panels of 2048 columns, row-major within a
  * panel (k a multiple of 64), x and y fp32: widen, convert, FMA, on the
- * instruction set duck_bench_isa(isa), which it returns. Rows split over the
- * pool. Exact int8 weights times fp32 activations: the same math as the fp9
+ * instruction set duck_bench_isa(isa), which it returns, prefetching
+ * DUCK_PREFETCH_BYTES ahead like the fp9 GEMVs. Rows split over the pool.
+ * Exact int8 weights times fp32 activations: the same math as the fp9
  * kernels (a VNNI int8 x int8 dot would quantize the activations too). */
 int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,
                          const float *x, float *y);

@@ -83,6 +83,8 @@ static inline __attribute__((always_inline)) void gemv_avx2(const fp9_matrix *m,
             for (uint32_t g = g0; g < g1; g++) {
                 const fp9_block *blk = &run[g - g0];
                 const float *xg = x + (size_t)g * FP9_GROUP;
+                for (int l = 0; l < 3; l++)   /* the 144-byte block DUCK_PREFETCH_BYTES ahead */
+                    _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
                 __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
                 __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
                 __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
@@ -146,6 +148,8 @@ static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *
         __m256 a[8];
         for (int r = 0; r < 8; r++)
             a[r] = _mm256_setzero_ps();
+        for (uint32_t off = 0; off < 4 * groups * sizeof(fp9_block); off += 64)
+            _mm_prefetch((const char *)fp9_pair_run(m, p, 0) + off + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         for (uint32_t g = 0; g < groups; g++) {
             const fp9_block *blk = fp9_pair_run(m, p, 0) + g;   /* pair p + i at blk + i * groups */
             for (int j = 0; j < 8; j++) {

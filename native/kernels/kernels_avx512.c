@@ -60,10 +60,6 @@ static void even_odd(const float *x, uint32_t n, float *out)
     }
 }
 
-/* Read this far ahead of the weights in use: the hardware prefetchers alone
- * left one thread well short of the machine's read bandwidth. */
-#define PREFETCH_BYTES 4096
-
 /* The sum of the 16 lanes, in the order hsum16x16 uses for every row, so a
  * row's result does not depend on which path reduced it. */
 static inline float hsum16(__m512 a)
@@ -141,9 +137,9 @@ static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *
                 }
             for (uint32_t g = 0; g < ng; g++) {
                 const fp9_block *blk = &run[g];
-                _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
-                _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 128, _MM_HINT_T0);
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     __m512 e0, o0, e1, o1;
@@ -210,7 +206,7 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     for (; p + NARROW_PAIRS <= pair_end; p += NARROW_PAIRS) {
         const fp9_block *run = fp9_pair_run(m, p, 0);   /* pair p + i at run + i * groups */
         for (uint32_t off = 0; off < NARROW_PAIRS * groups * sizeof(fp9_block); off += 64)
-            _mm_prefetch((const char *)run + off + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)run + off + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         __m512 a[16];
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++)
