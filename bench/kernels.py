@@ -15,7 +15,9 @@ width (int8 weights widened to fp32 against the same fp32 activations; the
 case names the peer's instruction set). The MoE slice forward runs with the
 best set at what one duck holds of a DeepSeek-V3 layer (256 experts, H 7168,
 S 64) and of a Qwen3-30B-A3B layer on four ducks (128 experts, H 2048, S 192;
-1 token and an MTP pair). pool_wake is the worker pool's wake-up.
+1 token and an MTP pair). pool_wake is the worker pool's wake-up. All
+weights, the int8 ones too, sit in huge pages where the kernel allows
+(native.fp9.memory; machine.huge_pages says; DUCK_HUGE_PAGES=0 turns them off).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from native._native import ffi, lib
 from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
+from native.fp9.memory import huge_pages_mode
 from native.kernels import (
     KERNEL_SETS,
     ExpertSlice,
@@ -63,6 +66,13 @@ def random_fp9(rows: int, cols: int, rng: np.random.Generator, name: str) -> Fp9
     buf[:HEADER_BYTES] = header.view(np.uint8)
     buf[HEADER_BYTES:] = blocks.reshape(-1)
     return Fp9Tensor(buf, name)
+
+
+def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random int8 weights in the same kind of memory as the fp9 ones (huge pages)."""
+    w = _aligned_bytes(rows * cols).view(np.int8)
+    w[:] = rng.integers(-127, 128, size=rows * cols, dtype=np.int8)
+    return w
 
 
 class Case:
@@ -119,7 +129,7 @@ def _gemv_cases(pool, ws, rows: int, cols: int, threads: int, sets: list[str], s
         log.info("making %d cold %dx%d fp9 and int8 matrices", count, rows, cols)
         shared[key] = (
             [random_fp9(rows, cols, rng, f"w{i}") for i in range(count)],
-            [rng.integers(-127, 128, size=(rows, cols), dtype=np.int8) for _ in range(count)],
+            [_int8_matrix(rows, cols, rng) for _ in range(count)],
             rng.standard_normal((1, cols)).astype(np.float32),
             np.empty(rows, dtype=np.float32),
         )
@@ -234,7 +244,8 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
         for t in threads_list:
             for case in by_threads[t]:
                 case.run(min_seconds)
-    result = {"machine": {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version()},
+    result = {"machine": {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                          "huge_pages": huge_pages_mode() if os.environ.get("DUCK_HUGE_PAGES") != "0" else "off"},
               "kernels": kernels_name(kernels()), "kernel_sets": sets, "rounds": rounds, "read_gbps": {},
               "cases": [], "pool_wake": [pool_wake(t) for t in threads_list if t > 1]}
     for t in threads_list:
