@@ -54,11 +54,12 @@ int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden)
     return DUCK_FFN_OK;
 }
 
-/* Phase 1 is cut into pieces of one job's gate/up row pairs [pb, pe);
- * phase 2 into pieces of DUCK_FFN_DOWN_ALIGN-aligned down row pairs, each
- * summed over every job by the thread that owns it. */
+/* A piece of work: gate/up row pairs [pb, pe) of one job, or down row
+ * pairs [pb, pe) (block `block`) of one job into its partial outputs. */
+#define UP_PIECE UINT32_MAX
+
 typedef struct moe_piece {
-    uint32_t job, pb, pe;
+    uint32_t job, pb, pe, block;
 } moe_piece;
 
 typedef struct moe_task {
@@ -67,22 +68,22 @@ typedef struct moe_task {
     duck_pool *pool;
     const moe_job *jobs;
     uint32_t njobs;
-    const moe_piece *pieces;        /* phase 1 */
+    const moe_piece *pieces;        /* gate/up pieces in job order, then down pieces */
     uint32_t npieces;
-    uint32_t down_pairs;            /* row pairs per phase-2 piece */
-    uint32_t ndown;                 /* phase-2 pieces */
+    uint32_t block_pairs;           /* down row pairs per block */
+    const uint32_t *up_pieces;      /* per job: its gate/up pieces */
+    atomic_uint *up_done;           /* per job: those finished */
+    atomic_uint *block_done;        /* per block: jobs whose down rows of it are finished */
+    const uint32_t *tok_start;      /* [ntok + 1]: token t's assignments are */
+    const uint32_t *tok_list;       /*   tok_list[tok_start[t] .. tok_start[t + 1]), ascending */
     const float *const *xrows;      /* per assignment: its token's prepared x */
     float *const *gurows;           /* per assignment: gate/up output, 2S floats */
     float *const *actrows;          /* per assignment: prepared activation, padded */
-    float *const *yrows;            /* per assignment: its token's fp32 output row */
+    float *const *partrows;         /* per assignment: its expert's weighted output, hidden floats */
     const float *weights;           /* per assignment: routing weight */
     float *y32;                     /* [ntok][hidden] fp32 sums (a->y itself when y is fp32) */
-    _Alignas(64) atomic_uint next_up;
-    _Alignas(64) atomic_uint done_up;
-    _Alignas(64) atomic_uint next_down;
+    _Alignas(64) atomic_uint next;
 } moe_task;
-
-static inline unsigned long round_up(unsigned long v, unsigned long a) { return (v + a - 1) / a * a; }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
@@ -100,50 +101,54 @@ static void gate_up_piece(const moe_task *t, const moe_piece *pc)
     }
 }
 
-/* The first weights a thread will read of the next job, so that its
- * stream does not start with a miss. */
-static void prefetch_start(const fp9_matrix *m, uint32_t pair)
-{
-    const char *p = (const char *)fp9_pair_run(m, pair, 0);
-    for (int i = 0; i < 2048; i += 64)
-        __builtin_prefetch(p + i);
-}
-
-static void down_piece(const moe_task *t, uint32_t piece)
+/* y rows of a block once every job's partials of it are in: summed per
+ * token in expert order, from 0 (the order and the bits of accumulating
+ * job by job), then rounded to bf16 if so asked. */
+static void reduce_block(const moe_task *t, uint32_t block)
 {
     const duck_moe_args *a = t->a;
-    uint32_t hp = (a->hidden + 1) / 2, pb = piece * t->down_pairs;
-    uint32_t pe = pb + t->down_pairs < hp ? pb + t->down_pairs : hp;
-    uint32_t r0 = 2 * pb, r1 = 2 * pe < a->hidden ? 2 * pe : a->hidden;
-    for (uint32_t tok = 0; tok < a->ntok; tok++)
-        memset(t->y32 + (size_t)tok * a->hidden + r0, 0, (r1 - r0) * sizeof(float));
-    for (uint32_t j = 0; j < t->njobs; j++) {
-        if (j + 1 < t->njobs)
-            prefetch_start(&a->experts[t->jobs[j + 1].expert].down, pb);
-        const duck_expert_slice *e = &a->experts[t->jobs[j].expert];
-        uint32_t first = t->jobs[j].first;
-        t->k->gemm(&e->down, pb, pe, t->jobs[j].count, (const float *const *)(t->actrows + first),
-                   t->yrows + first, 1);
+    uint32_t r0 = 2 * block * t->block_pairs;
+    uint32_t r1 = r0 + 2 * t->block_pairs < a->hidden ? r0 + 2 * t->block_pairs : a->hidden;
+    for (uint32_t tok = 0; tok < a->ntok; tok++) {
+        float *y = t->y32 + (size_t)tok * a->hidden;
+        memset(y + r0, 0, (r1 - r0) * sizeof(float));
+        for (uint32_t k = t->tok_start[tok]; k < t->tok_start[tok + 1]; k++) {
+            const float *part = t->partrows[t->tok_list[k]];
+            for (uint32_t r = r0; r < r1; r++)
+                y[r] += part[r];
+        }
+        if (a->y_dtype == DUCK_DT_BF16)
+            duck_f32_to_bf16(y + r0, r1 - r0, (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
     }
-    if (a->y_dtype == DUCK_DT_BF16)
-        for (uint32_t tok = 0; tok < a->ntok; tok++)
-            duck_f32_to_bf16(t->y32 + (size_t)tok * a->hidden + r0, r1 - r0,
-                             (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
 }
 
-/* Run by every thread that joins: claim gate/up pieces, wait for all of
- * them to be done, claim down pieces. */
+static void down_piece(const moe_task *t, const moe_piece *pc)
+{
+    duck_pool_latch_wait(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
+    const moe_job *job = &t->jobs[pc->job];
+    t->k->gemm(&t->a->experts[job->expert].down, pc->pb, pc->pe, job->count,
+               (const float *const *)(t->actrows + job->first), t->partrows + job->first, 0);
+    if (atomic_fetch_add(&t->block_done[pc->block], 1) + 1 == t->njobs)
+        reduce_block(t, pc->block);   /* the last job to finish this block sums it */
+}
+
+/* Run by every thread that joins: claim pieces in order until none is
+ * left. A down piece waits only for its own job's gate/up pieces (claimed
+ * long before, normally done), so there is no barrier between the phases
+ * and every down piece streams one expert's rows. */
 static void moe_run(void *arg, unsigned w, unsigned nw)
 {
     moe_task *t = arg;
     (void)w, (void)nw;
-    for (unsigned c; (c = atomic_fetch_add(&t->next_up, 1)) < t->npieces;) {
-        gate_up_piece(t, &t->pieces[c]);
-        duck_pool_latch_add(t->pool, &t->done_up, t->npieces);
+    for (unsigned c; (c = atomic_fetch_add(&t->next, 1)) < t->npieces;) {
+        const moe_piece *pc = &t->pieces[c];
+        if (pc->block == UP_PIECE) {
+            gate_up_piece(t, pc);
+            duck_pool_latch_add(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
+        } else {
+            down_piece(t, pc);
+        }
     }
-    duck_pool_latch_wait(t->pool, &t->done_up, t->npieces);
-    for (unsigned c; (c = atomic_fetch_add(&t->next_down, 1)) < t->ndown;)
-        down_piece(t, c);
 }
 
 typedef struct assignment {
@@ -220,21 +225,24 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         return DUCK_FFN_OK;
     }
     qsort(list, nassign, sizeof list[0], by_expert);
-    uint32_t njobs = 1;
-    for (uint32_t i = 1; i < nassign; i++)
-        njobs += list[i].expert != list[i - 1].expert;
 
-    /* pieces: phase 1 runs of one job's gate/up pairs, phase 2 runs of down pairs over all jobs */
-    size_t gate_up_bytes = 0, down_pair_bytes = 0;
+    /* pieces: a few per thread and phase (whole jobs on one thread) */
+    uint32_t njobs = 0;
+    size_t gate_up_bytes = 0, down_bytes = 0, down_pair_bytes = 0;
     for (uint32_t i = 0; i < nassign; i++)
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
+            size_t pair = (size_t)e->down.groups * sizeof(fp9_block);
+            njobs++;
             gate_up_bytes += (size_t)e->gate_up.row_pairs * e->gate_up.groups * sizeof(fp9_block);
-            down_pair_bytes += (size_t)e->down.groups * sizeof(fp9_block);
+            down_bytes += pair * e->down.row_pairs;
+            down_pair_bytes = pair > down_pair_bytes ? pair : down_pair_bytes;
         }
     unsigned nthreads = pool ? duck_pool_size(pool) : 1;
     size_t up_piece = piece_bytes(gate_up_bytes, nthreads);
-    uint32_t npieces = 0;
+    uint32_t block_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN, piece_bytes(down_bytes, nthreads));
+    uint32_t nblocks = ((a->hidden + 1) / 2 + block_pairs - 1) / block_pairs;
+    uint32_t npieces = njobs * nblocks;
     for (uint32_t i = 0; i < nassign; i++)
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const fp9_matrix *gu = &a->experts[list[i].expert].gate_up;
@@ -242,27 +250,34 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
             npieces += (gu->row_pairs + per - 1) / per;
         }
 
-    /* workspace: prepared x, per-assignment buffers and row pointers, jobs, pieces, fp32 y */
+    /* workspace: prepared x, fp32 y (for a bf16 y), per-assignment buffers and row pointers,
+     * jobs, pieces, counters, the tokens' assignment lists */
     size_t x_bytes = align64((size_t)a->ntok * hp * sizeof(float));
+    size_t y32_bytes = a->y_dtype == DUCK_DT_BF16 ? align64((size_t)a->ntok * a->hidden * sizeof(float)) : 0;
     size_t gu_stride = align64((size_t)(max_gu + 1) * sizeof(float)) / sizeof(float);
     size_t act_stride = align64((size_t)max_act * sizeof(float)) / sizeof(float);
-    size_t y32_bytes = a->y_dtype == DUCK_DT_BF16 ? align64((size_t)a->ntok * a->hidden * sizeof(float)) : 0;
-    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride) * sizeof(float) +
-                  align64(4 * nassign * sizeof(void *)) + align64(nassign * sizeof(float)) +
-                  align64(njobs * sizeof(moe_job)) + npieces * sizeof(moe_piece);
+    size_t part_stride = align64((size_t)a->hidden * sizeof(float)) / sizeof(float);
+    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride + part_stride) * sizeof(float) +
+                  align64(5 * nassign * sizeof(void *)) + align64(njobs * sizeof(moe_job)) +
+                  align64(npieces * sizeof(moe_piece)) + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)) +
+                  align64((njobs + a->ntok + 1 + (size_t)nassign) * sizeof(uint32_t));
     uint8_t *mem = ws_reserve(ws, need);
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;
     float *y32 = y32_bytes ? (float *)(mem + x_bytes) : (float *)a->y;
     float *gu = (float *)(mem + x_bytes + y32_bytes);
-    float *act = gu + nassign * gu_stride;
-    void **ptrs = (void **)(act + nassign * act_stride);
+    float *act = gu + nassign * gu_stride, *part = act + nassign * act_stride;
+    void **ptrs = (void **)(part + nassign * part_stride);
     const float **xrows = (const float **)ptrs;
-    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **yrows = actrows + nassign;
-    float *weights = (float *)((uint8_t *)ptrs + align64(4 * nassign * sizeof(void *)));
-    moe_job *jobs = (moe_job *)((uint8_t *)weights + align64(nassign * sizeof(float)));
+    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **partrows = actrows + nassign;
+    float *weights = (float *)(partrows + nassign);
+    moe_job *jobs = (moe_job *)((uint8_t *)ptrs + align64(5 * nassign * sizeof(void *)));
     moe_piece *pieces = (moe_piece *)((uint8_t *)jobs + align64(njobs * sizeof(moe_job)));
+    atomic_uint *up_done = (atomic_uint *)((uint8_t *)pieces + align64(npieces * sizeof(moe_piece)));
+    atomic_uint *block_done = up_done + njobs;
+    uint32_t *up_pieces = (uint32_t *)((uint8_t *)up_done + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)));
+    uint32_t *tok_start = up_pieces + njobs, *tok_list = tok_start + a->ntok + 1;
 
     for (uint32_t t = 0; t < a->ntok; t++) {
         if (a->x_dtype == DUCK_DT_BF16)
@@ -272,33 +287,46 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
     }
     uint32_t nj = 0, np = 0;
     uint64_t bytes = 0;
+    memset(tok_start, 0, (a->ntok + 1) * sizeof(uint32_t));
     for (uint32_t i = 0; i < nassign; i++) {
         xrows[i] = xp + (size_t)list[i].token * hp;
         gurows[i] = gu + i * gu_stride;
         actrows[i] = act + i * act_stride;
         memset(actrows[i], 0, act_stride * sizeof(float));   /* zero padding columns */
-        yrows[i] = y32 + (size_t)list[i].token * a->hidden;
+        partrows[i] = part + i * part_stride;
         weights[i] = list[i].weight;
+        tok_start[list[i].token + 1]++;
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
             uint32_t per = piece_pairs((size_t)e->gate_up.groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
-            for (uint32_t pb = 0; pb < e->gate_up.row_pairs; pb += per)
-                pieces[np++] = (moe_piece){nj, pb, pb + per < e->gate_up.row_pairs ? pb + per : e->gate_up.row_pairs};
+            up_pieces[nj] = 0;
+            for (uint32_t pb = 0; pb < e->gate_up.row_pairs; pb += per, up_pieces[nj]++)
+                pieces[np++] = (moe_piece){nj, pb, pb + per < e->gate_up.row_pairs ? pb + per : e->gate_up.row_pairs,
+                                           UP_PIECE};
+            atomic_init(&up_done[nj], 0);
             jobs[nj++] = (moe_job){list[i].expert, i, 0};
             bytes += fp9_blocks_bytes(e->gate_up.rows, e->gate_up.cols) +
                      fp9_blocks_bytes(e->down.rows, e->down.cols);
         }
         jobs[nj - 1].count++;
     }
-    uint32_t down_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN,
-                                      piece_bytes(down_pair_bytes * ((a->hidden + 1) / 2), nthreads));
+    for (uint32_t t = 0; t < a->ntok; t++)
+        tok_start[t + 1] += tok_start[t];
+    for (uint32_t i = 0, seen[DUCK_MAX_TOKENS] = {0}; i < nassign; i++)   /* ascending per token */
+        tok_list[tok_start[list[i].token] + seen[list[i].token]++] = i;
+    uint32_t pairs = (a->hidden + 1) / 2;
+    for (uint32_t j = 0; j < njobs; j++)
+        for (uint32_t b = 0; b < nblocks; b++)
+            pieces[np++] = (moe_piece){j, b * block_pairs, (b + 1) * block_pairs < pairs ? (b + 1) * block_pairs : pairs,
+                                       b};
+    for (uint32_t b = 0; b < nblocks; b++)
+        atomic_init(&block_done[b], 0);
+
     moe_task task = {.a = a, .k = k, .pool = pool, .jobs = jobs, .njobs = njobs, .pieces = pieces,
-                     .npieces = npieces, .down_pairs = down_pairs,
-                     .ndown = ((a->hidden + 1) / 2 + down_pairs - 1) / down_pairs, .xrows = xrows,
-                     .gurows = gurows, .actrows = actrows, .yrows = yrows, .weights = weights, .y32 = y32};
-    atomic_init(&task.next_up, 0);
-    atomic_init(&task.done_up, 0);
-    atomic_init(&task.next_down, 0);
+                     .npieces = npieces, .block_pairs = block_pairs, .up_pieces = up_pieces, .up_done = up_done,
+                     .block_done = block_done, .tok_start = tok_start, .tok_list = tok_list, .xrows = xrows,
+                     .gurows = gurows, .actrows = actrows, .partrows = partrows, .weights = weights, .y32 = y32};
+    atomic_init(&task.next, 0);
     if (pool)
         duck_pool_run_shared(pool, moe_run, &task);
     else

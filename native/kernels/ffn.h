@@ -1,10 +1,14 @@
 /* One duck's share of an FFN: a tensor-parallel slice of S intermediate
  * units of every expert (a dense MLP is one expert of weight 1).
  *   y[t] = sum_e w[t,e] * down_e( silu(gate_e x[t]) * up_e x[t] )
- * Two phases in one shared pool run: gate/up rows, then down rows, each cut
- * into a few pieces per thread that the threads claim as they come, with a
- * latch between the phases. How rows are cut into pieces never changes how
- * a row is computed, so the result does not depend on the thread count. */
+ * One shared pool run (duck_pool_run_shared): the work is cut into pieces,
+ * gate/up row pairs of one expert, then down row pairs of one expert (each
+ * a long run of one expert's weights), a few per thread, claimed in that
+ * order as threads come. A down piece waits only for its own expert's
+ * gate/up pieces (a latch per expert, normally long done); the thread that
+ * finishes the last expert of a block of rows sums the experts' partial
+ * outputs there in expert order. How the rows are cut never changes how a
+ * row is computed, so the result does not depend on the thread count. */
 #ifndef DUCK_FFN_H
 #define DUCK_FFN_H
 
