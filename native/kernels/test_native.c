@@ -84,6 +84,75 @@ static void test_kernels_agree(const duck_kernels *fast)
     }
 }
 
+/* fp8 codes with block scales that are not powers of two: kept per block */
+static void *pack_fp8_scaled(uint32_t rows, uint32_t cols, fp9_matrix *m)
+{
+    uint8_t *codes = malloc((size_t)rows * cols);
+    uint32_t sr = (rows + 127) / 128, sc = (cols + 127) / 128;
+    float *scales = malloc(sizeof(float) * sr * sc);
+    for (size_t i = 0; i < (size_t)rows * cols; i++)
+        codes[i] = (uint8_t)((uint32_t)((frand() + 1.0f) * 63.0f) | (frand() < 0 ? 0x80 : 0));
+    for (uint32_t i = 0; i < sr * sc; i++)
+        scales[i] = 1e-3f * (3.0f + frand());
+    size_t cap = fp9_pack_fp8_bound(rows, cols);
+    void *buf = aligned_alloc(64, (cap + 63) / 64 * 64);
+    int with = 0;
+    CHECK(fp9_pack_fp8(codes, rows, cols, cols, scales, sc, buf, cap, &with, NULL) == FP9_OK && with,
+          "pack fp8 %ux%u with block scales", rows, cols);
+    CHECK(fp9_tensor_view(buf, fp9_tensor_bytes(rows, cols, 1), m) == FP9_OK && m->block_scales,
+          "view %ux%u", rows, cols);
+    free(codes), free(scales);
+    return buf;
+}
+
+/* The brief's odd shapes: every token count path (registers, decode into
+ * L1, more than DUCK_MAX_TOKENS), with and without block scales, against
+ * ref; and the same bits whatever row-pair split a pool would make. */
+static void test_odd_shapes(const duck_kernels *fast)
+{
+    static const uint32_t rows_list[] = {1, 3, 17, 33}, cols_list[] = {64, 128, 192, 2048 + 64};
+    static const uint32_t tokens[] = {1, 2, 5, DUCK_MAX_TOKENS + 3};
+    enum { TMAX = DUCK_MAX_TOKENS + 3 };
+    for (int scaled = 0; scaled < 2; scaled++)
+        for (size_t a = 0; a < 4; a++)
+            for (size_t b = 0; b < 4; b++) {
+                uint32_t rows = rows_list[a], cols = cols_list[b];
+                fp9_matrix m;
+                void *buf = scaled ? pack_fp8_scaled(rows, cols, &m) : pack_random(rows, cols, &m);
+                uint32_t kp = m.groups * 64;
+                float *x = malloc(sizeof(float) * TMAX * kp), *y0 = malloc(sizeof(float) * TMAX * rows),
+                      *y1 = malloc(sizeof(float) * TMAX * rows), *y2 = malloc(sizeof(float) * TMAX * rows);
+                const float *xr[TMAX];
+                float *yr0[TMAX], *yr1[TMAX], *yr2[TMAX], raw[2048 + 64];
+                for (uint32_t t = 0; t < TMAX; t++) {
+                    for (uint32_t c = 0; c < cols; c++)
+                        raw[c] = frand();
+                    fp9_prepare_x_f32(raw, cols, kp, x + t * kp);
+                    xr[t] = x + t * kp;
+                    yr0[t] = y0 + t * rows, yr1[t] = y1 + t * rows, yr2[t] = y2 + t * rows;
+                }
+                for (size_t n = 0; n < 4; n++) {
+                    uint32_t nt = tokens[n];
+                    duck_kernels_ref()->gemm(&m, 0, m.row_pairs, nt, xr, yr0, 0);
+                    fast->gemm(&m, 0, m.row_pairs, nt, xr, yr1, 0);
+                    double worst = 0;
+                    for (uint32_t i = 0; i < nt * rows; i++) {
+                        double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)cols) * 0.1);
+                        worst = d > worst ? d : worst;
+                    }
+                    CHECK(worst < 1e-5, "%s vs ref %ux%u%s ntok %u: %.3g", fast->name, rows, cols,
+                          scaled ? " block-scaled" : "", nt, worst);
+                    for (uint32_t cut = DUCK_ROW_PAIR_ALIGN; cut < m.row_pairs; cut += DUCK_ROW_PAIR_ALIGN) {
+                        fast->gemm(&m, 0, cut, nt, xr, yr2, 0);
+                        fast->gemm(&m, cut, m.row_pairs, nt, xr, yr2, 0);
+                        CHECK(memcmp(y1, y2, sizeof(float) * nt * rows) == 0, "%s %ux%u ntok %u: split at pair %u changed bits",
+                              fast->name, rows, cols, nt, cut);
+                    }
+                }
+                free(x), free(y0), free(y1), free(y2), free(buf);
+            }
+}
+
 static void test_codec(void)
 {
     for (int c = 0; c < 256; c++) {
@@ -272,13 +341,16 @@ int main(void)
     test_kernels_agree(duck_kernels_ref());
     const duck_kernels *avx2 = duck_kernels_avx2_variant(0);
     if (avx2) {
-        test_kernels_agree(avx2);
-        test_kernels_agree(duck_kernels_avx2_variant(1));
+        for (int blend = 0; blend < 2; blend++) {
+            test_kernels_agree(duck_kernels_avx2_variant(blend));
+            test_odd_shapes(duck_kernels_avx2_variant(blend));
+        }
     } else
         printf("note: no AVX2+FMA on this CPU; only the reference was tested\n");
-    if (duck_kernels_avx512())
+    if (duck_kernels_avx512()) {
         test_kernels_agree(duck_kernels_avx512());
-    else
+        test_odd_shapes(duck_kernels_avx512());
+    } else
         printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
     test_bf16_rounding();
     const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512()};
