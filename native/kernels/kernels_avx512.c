@@ -8,10 +8,10 @@
  * sign word (32 signs per mask, in column order), and split the words into
  * fp32: even columns by a shift left by 16, odd columns by masking off the
  * low half. The activations are taken in the same even/odd order (permuted
- * once per panel into a buffer on the stack). That is 8 vector operations
- * for 32 weights where the plain 32-bit decode (decode16) takes 10; on the
- * development machine (AMD Zen 5) the GEMV ran 35 % faster on L2-resident
- * weights. */
+ * once per panel into a buffer on the stack). That is 6 operations and 2
+ * FMAs for 32 weights where the plain 32-bit decode (decode16) takes 8 and
+ * 2; on the development machine (AMD Zen 5) the GEMV ran a third faster on
+ * L2-resident weights (docs/fp9.md section 5). */
 #include "kernels.h"
 
 #include <string.h>
