@@ -43,6 +43,39 @@ static void *pack_random(uint32_t rows, uint32_t cols, fp9_matrix *m)
     return buf;
 }
 
+/* ntok random activations for m, prepared, with their row pointers. */
+static float *random_tokens(const fp9_matrix *m, uint32_t ntok, const float **xr)
+{
+    uint32_t kp = m->groups * 64;
+    float *x = malloc(sizeof(float) * ntok * kp), *raw = malloc(sizeof(float) * m->cols);
+    for (uint32_t t = 0; t < ntok; t++) {
+        for (uint32_t c = 0; c < m->cols; c++)
+            raw[c] = frand();
+        fp9_prepare_x_f32(raw, m->cols, kp, x + t * kp);
+        xr[t] = x + t * kp;
+    }
+    free(raw);
+    return x;
+}
+
+/* fast against ref on ntok tokens: the worst error relative to |y| plus
+ * the spread of a dot of cols terms; y0, y1 hold ntok rows of m->rows. */
+static double worst_vs_ref(const duck_kernels *fast, const fp9_matrix *m, uint32_t ntok, const float *const *xr,
+                           float *y0, float *y1)
+{
+    float *yr0[DUCK_MAX_TOKENS + 3], *yr1[DUCK_MAX_TOKENS + 3];
+    for (uint32_t t = 0; t < ntok; t++)
+        yr0[t] = y0 + t * m->rows, yr1[t] = y1 + t * m->rows;
+    duck_kernels_ref()->gemm(m, 0, m->row_pairs, ntok, xr, yr0, 0);
+    fast->gemm(m, 0, m->row_pairs, ntok, xr, yr1, 0);
+    double worst = 0;
+    for (uint32_t i = 0; i < ntok * m->rows; i++) {
+        double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)m->cols) * 0.1);
+        worst = d > worst ? d : worst;
+    }
+    return worst;
+}
+
 static void test_kernels_agree(const duck_kernels *fast)
 {
     static const uint32_t dims[] = {1, 3, 17, 33, 127, 129, 2049, 4100};
@@ -53,28 +86,12 @@ static void test_kernels_agree(const duck_kernels *fast)
                 continue;
             fp9_matrix m;
             void *buf = pack_random(rows, cols, &m);
-            uint32_t ntok = 1 + (rows + cols) % 9, kp = m.groups * 64;
-            float *x = malloc(sizeof(float) * ntok * kp), *y0 = malloc(sizeof(float) * ntok * rows),
-                  *y1 = malloc(sizeof(float) * ntok * rows);
+            uint32_t ntok = 1 + (rows + cols) % 9;
             const float *xr[16];
-            float *yr0[16], *yr1[16];
-            for (uint32_t t = 0; t < ntok; t++) {
-                float raw[4100];
-                for (uint32_t c = 0; c < cols; c++)
-                    raw[c] = frand();
-                fp9_prepare_x_f32(raw, cols, kp, x + t * kp);
-                xr[t] = x + t * kp;
-                yr0[t] = y0 + t * rows;
-                yr1[t] = y1 + t * rows;
-            }
+            float *x = random_tokens(&m, ntok, xr), *y0 = malloc(sizeof(float) * ntok * rows),
+                  *y1 = malloc(sizeof(float) * ntok * rows);
             for (uint32_t n = 1; n <= ntok; n += ntok - 1 ? ntok - 1 : 1) {
-                duck_kernels_ref()->gemm(&m, 0, m.row_pairs, n, xr, yr0, 0);
-                fast->gemm(&m, 0, m.row_pairs, n, xr, yr1, 0);
-                double worst = 0;
-                for (uint32_t i = 0; i < n * rows; i++) {
-                    double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)cols) * 0.1);
-                    worst = d > worst ? d : worst;
-                }
+                double worst = worst_vs_ref(fast, &m, n, xr, y0, y1);
                 CHECK(worst < 1e-5, "%s vs ref %ux%u ntok %u: %.3g", fast->name, rows, cols, n, worst);
                 if (n == ntok)
                     break;
@@ -119,34 +136,22 @@ static void test_odd_shapes(const duck_kernels *fast)
                 uint32_t rows = rows_list[a], cols = cols_list[b];
                 fp9_matrix m;
                 void *buf = scaled ? pack_fp8_scaled(rows, cols, &m) : pack_random(rows, cols, &m);
-                uint32_t kp = m.groups * 64;
-                float *x = malloc(sizeof(float) * TMAX * kp), *y0 = malloc(sizeof(float) * TMAX * rows),
-                      *y1 = malloc(sizeof(float) * TMAX * rows), *y2 = malloc(sizeof(float) * TMAX * rows);
                 const float *xr[TMAX];
-                float *yr0[TMAX], *yr1[TMAX], *yr2[TMAX], raw[2048 + 64];
-                for (uint32_t t = 0; t < TMAX; t++) {
-                    for (uint32_t c = 0; c < cols; c++)
-                        raw[c] = frand();
-                    fp9_prepare_x_f32(raw, cols, kp, x + t * kp);
-                    xr[t] = x + t * kp;
-                    yr0[t] = y0 + t * rows, yr1[t] = y1 + t * rows, yr2[t] = y2 + t * rows;
-                }
+                float *x = random_tokens(&m, TMAX, xr), *y0 = malloc(sizeof(float) * TMAX * rows),
+                      *y1 = malloc(sizeof(float) * TMAX * rows), *y2 = malloc(sizeof(float) * TMAX * rows);
+                float *yr2[TMAX];
+                for (uint32_t t = 0; t < TMAX; t++)
+                    yr2[t] = y2 + t * rows;
                 for (size_t n = 0; n < 4; n++) {
                     uint32_t nt = tokens[n];
-                    duck_kernels_ref()->gemm(&m, 0, m.row_pairs, nt, xr, yr0, 0);
-                    fast->gemm(&m, 0, m.row_pairs, nt, xr, yr1, 0);
-                    double worst = 0;
-                    for (uint32_t i = 0; i < nt * rows; i++) {
-                        double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)cols) * 0.1);
-                        worst = d > worst ? d : worst;
-                    }
+                    double worst = worst_vs_ref(fast, &m, nt, xr, y0, y1);
                     CHECK(worst < 1e-5, "%s vs ref %ux%u%s ntok %u: %.3g", fast->name, rows, cols,
                           scaled ? " block-scaled" : "", nt, worst);
                     for (uint32_t cut = DUCK_ROW_PAIR_ALIGN; cut < m.row_pairs; cut += DUCK_ROW_PAIR_ALIGN) {
                         fast->gemm(&m, 0, cut, nt, xr, yr2, 0);
                         fast->gemm(&m, cut, m.row_pairs, nt, xr, yr2, 0);
-                        CHECK(memcmp(y1, y2, sizeof(float) * nt * rows) == 0, "%s %ux%u ntok %u: split at pair %u changed bits",
-                              fast->name, rows, cols, nt, cut);
+                        CHECK(memcmp(y1, y2, sizeof(float) * nt * rows) == 0,
+                              "%s %ux%u ntok %u: split at pair %u changed bits", fast->name, rows, cols, nt, cut);
                     }
                 }
                 free(x), free(y0), free(y1), free(y2), free(buf);
