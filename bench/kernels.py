@@ -2,12 +2,22 @@
 streaming read bandwidth and an int8 GEMV peer, all measured in ONE run,
 interleaved round by round, reported as medians.
 
-    duck-bench-kernels [--threads 1,2] [--rounds 5] [--json]
+    duck-bench-kernels [--threads 1,2] [--rounds 5] [--kernels avx2-blend,avx512] [--json]
     duck-bench-kernels --synth [--threads 1,2]   # synthetic fp9 generation only
 
 (`duckctl bench kernels` runs the same code.) Weights are random fp9 made
 directly in packed form: the kernels' speed does not depend on the values,
 only on the bytes streamed.
+
+The fp9 GEMV runs with every fast kernel set of this CPU (the AVX2 variant
+for its vendor, AVX-512), each against an int8 GEMV peer of the same vector
+width (int8 weights widened to fp32 against the same fp32 activations; the
+case names the peer's instruction set). The MoE slice forward runs with the
+best set at what one duck holds of a DeepSeek-V3 layer (256 experts, H 7168,
+S 64) and of a Qwen3-30B-A3B layer on four ducks (128 experts, H 2048, S 192;
+1 token and an MTP pair). pool_wake is the worker pool's wake-up. All
+weights, the int8 ones too, sit in huge pages where the kernel allows
+(native.fp9.memory; machine.huge_pages says; DUCK_HUGE_PAGES=0 turns them off).
 """
 from __future__ import annotations
 
@@ -24,15 +34,16 @@ import numpy as np
 
 from native._native import ffi, lib
 from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
+from native.fp9.memory import huge_pages_mode
 from native.kernels import (
+    KERNEL_SETS,
     ExpertSlice,
     MoeSlice,
     Pool,
     Workspace,
     kernels,
+    kernels_available,
     kernels_name,
-    matmul,
-    measure_read_gbps,
     timed_call,
 )
 
@@ -57,12 +68,24 @@ def random_fp9(rows: int, cols: int, rng: np.random.Generator, name: str) -> Fp9
     return Fp9Tensor(buf, name)
 
 
+def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random int8 weights in the same kind of memory as the fp9 ones (huge pages)."""
+    w = _aligned_bytes(rows * cols).view(np.int8)
+    w[:] = rng.integers(-127, 128, size=rows * cols, dtype=np.int8)
+    return w
+
+
 class Case:
     """One measured thing: a callable doing `work_bytes` of streaming per call."""
 
     def __init__(self, name: str, fn, work_bytes: int, params: int, **info):
         self.name, self.fn, self.work_bytes, self.params, self.info = name, fn, work_bytes, params, info
         self.gbps: list[float] = []
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, str(self.info.get("shape")), self.info.get("kernels") or self.info.get("isa"),
+                self.info.get("tokens"))
 
     def run(self, min_seconds: float) -> None:
         self.gbps.append(self.work_bytes / timed_call(self.fn, min_seconds) / 1e9)
@@ -78,78 +101,167 @@ def _rotating(items):
     return call
 
 
+# The int8 peer runs on the vector width of the fp9 kernel set it is compared with.
+ISA_OF_KERNELS = {"ref": lib.DUCK_BENCH_SCALAR, "avx2-xor": lib.DUCK_BENCH_AVX2, "avx2-blend": lib.DUCK_BENCH_AVX2,
+                  "avx512": lib.DUCK_BENCH_AVX512}
+ISA_NAMES = {lib.DUCK_BENCH_SCALAR: "scalar", lib.DUCK_BENCH_AVX2: "avx2", lib.DUCK_BENCH_AVX512: "avx512"}
+
+# What one duck holds of a layer: (name, experts, hidden, slice width S, tokens)
+MOE_SHAPES = (("deepseek-v3", None, 7168, 64, 1),       # 256 experts of 2048 over tp 32
+              ("qwen3-30b-a3b", 128, 2048, 192, 1),     # 128 experts of 768 over 4 ducks
+              ("qwen3-30b-a3b", 128, 2048, 192, 2))     # an MTP pair
+
+
+def kernel_sets_to_compare() -> list[str]:
+    """The best set and every other fast set this CPU runs: the AVX2 variant
+    for its vendor, AVX-512."""
+    best = kernels_name(kernels())
+    fast = [kernels_name(kernels("avx2"))] if "avx2" in kernels_available() else []
+    fast += ["avx512"] if "avx512" in kernels_available() else []
+    return [best] + [k for k in fast if k != best]
+
+
+def _gemv_cases(pool, ws, rows: int, cols: int, threads: int, sets: list[str], shared: dict, rng,
+                cold_bytes: int) -> list[Case]:
+    key = (rows, cols)
+    if key not in shared:
+        count = max(4, cold_bytes // (rows * cols))
+        log.info("making %d cold %dx%d fp9 and int8 matrices", count, rows, cols)
+        shared[key] = (
+            [random_fp9(rows, cols, rng, f"w{i}") for i in range(count)],
+            [_int8_matrix(rows, cols, rng) for _ in range(count)],
+            rng.standard_normal((1, cols)).astype(np.float32),
+            np.empty(rows, dtype=np.float32),
+        )
+    fp9s, int8s, x, y = shared[key]
+    xptr, yptr = ffi.cast("const float *", ffi.from_buffer(x)), ffi.cast("float *", ffi.from_buffer(y))
+    cases = []
+    for isa in sorted({lib.duck_bench_isa(ISA_OF_KERNELS[k]) for k in sets}, reverse=True):
+        ptrs = [ffi.cast("const int8_t *", ffi.from_buffer(w)) for w in int8s]
+        calls = [(lambda p=p, isa=isa: lib.duck_bench_int8_gemv(pool.ptr, isa, p, rows, cols, xptr, yptr))
+                 for p in ptrs]
+        cases.append(Case("int8_gemv", _rotating(calls), rows * cols, rows * cols, shape=[rows, cols],
+                          threads=threads, isa=ISA_NAMES[isa]))
+    for name in sets:
+        k = kernels(name)
+        calls = [(lambda m=w.matrix, k=k: lib.duck_fp9_matmul(pool.ptr, k, ws.ptr, m, 1, xptr, yptr)) for w in fp9s]
+        cases.append(Case("fp9_gemv", _rotating(calls), fp9s[0].weight_bytes, rows * cols, shape=[rows, cols],
+                          threads=threads, kernels=name))
+    return cases
+
+
+def _moe_layer(model: str, n_experts: int, hidden: int, width: int, rng, shared: dict) -> MoeSlice:
+    key = ("moe", model, n_experts, hidden, width)
+    if key not in shared:
+        log.info("making a %s layer slice: %d experts x (gate_up %dx%d + down %dx%d)", model, n_experts,
+                 2 * width, hidden, hidden, width)
+        experts = [ExpertSlice(random_fp9(2 * width, hidden, rng, f"e{i}.gate_up"),
+                               random_fp9(hidden, width, rng, f"e{i}.down")) for i in range(n_experts)]
+        shared[key] = MoeSlice(experts, hidden, f"{model} layer slice")
+        log.info("layer slice: %.0f MiB of fp9", sum(e.weight_bytes for e in experts) / MiB)
+    return shared[key]
+
+
+def _moe_case(layer: MoeSlice, model: str, ntok: int, pool, ws, threads: int, rng) -> Case:
+    """The C forward called directly (no Python per call), routes rotating over
+    1024 top-8 draws without repeats per token."""
+    n, hidden = len(layer.experts), layer.hidden
+    routes = np.stack([np.stack([rng.choice(n, size=8, replace=False) for _ in range(ntok)])
+                       for _ in range(1024)]).astype(np.int32)                      # [1024, T, 8]
+    weights = np.full((ntok, 8), 0.125, dtype=np.float32)
+    x = rng.standard_normal((ntok, hidden)).astype(np.float32)
+    y = np.empty((ntok, hidden), dtype=np.float32)
+    args = ffi.new("duck_moe_args *")
+    args.experts, args.n_experts, args.hidden = layer._table, n, hidden
+    args.ntok, args.topk = ntok, 8
+    args.expert_weights = ffi.from_buffer("float[]", weights)
+    args.x, args.x_dtype = ffi.from_buffer(x), lib.DUCK_DT_F32
+    args.y, args.y_dtype = ffi.from_buffer(y, require_writable=True), lib.DUCK_DT_F32
+    ids = ffi.cast("const int32_t *", ffi.from_buffer(routes))
+    k, nbytes, state = kernels(), ffi.new("uint64_t *"), {"i": 0, "keep": (routes, weights, x, y)}
+
+    def call():
+        args.expert_ids = ids + (state["i"] % 1024) * ntok * 8
+        state["i"] += 1
+        rc = lib.duck_moe_forward(pool.ptr, k, ws.ptr, args, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"moe forward failed: {rc}")
+
+    e0 = layer.experts[0]
+    # every expert routed is read once per call: 8, or for two tokens 8..16 (the mean over the
+    # routes, which the calls cycle through)
+    distinct = float(np.mean([len(np.unique(r)) for r in routes]))
+    per_call = round(e0.weight_bytes * distinct)
+    case = Case("moe_slice", call, per_call, per_call * 8 // 9, model=model,
+                shape=[n, 3, e0.down.shape[1], hidden], tokens=ntok, threads=threads,
+                experts_per_call=round(distinct, 2), kernels=kernels_name(k))
+    case.keep = (args, routes, weights, x, y)
+    return case
+
+
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
-                read_buf: np.ndarray, shared: dict) -> list[Case]:
+                read_buf: np.ndarray, shared: dict, sets: list[str]) -> list[Case]:
     pool = Pool(threads)
     ws = Workspace()
     cases = [Case("read", lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(read_buf), read_buf.size),
                   read_buf.size, 0, threads=threads)]
     for rows, cols in ((2048, 7168), (7168, 2048)):
-        key = (rows, cols)
-        if key not in shared:
-            count = max(4, cold_bytes // (rows * cols))
-            log.info("making %d cold %dx%d fp9 and int8 matrices", count, rows, cols)
-            shared[key] = (
-                [random_fp9(rows, cols, rng, f"w{i}") for i in range(count)],
-                [rng.integers(-127, 128, size=(rows, cols), dtype=np.int8) for _ in range(count)],
-                rng.standard_normal((1, cols)).astype(np.float32),
-            )
-        fp9s, int8s, x = shared[key]
-        y = np.empty(rows, dtype=np.float32)
-        xptr, yptr = ffi.cast("const float *", ffi.from_buffer(x)), ffi.cast("float *", ffi.from_buffer(y))
-        int8_calls = [
-            (lambda w=w, rows=rows, cols=cols, xptr=xptr, yptr=yptr, y=y: lib.duck_bench_int8_gemv(
-                pool.ptr, ffi.cast("const int8_t *", ffi.from_buffer(w)), rows, cols, xptr, yptr)) for w in int8s]
-        cases.append(Case("int8_gemv", _rotating(int8_calls), rows * cols, rows * cols,
-                          shape=[rows, cols], threads=threads))
-        fp9_calls = [(lambda w=w, x=x: matmul(w, x, pool, ws)) for w in fp9s]
-        cases.append(Case("fp9_gemv", _rotating(fp9_calls), fp9s[0].weight_bytes, rows * cols,
-                          shape=[rows, cols], threads=threads, kernels=kernels_name(kernels())))
-    if "moe" not in shared:
-        log.info("making a DeepSeek-V3 layer slice: %d experts x (gate_up 128x7168 + down 7168x64)", moe_experts)
-        experts = [ExpertSlice(random_fp9(128, 7168, rng, f"e{i}.gate_up"), random_fp9(7168, 64, rng, f"e{i}.down"))
-                   for i in range(moe_experts)]
-        layer = MoeSlice(experts, 7168, "deepseek-v3 layer slice")
-        shared["moe"] = (layer, rng.standard_normal((1, 7168)).astype(np.float32))
-        log.info("layer slice: %.0f MiB of fp9", sum(e.weight_bytes for e in experts) / MiB)
-    layer, xm = shared["moe"]
-    per_call = layer.experts[0].weight_bytes * 8
-
-    routes = [rng.choice(len(layer.experts), size=(1, 8), replace=False).astype(np.int32) for _ in range(1024)]
-    weights = np.full((1, 8), 0.125, dtype=np.float32)
-    moe_call = _rotating([(lambda ids=ids: layer.forward(xm, ids, weights, pool, ws)) for ids in routes])
-    cases.append(Case("moe_slice", moe_call, per_call, per_call * 8 // 9,
-                      shape=[len(layer.experts), 3, 64, 7168], threads=threads, experts_per_call=8))
+        cases += _gemv_cases(pool, ws, rows, cols, threads, sets, shared, rng, cold_bytes)
+    for model, n_experts, hidden, width, ntok in MOE_SHAPES:
+        layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
+        cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
     return cases
 
 
+def pool_wake(threads: int, runs: int = 200, gap_us: int = 300, spin_us: int = 1000) -> dict:
+    """Median microseconds until the last worker of an empty run starts, and of
+    the whole run: workers asleep (spin_us 0, the default for shared machines),
+    spinning (they spin spin_us after a run; the gap is shorter), and a shared
+    run (what the MoE forward uses: the caller never waits for a sleeper)."""
+    out = {}
+    wake, run_ = ffi.new("double *"), ffi.new("double *")
+    for label, spin, shared_run in (("blocked", 0, 0), ("spinning", spin_us, 0), ("shared_blocked", 0, 1)):
+        pool = Pool(threads, spin_us=spin)
+        lib.duck_bench_pool_wake(pool.ptr, runs, gap_us, shared_run, wake, run_)
+        # an empty shared run is over before a sleeping worker wakes: only its cost means something
+        out[label] = {"run_us": round(run_[0], 2)} if shared_run else {"wake_us": round(wake[0], 2),
+                                                                       "run_us": round(run_[0], 2)}
+        del pool
+    return {"threads": threads, "gap_us": gap_us, "spin_us": spin_us, **out}
+
+
 def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int, cold_mib: int,
-        moe_experts: int) -> dict:
+        moe_experts: int, sets: list[str] | None = None) -> dict:
     rng = np.random.default_rng(1234)
+    sets = sets or kernel_sets_to_compare()
     log.info("allocating a %d MiB read buffer", read_mib)
     read_buf = _aligned_bytes(read_mib * MiB)
     read_buf[:] = 1
     shared: dict = {}
-    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared) for t in threads_list}
+    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared, sets) for t in threads_list}
     for r in range(rounds):
         log.info("round %d/%d", r + 1, rounds)
         for t in threads_list:
             for case in by_threads[t]:
                 case.run(min_seconds)
-    result = {"machine": {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version()},
-              "kernels": kernels_name(kernels()), "rounds": rounds, "read_gbps": {}, "cases": []}
+    result = {"machine": {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                          "huge_pages": huge_pages_mode() if os.environ.get("DUCK_HUGE_PAGES") != "0" else "off"},
+              "kernels": kernels_name(kernels()), "kernel_sets": sets, "rounds": rounds, "read_gbps": {},
+              "cases": [], "pool_wake": [pool_wake(t) for t in threads_list if t > 1]}
     for t in threads_list:
-        med = {(c.name, str(c.info.get("shape"))): statistics.median(c.gbps) for c in by_threads[t]}
-        read = med[("read", "None")]
+        med = {c.key: statistics.median(c.gbps) for c in by_threads[t]}
+        read = med[("read", "None", None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            gbps = med[(c.name, str(c.info.get("shape")))]
+            gbps = med[c.key]
             entry = {"name": c.name, **c.info, "gbps": round(gbps, 3),
                      "gparams": round(gbps * c.params / c.work_bytes, 3), "ratio_to_read": round(gbps / read, 3)}
             if c.name == "fp9_gemv":
-                peer = med[("int8_gemv", str(c.info["shape"]))]
+                isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
+                peer = med[("int8_gemv", str(c.info["shape"]), isa, None)]
+                entry["int8_peer_isa"] = isa
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
             result["cases"].append(entry)
@@ -200,11 +312,19 @@ def _cpu_name() -> str:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"kernels={result['kernels']}  read GB/s by threads: {result['read_gbps']}"]
+    lines = [f"kernels={result['kernels']} (compared: {', '.join(result['kernel_sets'])})  "
+             f"read GB/s by threads: {result['read_gbps']}"]
     for c in result["cases"]:
-        extra = f"  ratio_to_int8 {c['ratio_to_int8']:.3f}" if "ratio_to_int8" in c else ""
-        lines.append(f"{c['name']:10s} {str(c['shape']):22s} threads {c['threads']:2d}  {c['gbps']:7.2f} GB/s  "
-                     f"{c['gparams']:6.2f} Gparam/s  ratio_to_read {c['ratio_to_read']:.3f}{extra}")
+        label = c.get("kernels") or c.get("isa")
+        if c["name"] == "moe_slice":
+            label = f"{c['model']} T{c['tokens']} {label}"
+        extra = f"  ratio_to_int8 {c['ratio_to_int8']:.3f} (int8 {c['int8_peer_isa']})" if "ratio_to_int8" in c else ""
+        lines.append(f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "
+                     f"{c['gbps']:7.2f} GB/s  {c['gparams']:6.2f} Gparam/s  ratio_to_read {c['ratio_to_read']:.3f}{extra}")
+    for w in result["pool_wake"]:
+        lines.append(f"pool wake-up, {w['threads']} threads, {w['gap_us']} us apart: " + ", ".join(
+            (f"{k} {v['wake_us']:.1f} us to the last worker ({v['run_us']:.1f} us a run)" if "wake_us" in v
+             else f"{k} {v['run_us']:.1f} us a run") for k, v in w.items() if isinstance(v, dict)))
     return "\n".join(lines)
 
 
@@ -217,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5, help="minimum time per measurement")
     ap.add_argument("--read-mib", type=int, default=1024)
     ap.add_argument("--cold-mib", type=int, default=512, help="working set per GEMV shape")
-    ap.add_argument("--moe-experts", type=int, default=256)
+    ap.add_argument("--moe-experts", type=int, default=256, help="experts of the DeepSeek-V3 slice")
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated fp9 kernel sets to compare (default: the best and every fast set "
+                         f"this CPU runs; known: {', '.join(KERNEL_SETS[1:])})")
     ap.add_argument("--json", action="store_true", help="print JSON only")
     ap.add_argument("--synth", action="store_true", help="measure synthetic fp9 generation only")
     args = ap.parse_args(argv)
@@ -227,7 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         result = synth_bench(threads, args.rounds, args.seconds)
         sys.stdout.write((json.dumps(result, indent=2) if args.json else format_synth(result)) + "\n")
         return 0
-    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts)
+    sets = None
+    if args.kernels:
+        sets = [k.strip() for k in args.kernels.split(",") if k.strip()]
+        unknown = [k for k in sets if k not in KERNEL_SETS[1:]]
+        if unknown:
+            ap.error(f"--kernels {args.kernels}: unknown {', '.join(unknown)} (known: {', '.join(KERNEL_SETS[1:])})")
+        missing = [k for k in sets if k not in kernels_available()]
+        if missing:
+            ap.error(f"--kernels {args.kernels}: this CPU or build lacks {', '.join(missing)} "
+                     f"(available: {', '.join(kernels_available())})")
+    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
 

@@ -171,8 +171,7 @@ class Fp9Ffn(HostFfn):
         self.slices[layer.index] = MoeSlice(experts, layer.hidden, name=f"layer {layer.index} FFN")
 
     def run(self, layer, x, ids, weights, out):
-        y = self.slices[layer].forward(x, ids, weights, self.pool, self.ws, self.kernel_set)
-        out.copy_(torch.from_numpy(y))
+        self.slices[layer].forward(x, ids, weights, self.pool, self.ws, self.kernel_set, out=out)
 
     @property
     def bytes_streamed(self) -> int:

@@ -68,8 +68,8 @@ int cache_synth(duck_cache *c, const wire_synth_entry *entries, uint32_t n, duck
             continue;
         }
         uint64_t len = fp9_synth_bytes(&se->desc);
-        void *buf = NULL;
-        if (posix_memalign(&buf, 64, (size_t)len) != 0) {
+        void *buf = cache_mem_alloc(c, len);
+        if (!buf) {
             snprintf(err, errlen, "synth entry %u of %u: cannot allocate %llu bytes", i, n, (unsigned long long)len);
             return WIRE_E_NOMEM;
         }
@@ -79,7 +79,7 @@ int cache_synth(duck_cache *c, const wire_synth_entry *entries, uint32_t n, duck
             snprintf(err, errlen, "synth entry %u of %u: %s", i, n,
                      e ? "out of memory indexing the cache" : "generated tensor does not check (a bug)");
             free(e);
-            free(buf);
+            cache_mem_free(c, buf);
             return e ? WIRE_E_NOMEM : WIRE_E_BAD_TENSOR;
         }
         e->synthetic = 1;

@@ -24,7 +24,7 @@ static staging *staging_get(duck_cache *c, const uint8_t *digest, int create)
         dlog(DLOG_WARN, "cache: dropping an unfinished upload (%llu of %llu bytes) to make room",
              (unsigned long long)lru->have, (unsigned long long)lru->total);
         c->reserved -= lru->total;
-        free(lru->buf);
+        cache_mem_free(c, lru->buf);
     }
     memset(lru, 0, sizeof *lru);
     return lru;
@@ -33,7 +33,7 @@ static staging *staging_get(duck_cache *c, const uint8_t *digest, int create)
 void cache_staging_drop(duck_cache *c, staging *s)
 {
     c->reserved -= s->total;
-    free(s->buf);
+    cache_mem_free(c, s->buf);
     memset(s, 0, sizeof *s);
 }
 
@@ -68,8 +68,8 @@ int cache_upload(duck_cache *c, const wire_upload *u, const uint8_t *data,
             return WIRE_E_CACHE_FULL;
         }
         s = staging_get(c, u->digest, 1);
-        void *buf = NULL;
-        if (posix_memalign(&buf, 64, (size_t)u->total) != 0) {
+        void *buf = cache_mem_alloc(c, u->total);
+        if (!buf) {
             snprintf(err, errlen, "upload %s: cannot allocate %llu bytes", name, (unsigned long long)u->total);
             return WIRE_E_NOMEM;
         }

@@ -226,8 +226,9 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
         a.expert_ids = ids;
         a.expert_weights = (const float *)(p + sizeof f + 4 * slots);
         a.x = p + sizeof f + 8 * slots;
-        a.x_is_bf16 = f.x_dtype == WIRE_X_BF16;
-        a.y = (float *)(body(r) + sizeof fr);
+        a.x_dtype = f.x_dtype == WIRE_X_BF16 ? DUCK_DT_BF16 : DUCK_DT_F32;
+        a.y_dtype = DUCK_DT_F32;   /* the reply carries fp32 partials */
+        a.y = body(r) + sizeof fr;
         uint64_t t0 = now_ns(), bytes = 0;
         int rc = duck_moe_forward(c->pool, c->kernels, c->ws, &a, &bytes);
         uint64_t dt = now_ns() - t0;

@@ -42,13 +42,16 @@ typedef struct duck_kernels { const char *name; fp9_gemm_fn gemm; } duck_kernels
 const duck_kernels *duck_kernels_ref(void);
 const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
+const duck_kernels *duck_kernels_avx512(void);
 const duck_kernels *duck_kernels_best(void);
+const duck_kernels *duck_kernels_named(const char *name);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
 
 typedef struct duck_pool duck_pool;
 duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us);
 unsigned duck_pool_size(const duck_pool *pool);
+void duck_f32_to_bf16(const float *x, size_t n, uint16_t *out);
 unsigned duck_pool_pinned(const duck_pool *pool);
 void duck_pool_destroy(duck_pool *pool);
 
@@ -69,8 +72,11 @@ int fp9_synth_generate(const fp9_synth_desc *d, void *dst, size_t len, duck_pool
 typedef struct duck_expert_slice { fp9_matrix gate_up; fp9_matrix down; } duck_expert_slice;
 typedef struct duck_moe_args {
     const duck_expert_slice *experts; uint32_t n_experts; uint32_t ntok; uint32_t topk; uint32_t hidden;
-    const int32_t *expert_ids; const float *expert_weights; const void *x; int x_is_bf16; float *y;
+    const int32_t *expert_ids; const float *expert_weights; const void *x;
+    uint32_t x_dtype; uint32_t y_dtype; void *y;
 } duck_moe_args;
+#define DUCK_DT_F32 ...
+#define DUCK_DT_BF16 ...
 typedef struct duck_ffn_workspace duck_ffn_workspace;
 duck_ffn_workspace *duck_ffn_workspace_create(void);
 void duck_ffn_workspace_destroy(duck_ffn_workspace *ws);
@@ -81,8 +87,14 @@ int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *
 int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden);
 
 uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes);
-void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t k,
-                          const float *x, float *y);
+#define DUCK_BENCH_SCALAR ...
+#define DUCK_BENCH_AVX2 ...
+#define DUCK_BENCH_AVX512 ...
+int duck_bench_isa(int want);
+int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,
+                         const float *x, float *y);
+void duck_bench_pool_wake(duck_pool *pool, uint32_t runs, uint32_t gap_us, int shared,
+                          double *wake_us, double *run_us);
 """
 
 # The wire protocol and host transport declare themselves in their own file.

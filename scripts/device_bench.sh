@@ -7,6 +7,8 @@
 #   deepseek   bench e2e --synthetic deepseek-v32 (full widths, 4 layers: 1 dense + 3 MoE)
 #   qwen3      bench e2e --synthetic qwen3-30b-a3b (all 48 layers)
 #   qwen35     bench e2e --synthetic qwen3.5-35b-a3b (all 40 layers)
+#   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
+#              both MoE shapes, pool wake-up) and the standalone C test of the kernels
 # The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,13 @@ for step in "$@"; do
         python3 -m bench.e2e_synthetic --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
             --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen35.json" 2>"$OUT/e2e-qwen35.log"
         tail -4 "$OUT/e2e-qwen35.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35.json" ;;
+    kernels)
+        gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join(
+            [f"-I{d}" for d in s.INCLUDE_DIRS] + s.FP9 + s.KERNELS + s.C_TESTS))') -lpthread -lm -o /tmp/test_native \
+            && /tmp/test_native 2>&1 | tail -3
+        python3 -m bench.kernels --threads 1,4,16 --json >"$OUT/kernels.json" 2>"$OUT/kernels.log"
+        python3 -c "import json, sys; from bench.kernels import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+            "$OUT/kernels.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -10,6 +10,7 @@ import hashlib
 import numpy as np
 
 from native._native import ffi, lib
+from native.fp9.memory import aligned_bytes
 
 GROUP = 64
 SCALE_BLOCK = 128
@@ -26,10 +27,9 @@ class Fp9Error(ValueError):
 
 
 def _aligned_bytes(n: int) -> np.ndarray:
-    """A zeroed uint8 buffer of n bytes whose data pointer is 64-byte aligned."""
-    raw = np.zeros(n + 64, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 64
-    return raw[off:off + n]
+    """A zeroed uint8 buffer of n bytes whose data pointer is 64-byte aligned
+    (in huge pages where large: native.fp9.memory)."""
+    return aligned_bytes(n)
 
 
 def _as_2d(a: np.ndarray, name: str) -> np.ndarray:

@@ -17,22 +17,24 @@ _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out 
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
 
 
-KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend")
+KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512")
+_NEEDS = {"avx2": "AVX2+FMA", "avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL"}
 
 
 def kernels(name: str = "best"):
     """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref',
-    'avx2' (the variant for this CPU's vendor), 'avx2-xor' or 'avx2-blend'."""
-    if name == "best":
-        return lib.duck_kernels_best()
-    if name == "ref":
-        return lib.duck_kernels_ref()
-    if name in ("avx2", "avx2-xor", "avx2-blend"):
-        k = lib.duck_kernels_avx2() if name == "avx2" else lib.duck_kernels_avx2_variant(int(name == "avx2-blend"))
-        if k == ffi.NULL:
-            raise RuntimeError("AVX2+FMA kernels are not available on this CPU or build")
-        return k
-    raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
+    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend' or 'avx512'."""
+    if name not in KERNEL_SETS:
+        raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
+    k = lib.duck_kernels_named(name.encode())
+    if k == ffi.NULL:
+        raise RuntimeError(f"the {name} kernels need {_NEEDS[name]}, which this CPU or build lacks")
+    return k
+
+
+def kernels_available() -> list[str]:
+    """The named kernel sets this CPU runs (not 'best')."""
+    return [n for n in KERNEL_SETS[1:] if lib.duck_kernels_named(n.encode()) != ffi.NULL]
 
 
 def kernels_name(k) -> str:
@@ -167,8 +169,11 @@ class MoeSlice:
         self._ws = Workspace()
 
     def forward(self, x, expert_ids, expert_weights, pool: Pool | None = None,
-                ws: Workspace | None = None, kernel_set: str = "best") -> np.ndarray:
-        """x [T, H] fp32 (or torch bf16), ids/weights [T, k] -> partial y [T, H] fp32.
+                ws: Workspace | None = None, kernel_set: str = "best", out=None):
+        """x [T, H] fp32 or bf16 (numpy uint16 bits, or torch bf16), ids/weights [T, k]
+        -> the partial y [T, H]: written into out and returned, if given (fp32, or bf16:
+        numpy uint16 bits or a torch bf16 tensor; contiguous, on the CPU), else a new
+        fp32 array. Sums are fp32; bf16 is rounded (to nearest even) once at the end.
         Without ws the slice's own workspace is used: pass one per thread for concurrent calls."""
         xn, bf16, ids, wts = ffn_inputs(x, expert_ids, expert_weights)
         if xn.shape[1] != self.hidden:
@@ -176,10 +181,15 @@ class MoeSlice:
         if ids.shape[1] > MAX_TOPK:
             raise Fp9Error(f"{self.name}: {ids.shape[1]} experts per token, at most {MAX_TOPK}")
         ws = ws or self._ws
-        y = np.empty((xn.shape[0], self.hidden), dtype=np.float32)
+        if out is None:
+            y = np.empty((xn.shape[0], self.hidden), dtype=np.float32)
+            y_dtype = lib.DUCK_DT_F32
+        else:
+            y, y_dtype = _output_view(out, (xn.shape[0], self.hidden), self.name)
         args = self._args
         args.topk = ids.shape[1]
-        args.x_is_bf16 = int(bf16)
+        args.x_dtype = lib.DUCK_DT_BF16 if bf16 else lib.DUCK_DT_F32
+        args.y_dtype = y_dtype
         k = kernels(kernel_set)
         for t0 in range(0, xn.shape[0], MAX_TOKENS):
             if xn.shape[0] <= MAX_TOKENS:
@@ -191,12 +201,37 @@ class MoeSlice:
             args.expert_ids = ffi.from_buffer("int32_t[]", si)
             args.expert_weights = ffi.from_buffer("float[]", sw)
             args.x = ffi.from_buffer(xs)
-            args.y = ffi.from_buffer("float[]", ys, require_writable=True)
+            args.y = ffi.from_buffer(ys, require_writable=True)
             rc = lib.duck_moe_forward(pool.ptr if pool else ffi.NULL, k, ws.ptr, args, self._nbytes)
             if rc != 0:
                 raise Fp9Error(f"{self.name}: {_FFN_ERRORS.get(rc, rc)}")
             self.bytes_streamed += self._nbytes[0]
-        return y
+        return y if out is None else out
+
+
+def _output_view(out, shape: tuple, name: str) -> tuple[np.ndarray, int]:
+    """A writable numpy view of out (fp32, or bf16 as uint16 bits) and its DUCK_DT_* type."""
+    arr = out
+    if not isinstance(out, np.ndarray):
+        import torch
+
+        if not isinstance(out, torch.Tensor):
+            raise Fp9Error(f"{name}: out= must be a numpy array or a torch tensor, not {type(out).__name__}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise Fp9Error(f"{name}: out= must be a contiguous CPU tensor (got {out.device}, "
+                           f"contiguous={out.is_contiguous()})")
+        arr = out.view(torch.int16).numpy().view(np.uint16) if out.dtype == torch.bfloat16 else out.numpy()
+    if arr.dtype == np.float32:
+        dtype = lib.DUCK_DT_F32
+    elif arr.dtype == np.uint16:
+        dtype = lib.DUCK_DT_BF16
+    else:
+        raise Fp9Error(f"{name}: out= has dtype {getattr(out, 'dtype', arr.dtype)}; expected float32, "
+                       "or bf16 (a torch bfloat16 tensor, or numpy uint16 holding bf16 bits)")
+    if arr.shape != shape or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise Fp9Error(f"{name}: out= must be a writable C-contiguous array of shape {shape}, "
+                       f"got {arr.shape}")
+    return arr, dtype
 
 
 # --- probes: what the benchmarks and the daemon measure this host with ---------

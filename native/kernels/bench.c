@@ -1,5 +1,10 @@
 /* Benchmark peers; see bench.h. */
+#define _POSIX_C_SOURCE 200809L
 #include "bench.h"
+#include "kernels.h"
+
+#include <stdlib.h>
+#include <time.h>
 
 typedef struct read_task {
     const uint8_t *buf;
@@ -13,7 +18,7 @@ typedef struct int8_task {
     uint32_t n, k;
     const float *x;
     float *y;
-    int avx2;
+    int isa;
 } int8_task;
 
 #define INT8_PANEL 2048   /* the fp9 layout's panel width, for a like-for-like peer */
@@ -62,6 +67,7 @@ static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k)
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (uint32_t c = 0; c < k; c += 32) {
+        _mm_prefetch((const char *)row + c + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         WIDEN_FMA(a0, 0);
         WIDEN_FMA(a1, 8);
         WIDEN_FMA(a2, 16);
@@ -75,16 +81,52 @@ static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k)
 }
 #pragma GCC pop_options
 
-static int have_avx2(void)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#define WIDEN_FMA16(acc, off) \
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c + off)))), \
+                          _mm512_loadu_ps(x + c + off), acc)
+
+/* The same on sixteen weights at a time: k a multiple of 64. */
+static float dot_int8_avx512(const int8_t *row, const float *x, uint32_t k)
+{
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (uint32_t c = 0; c < k; c += 64) {
+        _mm_prefetch((const char *)row + c + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
+        WIDEN_FMA16(a0, 0);
+        WIDEN_FMA16(a1, 16);
+        WIDEN_FMA16(a2, 32);
+        WIDEN_FMA16(a3, 48);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#pragma GCC pop_options
+
+static int isa_supported(int isa)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == DUCK_BENCH_AVX512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+    if (isa == DUCK_BENCH_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return isa == DUCK_BENCH_SCALAR;
 }
 #else
 static uint64_t read_avx2(const uint8_t *p, const uint8_t *e) { return read_scalar(p, e); }
 static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k) { return dot_int8_scalar(row, x, k); }
-static int have_avx2(void) { return 0; }
+static float dot_int8_avx512(const int8_t *row, const float *x, uint32_t k) { return dot_int8_scalar(row, x, k); }
+static int isa_supported(int isa) { return isa == DUCK_BENCH_SCALAR; }
 #endif
+
+int duck_bench_isa(int want)
+{
+    int isa = want < DUCK_BENCH_SCALAR || want > DUCK_BENCH_AVX512 ? DUCK_BENCH_AVX512 : want;
+    while (isa > DUCK_BENCH_SCALAR && !isa_supported(isa))
+        isa--;
+    return isa;
+}
 
 static void read_part(void *arg, unsigned w, unsigned nw)
 {
@@ -97,7 +139,7 @@ static void read_part(void *arg, unsigned w, unsigned nw)
 
 uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes)
 {
-    read_task t = {buf, bytes, have_avx2(), {0}};
+    read_task t = {buf, bytes, duck_bench_isa(DUCK_BENCH_AVX2) == DUCK_BENCH_AVX2, {0}};
     duck_pool_run(pool, read_part, &t);
     uint64_t r = 0;
     for (int i = 0; i < 256; i++)
@@ -117,15 +159,73 @@ static void int8_part(void *arg, unsigned w, unsigned nw)
         const int8_t *panel = t->w + (size_t)t->n * p0;
         for (unsigned long r = begin; r < end; r++) {
             const int8_t *row = panel + r * (size_t)pw;
-            float v = t->avx2 ? dot_int8_avx2(row, t->x + p0, pw) : dot_int8_scalar(row, t->x + p0, pw);
+            float v = t->isa == DUCK_BENCH_AVX512 ? dot_int8_avx512(row, t->x + p0, pw)
+                      : t->isa == DUCK_BENCH_AVX2 ? dot_int8_avx2(row, t->x + p0, pw)
+                                                  : dot_int8_scalar(row, t->x + p0, pw);
             t->y[r] = p0 ? t->y[r] + v : v;
         }
     }
 }
 
-void duck_bench_int8_gemv(duck_pool *pool, const int8_t *w, uint32_t n, uint32_t k,
-                          const float *x, float *y)
+int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,
+                         const float *x, float *y)
 {
-    int8_task t = {w, n, k, x, y, have_avx2()};
+    int8_task t = {w, n, k, x, y, duck_bench_isa(isa)};
     duck_pool_run(pool, int8_part, &t);
+    return t.isa;
+}
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+typedef struct wake_task {
+    double start_us[256];
+} wake_task;
+
+static void note_start(void *arg, unsigned w, unsigned nw)
+{
+    (void)nw;
+    ((wake_task *)arg)->start_us[w % 256] = now_us();
+}
+
+static int by_value(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+void duck_bench_pool_wake(duck_pool *pool, uint32_t runs, uint32_t gap_us, int shared,
+                          double *wake_us, double *run_us)
+{
+    double *wake = calloc(runs ? runs : 1, sizeof(double)), *run = calloc(runs ? runs : 1, sizeof(double));
+    unsigned n = duck_pool_size(pool) < 256 ? duck_pool_size(pool) : 256;
+    for (uint32_t r = 0; r < runs; r++) {
+        if (gap_us) {
+            struct timespec gap = {0, (long)gap_us * 1000};
+            nanosleep(&gap, NULL);
+        }
+        wake_task t;
+        for (unsigned w = 0; w < n; w++)
+            t.start_us[w] = 0;
+        double t0 = now_us();
+        if (shared)
+            duck_pool_run_shared(pool, note_start, &t);
+        else
+            duck_pool_run(pool, note_start, &t);
+        double t1 = now_us(), last = t0;
+        for (unsigned w = 1; w < n; w++)
+            last = t.start_us[w] > last ? t.start_us[w] : last;
+        wake[r] = last - t0;
+        run[r] = t1 - t0;
+    }
+    qsort(wake, runs, sizeof(double), by_value);
+    qsort(run, runs, sizeof(double), by_value);
+    *wake_us = runs ? wake[runs / 2] : 0;
+    *run_us = runs ? run[runs / 2] : 0;
+    free(wake);
+    free(run);
 }

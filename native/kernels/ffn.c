@@ -3,8 +3,13 @@
 #include "ffn.h"
 
 #include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Down pieces are whole groups of the narrow kernels' row pairs. */
+#define DUCK_FFN_DOWN_ALIGN 8
 
 /* All (token, slot) assignments that route to one expert. */
 typedef struct moe_job {
@@ -49,66 +54,100 @@ int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden)
     return DUCK_FFN_OK;
 }
 
+/* A piece of work: gate/up row pairs [pb, pe) of one job, or down row
+ * pairs [pb, pe) (block `block`) of one job into its partial outputs. */
+#define UP_PIECE UINT32_MAX
+
+typedef struct moe_piece {
+    uint32_t job, pb, pe, block;
+} moe_piece;
+
 typedef struct moe_task {
     const duck_moe_args *a;
     const duck_kernels *k;
+    duck_pool *pool;
     const moe_job *jobs;
     uint32_t njobs;
-    uint32_t total_pairs;           /* sum over jobs of gate_up row pairs */
+    const moe_piece *pieces;        /* gate/up pieces in job order, then down pieces */
+    uint32_t npieces;
+    uint32_t block_pairs;           /* down row pairs per block */
+    const uint32_t *up_pieces;      /* per job: its gate/up pieces */
+    atomic_uint *up_done;           /* per job: those finished */
+    atomic_uint *block_done;        /* per block: jobs whose down rows of it are finished */
+    const uint32_t *tok_start;      /* [ntok + 1]: token t's assignments are */
+    const uint32_t *tok_list;       /*   tok_list[tok_start[t] .. tok_start[t + 1]), ascending */
     const float *const *xrows;      /* per assignment: its token's prepared x */
     float *const *gurows;           /* per assignment: gate/up output, 2S floats */
     float *const *actrows;          /* per assignment: prepared activation, padded */
-    float *const *yrows;            /* per assignment: its token's output row */
+    float *const *partrows;         /* per assignment: its expert's weighted output, hidden floats */
     const float *weights;           /* per assignment: routing weight */
+    float *y32;                     /* [ntok][hidden] fp32 sums (a->y itself when y is fp32) */
+    _Alignas(64) atomic_uint next;
 } moe_task;
-
-static inline unsigned long round_up(unsigned long v, unsigned long a) { return (v + a - 1) / a * a; }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Phase 1: gate/up rows of every job, split evenly by row pair. */
-static void phase_gate_up(void *arg, unsigned w, unsigned nw)
+static void gate_up_piece(const moe_task *t, const moe_piece *pc)
 {
-    const moe_task *t = arg;
-    unsigned long begin, end, base = 0;
-    duck_split(t->total_pairs, w, nw, &begin, &end);
-    for (uint32_t j = 0; j < t->njobs && base < end; j++) {
-        const duck_expert_slice *e = &t->a->experts[t->jobs[j].expert];
-        unsigned long pairs = e->gate_up.row_pairs;
-        if (base + pairs > begin) {
-            /* cut inside a job at multiples of DUCK_ROW_PAIR_ALIGN, like duck_split_aligned */
-            uint32_t pb = (uint32_t)(begin > base ? round_up(begin - base, DUCK_ROW_PAIR_ALIGN) : 0);
-            uint32_t pe = (uint32_t)(end < base + pairs ? round_up(end - base, DUCK_ROW_PAIR_ALIGN) : pairs);
-            pb = pb < pairs ? pb : (uint32_t)pairs;
-            pe = pe < pairs ? pe : (uint32_t)pairs;
-            uint32_t first = t->jobs[j].first, n = t->jobs[j].count;
-            t->k->gemm(&e->gate_up, pb, pe, n, t->xrows + first, t->gurows + first, 0);
-            for (uint32_t i = first; i < first + n; i++) {
-                const float *gu = t->gurows[i];
-                float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
-                for (uint32_t p = pb; p < pe; p++)
-                    t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
-            }
-        }
-        base += pairs;
+    const moe_job *job = &t->jobs[pc->job];
+    const duck_expert_slice *e = &t->a->experts[job->expert];
+    uint32_t first = job->first, n = job->count;
+    t->k->gemm(&e->gate_up, pc->pb, pc->pe, n, t->xrows + first, t->gurows + first, 0);
+    for (uint32_t i = first; i < first + n; i++) {
+        const float *gu = t->gurows[i];
+        float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
+        for (uint32_t p = pc->pb; p < pc->pe; p++)
+            t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
     }
 }
 
-/* Phase 2: down rows (the hidden dimension), all jobs accumulated. */
-static void phase_down(void *arg, unsigned w, unsigned nw)
+/* y rows of a block once every job's partials of it are in: summed per
+ * token in expert order, from 0 (the order and the bits of accumulating
+ * job by job), then rounded to bf16 if so asked. */
+static void reduce_block(const moe_task *t, uint32_t block)
 {
-    const moe_task *t = arg;
     const duck_moe_args *a = t->a;
-    unsigned long begin, end;
-    duck_split_aligned((a->hidden + 1) / 2, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
-    uint32_t r0 = 2 * (uint32_t)begin, r1 = 2 * (uint32_t)end < a->hidden ? 2 * (uint32_t)end : a->hidden;
-    for (uint32_t tok = 0; tok < a->ntok && r1 > r0; tok++)
-        memset(a->y + (size_t)tok * a->hidden + r0, 0, (r1 - r0) * sizeof(float));
-    for (uint32_t j = 0; j < t->njobs; j++) {
-        const duck_expert_slice *e = &a->experts[t->jobs[j].expert];
-        uint32_t first = t->jobs[j].first;
-        t->k->gemm(&e->down, (uint32_t)begin, (uint32_t)end, t->jobs[j].count,
-                   (const float *const *)(t->actrows + first), t->yrows + first, 1);
+    uint32_t r0 = 2 * block * t->block_pairs;
+    uint32_t r1 = r0 + 2 * t->block_pairs < a->hidden ? r0 + 2 * t->block_pairs : a->hidden;
+    for (uint32_t tok = 0; tok < a->ntok; tok++) {
+        float *y = t->y32 + (size_t)tok * a->hidden;
+        memset(y + r0, 0, (r1 - r0) * sizeof(float));
+        for (uint32_t k = t->tok_start[tok]; k < t->tok_start[tok + 1]; k++) {
+            const float *part = t->partrows[t->tok_list[k]];
+            for (uint32_t r = r0; r < r1; r++)
+                y[r] += part[r];
+        }
+        if (a->y_dtype == DUCK_DT_BF16)
+            duck_f32_to_bf16(y + r0, r1 - r0, (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
+    }
+}
+
+static void down_piece(const moe_task *t, const moe_piece *pc)
+{
+    duck_pool_latch_wait(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
+    const moe_job *job = &t->jobs[pc->job];
+    t->k->gemm(&t->a->experts[job->expert].down, pc->pb, pc->pe, job->count,
+               (const float *const *)(t->actrows + job->first), t->partrows + job->first, 0);
+    if (atomic_fetch_add(&t->block_done[pc->block], 1) + 1 == t->njobs)
+        reduce_block(t, pc->block);   /* the last job to finish this block sums it */
+}
+
+/* Run by every thread that joins: claim pieces in order until none is
+ * left. A down piece waits only for its own job's gate/up pieces (claimed
+ * long before, normally done), so there is no barrier between the phases
+ * and every down piece streams one expert's rows. */
+static void moe_run(void *arg, unsigned w, unsigned nw)
+{
+    moe_task *t = arg;
+    (void)w, (void)nw;
+    for (unsigned c; (c = atomic_fetch_add(&t->next, 1)) < t->npieces;) {
+        const moe_piece *pc = &t->pieces[c];
+        if (pc->block == UP_PIECE) {
+            gate_up_piece(t, pc);
+            duck_pool_latch_add(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
+        } else {
+            down_piece(t, pc);
+        }
     }
 }
 
@@ -127,10 +166,36 @@ static int by_expert(const void *pa, const void *pb)
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* Row pairs of about piece_bytes of weights at pair_bytes each, a multiple
+ * of align (at least align). */
+static uint32_t piece_pairs(size_t pair_bytes, uint32_t align, size_t piece_bytes)
+{
+    size_t n = piece_bytes / (pair_bytes ? pair_bytes : 1) / align * align;
+    return n < align ? align : (uint32_t)(n > 0x10000000u ? 0x10000000u : n);
+}
+
+/* Bytes per piece for a phase of total bytes on nthreads: whole jobs (the
+ * longest streams) on one thread, else a few pieces per thread so that the
+ * threads end the phase together. Piece boundaries only decide which
+ * thread computes a row, never how: the result is the same for any size. */
+static size_t piece_bytes(size_t total, unsigned nthreads)
+{
+    if (nthreads <= 1)
+        return SIZE_MAX;
+    size_t b = total / ((size_t)nthreads * DUCK_FFN_PIECES_PER_THREAD);
+    return b > DUCK_FFN_MIN_PIECE_BYTES ? b : DUCK_FFN_MIN_PIECE_BYTES;
+}
+
+static void zero_output(const duck_moe_args *a)
+{
+    memset(a->y, 0, (size_t)a->ntok * a->hidden * (a->y_dtype == DUCK_DT_BF16 ? 2 : 4));
+}
+
 int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
                      const duck_moe_args *a, uint64_t *bytes_streamed)
 {
     if (!k || !ws || !a || a->ntok > DUCK_MAX_TOKENS || a->topk > DUCK_MAX_TOPK || a->hidden == 0 ||
+        a->x_dtype > DUCK_DT_BF16 || a->y_dtype > DUCK_DT_BF16 ||
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights || !a->experts)))))
         return DUCK_FFN_EINVAL;
     uint32_t hp = (a->hidden + FP9_GROUP - 1) / FP9_GROUP * FP9_GROUP;
@@ -154,64 +219,118 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         }
     }
     if (nassign == 0) {
-        memset(a->y, 0, (size_t)a->ntok * a->hidden * sizeof(float));
+        zero_output(a);
         if (bytes_streamed)
             *bytes_streamed = 0;
         return DUCK_FFN_OK;
     }
     qsort(list, nassign, sizeof list[0], by_expert);
 
-    /* workspace: prepared x, per-assignment buffers and row pointers, jobs */
+    /* pieces: a few per thread and phase (whole jobs on one thread) */
+    uint32_t njobs = 0;
+    size_t gate_up_bytes = 0, down_bytes = 0, down_pair_bytes = 0;
+    for (uint32_t i = 0; i < nassign; i++)
+        if (i == 0 || list[i].expert != list[i - 1].expert) {
+            const duck_expert_slice *e = &a->experts[list[i].expert];
+            size_t pair = (size_t)e->down.groups * sizeof(fp9_block);
+            njobs++;
+            gate_up_bytes += (size_t)e->gate_up.row_pairs * e->gate_up.groups * sizeof(fp9_block);
+            down_bytes += pair * e->down.row_pairs;
+            down_pair_bytes = pair > down_pair_bytes ? pair : down_pair_bytes;
+        }
+    unsigned nthreads = pool ? duck_pool_size(pool) : 1;
+    size_t up_piece = piece_bytes(gate_up_bytes, nthreads);
+    uint32_t block_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN, piece_bytes(down_bytes, nthreads));
+    uint32_t nblocks = ((a->hidden + 1) / 2 + block_pairs - 1) / block_pairs;
+    uint32_t npieces = njobs * nblocks;
+    for (uint32_t i = 0; i < nassign; i++)
+        if (i == 0 || list[i].expert != list[i - 1].expert) {
+            const fp9_matrix *gu = &a->experts[list[i].expert].gate_up;
+            uint32_t per = piece_pairs((size_t)gu->groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
+            npieces += (gu->row_pairs + per - 1) / per;
+        }
+
+    /* workspace: prepared x, fp32 y (for a bf16 y), per-assignment buffers and row pointers,
+     * jobs, pieces, counters, the tokens' assignment lists */
     size_t x_bytes = align64((size_t)a->ntok * hp * sizeof(float));
+    size_t y32_bytes = a->y_dtype == DUCK_DT_BF16 ? align64((size_t)a->ntok * a->hidden * sizeof(float)) : 0;
     size_t gu_stride = align64((size_t)(max_gu + 1) * sizeof(float)) / sizeof(float);
     size_t act_stride = align64((size_t)max_act * sizeof(float)) / sizeof(float);
-    size_t need = x_bytes + nassign * (gu_stride + act_stride) * sizeof(float) +
-                  align64(4 * nassign * sizeof(void *)) + align64(nassign * sizeof(float)) +
-                  nassign * sizeof(moe_job);
+    size_t part_stride = align64((size_t)a->hidden * sizeof(float)) / sizeof(float);
+    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride + part_stride) * sizeof(float) +
+                  align64(5 * nassign * sizeof(void *)) + align64(njobs * sizeof(moe_job)) +
+                  align64(npieces * sizeof(moe_piece)) + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)) +
+                  align64((njobs + a->ntok + 1 + (size_t)nassign) * sizeof(uint32_t));
     uint8_t *mem = ws_reserve(ws, need);
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;
-    float *gu = (float *)(mem + x_bytes);
-    float *act = gu + nassign * gu_stride;
-    void **ptrs = (void **)(act + nassign * act_stride);
+    float *y32 = y32_bytes ? (float *)(mem + x_bytes) : (float *)a->y;
+    float *gu = (float *)(mem + x_bytes + y32_bytes);
+    float *act = gu + nassign * gu_stride, *part = act + nassign * act_stride;
+    void **ptrs = (void **)(part + nassign * part_stride);
     const float **xrows = (const float **)ptrs;
-    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **yrows = actrows + nassign;
-    float *weights = (float *)((uint8_t *)ptrs + align64(4 * nassign * sizeof(void *)));
-    moe_job *jobs = (moe_job *)((uint8_t *)weights + align64(nassign * sizeof(float)));
+    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **partrows = actrows + nassign;
+    float *weights = (float *)(partrows + nassign);
+    moe_job *jobs = (moe_job *)((uint8_t *)ptrs + align64(5 * nassign * sizeof(void *)));
+    moe_piece *pieces = (moe_piece *)((uint8_t *)jobs + align64(njobs * sizeof(moe_job)));
+    atomic_uint *up_done = (atomic_uint *)((uint8_t *)pieces + align64(npieces * sizeof(moe_piece)));
+    atomic_uint *block_done = up_done + njobs;
+    uint32_t *up_pieces = (uint32_t *)((uint8_t *)up_done + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)));
+    uint32_t *tok_start = up_pieces + njobs, *tok_list = tok_start + a->ntok + 1;
 
     for (uint32_t t = 0; t < a->ntok; t++) {
-        if (a->x_is_bf16)
+        if (a->x_dtype == DUCK_DT_BF16)
             fp9_prepare_x_bf16((const uint16_t *)a->x + (size_t)t * a->hidden, a->hidden, hp, xp + (size_t)t * hp);
         else
             fp9_prepare_x_f32((const float *)a->x + (size_t)t * a->hidden, a->hidden, hp, xp + (size_t)t * hp);
     }
-    uint32_t njobs = 0, total_pairs = 0;
+    uint32_t nj = 0, np = 0;
     uint64_t bytes = 0;
+    memset(tok_start, 0, (a->ntok + 1) * sizeof(uint32_t));
     for (uint32_t i = 0; i < nassign; i++) {
         xrows[i] = xp + (size_t)list[i].token * hp;
         gurows[i] = gu + i * gu_stride;
         actrows[i] = act + i * act_stride;
         memset(actrows[i], 0, act_stride * sizeof(float));   /* zero padding columns */
-        yrows[i] = a->y + (size_t)list[i].token * a->hidden;
+        partrows[i] = part + i * part_stride;
         weights[i] = list[i].weight;
+        tok_start[list[i].token + 1]++;
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
-            jobs[njobs++] = (moe_job){list[i].expert, i, 0};
-            total_pairs += e->gate_up.row_pairs;
+            uint32_t per = piece_pairs((size_t)e->gate_up.groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
+            up_pieces[nj] = 0;
+            for (uint32_t pb = 0; pb < e->gate_up.row_pairs; pb += per, up_pieces[nj]++)
+                pieces[np++] = (moe_piece){nj, pb, pb + per < e->gate_up.row_pairs ? pb + per : e->gate_up.row_pairs,
+                                           UP_PIECE};
+            atomic_init(&up_done[nj], 0);
+            jobs[nj++] = (moe_job){list[i].expert, i, 0};
             bytes += fp9_blocks_bytes(e->gate_up.rows, e->gate_up.cols) +
                      fp9_blocks_bytes(e->down.rows, e->down.cols);
         }
-        jobs[njobs - 1].count++;
+        jobs[nj - 1].count++;
     }
-    moe_task task = {a, k, jobs, njobs, total_pairs, xrows, gurows, actrows, yrows, weights};
-    if (pool) {
-        duck_pool_run(pool, phase_gate_up, &task);
-        duck_pool_run(pool, phase_down, &task);
-    } else {
-        phase_gate_up(&task, 0, 1);
-        phase_down(&task, 0, 1);
-    }
+    for (uint32_t t = 0; t < a->ntok; t++)
+        tok_start[t + 1] += tok_start[t];
+    for (uint32_t i = 0, seen[DUCK_MAX_TOKENS] = {0}; i < nassign; i++)   /* ascending per token */
+        tok_list[tok_start[list[i].token] + seen[list[i].token]++] = i;
+    uint32_t pairs = (a->hidden + 1) / 2;
+    for (uint32_t j = 0; j < njobs; j++)
+        for (uint32_t b = 0; b < nblocks; b++)
+            pieces[np++] = (moe_piece){j, b * block_pairs, (b + 1) * block_pairs < pairs ? (b + 1) * block_pairs : pairs,
+                                       b};
+    for (uint32_t b = 0; b < nblocks; b++)
+        atomic_init(&block_done[b], 0);
+
+    moe_task task = {.a = a, .k = k, .pool = pool, .jobs = jobs, .njobs = njobs, .pieces = pieces,
+                     .npieces = npieces, .block_pairs = block_pairs, .up_pieces = up_pieces, .up_done = up_done,
+                     .block_done = block_done, .tok_start = tok_start, .tok_list = tok_list, .xrows = xrows,
+                     .gurows = gurows, .actrows = actrows, .partrows = partrows, .weights = weights, .y32 = y32};
+    atomic_init(&task.next, 0);
+    if (pool)
+        duck_pool_run_shared(pool, moe_run, &task);
+    else
+        moe_run(&task, 0, 1);
     if (bytes_streamed)
         *bytes_streamed = bytes;
     return DUCK_FFN_OK;

@@ -1,7 +1,14 @@
 /* One duck's share of an FFN: a tensor-parallel slice of S intermediate
  * units of every expert (a dense MLP is one expert of weight 1).
  *   y[t] = sum_e w[t,e] * down_e( silu(gate_e x[t]) * up_e x[t] )
- * Two parallel phases on the pool: gate/up rows, then down rows. */
+ * One shared pool run (duck_pool_run_shared): the work is cut into pieces,
+ * gate/up row pairs of one expert, then down row pairs of one expert (each
+ * a long run of one expert's weights), a few per thread, claimed in that
+ * order as threads come. A down piece waits only for its own expert's
+ * gate/up pieces (a latch per expert, normally long done); the thread that
+ * finishes the last expert of a block of rows sums the experts' partial
+ * outputs there in expert order. How the rows are cut never changes how a
+ * row is computed, so the result does not depend on the thread count. */
 #ifndef DUCK_FFN_H
 #define DUCK_FFN_H
 
@@ -13,6 +20,18 @@ extern "C" {
 #endif
 
 #define DUCK_MAX_TOPK 32
+
+/* Pieces of work a thread claims: a few per thread and phase, so that the
+ * threads end a phase together (one that wakes late, or shares its core,
+ * takes fewer); not smaller than this many bytes of weights, which stream
+ * well and make the claim's atomic add free. */
+#define DUCK_FFN_PIECES_PER_THREAD 3
+#define DUCK_FFN_MIN_PIECE_BYTES (32u << 10)
+
+/* Activation and output types (the wire's WIRE_X_F32 / WIRE_X_BF16 have
+ * the same values). */
+#define DUCK_DT_F32 0
+#define DUCK_DT_BF16 1
 
 typedef struct duck_expert_slice {
     fp9_matrix gate_up;   /* [2S, H]: rows gate_0, up_0, gate_1, up_1, ... */
@@ -27,13 +46,15 @@ typedef struct duck_moe_args {
     uint32_t hidden;
     const int32_t *expert_ids;      /* [ntok][topk]; a negative id skips the slot */
     const float *expert_weights;    /* [ntok][topk] */
-    const void *x;                  /* [ntok][hidden], fp32 or bf16 */
-    int x_is_bf16;
-    float *y;                       /* [ntok][hidden], overwritten */
+    const void *x;                  /* [ntok][hidden], in x_dtype */
+    uint32_t x_dtype;               /* DUCK_DT_F32 or DUCK_DT_BF16 */
+    uint32_t y_dtype;               /* DUCK_DT_F32 or DUCK_DT_BF16 */
+    void *y;                        /* [ntok][hidden] in y_dtype, overwritten; summed in fp32,
+                                       rounded to bf16 (nearest even) once at the end */
 } duck_moe_args;
 
 #define DUCK_FFN_OK 0
-#define DUCK_FFN_EINVAL -1    /* counts out of range, or NULL pointers */
+#define DUCK_FFN_EINVAL -1    /* counts out of range, NULL pointers, or an unknown dtype */
 #define DUCK_FFN_EEXPERT -2   /* expert id >= n_experts */
 #define DUCK_FFN_ESHAPE -3    /* an expert's shapes do not fit hidden/each other */
 #define DUCK_FFN_ENOMEM -4

@@ -1,5 +1,6 @@
-/* fp9 matrix kernels: each op has a portable scalar reference (_ref) and an
- * AVX2+FMA version, chosen at run time by CPU feature detection. */
+/* fp9 matrix kernels: each op has a portable scalar reference (_ref), an
+ * AVX2+FMA version and an AVX-512 version, chosen at run time by CPU
+ * feature detection. */
 #ifndef DUCK_KERNELS_H
 #define DUCK_KERNELS_H
 
@@ -13,6 +14,13 @@ extern "C" {
  * row pairs: kernels may group pairs (up to 4) and the grouping must not
  * depend on the split, so that results do not depend on the thread count. */
 #define DUCK_ROW_PAIR_ALIGN 4
+
+/* The GEMVs prefetch the weights this far ahead of those in use: with the
+ * hardware prefetchers alone one thread of the development machine (Zen 5)
+ * streamed fp9 at 0.6-0.7 of its read bandwidth; 8 KiB ahead brought it to
+ * about the read bandwidth, better than 4 or 16 KiB (medians of interleaved
+ * rounds). The int8 peer of the benchmark prefetches the same way. */
+#define DUCK_PREFETCH_BYTES 8192
 
 /* Most tokens one kernel call, one wire forward or one prefill batch holds. */
 #define DUCK_MAX_TOKENS 64
@@ -38,14 +46,23 @@ const duck_kernels *duck_kernels_ref(void);
  * picks the one faster on this CPU's vendor. */
 const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
-/* The fastest the CPU supports; DUCK_KERNELS=ref|avx2-xor|avx2-blend in the
- * environment forces one (an unsupported choice falls back to ref). */
+/* NULL where the build or the CPU lacks AVX-512 F/BW/VL (and FMA). */
+const duck_kernels *duck_kernels_avx512(void);
+/* The fastest the CPU supports (avx512, else avx2, else ref);
+ * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512 in the environment forces
+ * one (a choice the CPU cannot run falls back to the best it can). */
 const duck_kernels *duck_kernels_best(void);
+/* The set of that name ("best" too), or NULL where this CPU or build lacks it
+ * or the name is unknown. */
+const duck_kernels *duck_kernels_named(const char *name);
 
 /* Activation in kernel form: x * 2^FP9_ACT_SHIFT, zero-padded to n_padded
  * (a multiple of 64, >= n). */
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
+
+/* fp32 to bf16 bits, rounding to nearest even (NaN stays a quiet NaN). */
+void duck_f32_to_bf16(const float *x, size_t n, uint16_t *out);
 
 #ifdef __cplusplus
 }

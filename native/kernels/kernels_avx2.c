@@ -83,6 +83,8 @@ static inline __attribute__((always_inline)) void gemv_avx2(const fp9_matrix *m,
             for (uint32_t g = g0; g < g1; g++) {
                 const fp9_block *blk = &run[g - g0];
                 const float *xg = x + (size_t)g * FP9_GROUP;
+                for (int l = 0; l < 3; l++)   /* the 144-byte block DUCK_PREFETCH_BYTES ahead */
+                    _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
                 __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
                 __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
                 __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
@@ -146,6 +148,8 @@ static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *
         __m256 a[8];
         for (int r = 0; r < 8; r++)
             a[r] = _mm256_setzero_ps();
+        for (uint32_t off = 0; off < 4 * groups * sizeof(fp9_block); off += 64)
+            _mm_prefetch((const char *)fp9_pair_run(m, p, 0) + off + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
         for (uint32_t g = 0; g < groups; g++) {
             const fp9_block *blk = fp9_pair_run(m, p, 0) + g;   /* pair p + i at blk + i * groups */
             for (int j = 0; j < 8; j++) {
@@ -175,8 +179,7 @@ static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *
         gemv_avx2(m, p, pair_end, x, y, accumulate, blend);
 }
 
-#define CHUNK 1024   /* columns decoded per pass: 2 rows x 4 KiB stay in L1 */
-#define TILE 6       /* tokens per register tile: 2 x 6 accumulators */
+#define TOKENS_TILE 6   /* tokens per register tile: 2 x 6 accumulators */
 
 /* Decode groups [g0, g0 + ng) of a row pair into two fp32 rows, block
  * scales folded in. */
@@ -210,7 +213,7 @@ static inline __attribute__((always_inline)) void tile(const float *w0, const fl
                                                        const float *const *x, uint32_t k0, int T,
                                                        float *ys0, float *ys1)
 {
-    __m256 a0[TILE], a1[TILE];
+    __m256 a0[TOKENS_TILE], a1[TOKENS_TILE];
     for (int i = 0; i < T; i++)
         a0[i] = a1[i] = _mm256_setzero_ps();
     for (uint32_t k = 0; k < n; k += 8) {
@@ -227,43 +230,7 @@ static inline __attribute__((always_inline)) void tile(const float *w0, const fl
     }
 }
 
-/* Several tokens: decode a chunk of a row pair once, reuse it for every
- * token from L1. Panel by panel, like the GEMV, so the weights stream. */
-static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
-                        const float *const *x, float *const *y, int accumulate)
-{
-    float w0[CHUNK] __attribute__((aligned(32))), w1[CHUNK] __attribute__((aligned(32)));
-    float ys0[DUCK_MAX_TOKENS], ys1[DUCK_MAX_TOKENS];
-    const float out_scale = m->prescale * 0x1p48f;
-    for (uint32_t p0 = 0; p0 < m->groups; p0 += FP9_PANEL_GROUPS) {
-        const uint32_t p1 = p0 + fp9_panel_groups(m->groups, p0);
-        for (uint32_t p = pair_begin; p < pair_end; p++) {
-            for (uint32_t t = 0; t < ntok; t++)
-                ys0[t] = ys1[t] = 0.0f;
-            for (uint32_t g0 = p0; g0 < p1; g0 += CHUNK / FP9_GROUP) {
-                uint32_t ng = p1 - g0 < CHUNK / FP9_GROUP ? p1 - g0 : CHUNK / FP9_GROUP;
-                uint32_t n = ng * FP9_GROUP, k0 = g0 * FP9_GROUP;
-                decode_pair(m, p, g0, ng, w0, w1);
-                uint32_t t = 0;
-                for (; t + TILE <= ntok; t += TILE)
-                    tile(w0, w1, n, x + t, k0, TILE, ys0 + t, ys1 + t);
-                switch (ntok - t) {
-                case 5: tile(w0, w1, n, x + t, k0, 5, ys0 + t, ys1 + t); break;
-                case 4: tile(w0, w1, n, x + t, k0, 4, ys0 + t, ys1 + t); break;
-                case 3: tile(w0, w1, n, x + t, k0, 3, ys0 + t, ys1 + t); break;
-                case 2: tile(w0, w1, n, x + t, k0, 2, ys0 + t, ys1 + t); break;
-                case 1: tile(w0, w1, n, x + t, k0, 1, ys0 + t, ys1 + t); break;
-                default: break;
-                }
-            }
-            const int add = accumulate || p0 > 0;
-            for (uint32_t t = 0; t < ntok; t++) {
-                store_out(y[t], 2 * p, m->rows, ys0[t] * out_scale, add);
-                store_out(y[t], 2 * p + 1, m->rows, ys1[t] * out_scale, add);
-            }
-        }
-    }
-}
+#include "gemm_tokens.h"
 
 static inline __attribute__((always_inline)) void gemm_variant(
     const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,

@@ -64,3 +64,15 @@ void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float 
     for (uint32_t i = n; i < n_padded; i++)
         out[i] = 0.0f;
 }
+
+void duck_f32_to_bf16(const float *x, size_t n, uint16_t *out)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+            out[i] = (uint16_t)((u >> 16) | 0x40);
+        else
+            out[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+    }
+}

@@ -1,5 +1,8 @@
 /* Fork-join pool: a generation counter under a mutex wakes the workers, a
- * pending counter tells the caller when they are done. */
+ * pending counter tells the caller when they are done. A shared run counts
+ * instead the workers that joined it, in one 64-bit word with its
+ * generation and a closed bit, so that a worker waking late can neither
+ * join a closed run nor mistake a later run for it. */
 #define _GNU_SOURCE
 #include "pool.h"
 
@@ -7,6 +10,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -19,11 +23,18 @@ struct duck_pool {
     atomic_uint generation;
     atomic_uint pending;
     atomic_uint pinned;
+    _Atomic uint64_t shared_state;   /* generation << 32 | SHARED_CLOSED | workers running fn */
+    pthread_cond_t latch_cv;
+    atomic_uint latch_waiters;
     int stop;
     duck_task_fn fn;
     void *arg;
+    int shared;
     int pin;
 };
+
+#define SHARED_CLOSED 0x80000000ull
+#define SHARED_ACTIVE 0x7FFFFFFFull
 
 typedef struct worker_start {
     duck_pool *pool;
@@ -37,21 +48,64 @@ static double now_us(void)
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* A bounded spin: spin_step is 0 once us microseconds have passed. It
+ * yields the CPU every few microseconds, since a spinning thread may share
+ * its core with the very thread it waits for. */
+typedef struct spinner {
+    double deadline;
+    unsigned steps;
+} spinner;
+
+static spinner spin_for(unsigned us) { return (spinner){now_us() + us, 0}; }
+
+static int spin_step(spinner *s)
+{
+    if ((++s->steps & 255) == 0) {
+        if (now_us() > s->deadline)
+            return 0;
+        sched_yield();
+    }
+    cpu_relax();
+    return 1;
+}
+
 /* Spins until *v != value or spin_us elapse; returns whether it changed. */
 static int spin_while_equal(atomic_uint *v, unsigned value, unsigned spin_us)
 {
     if (!spin_us)
         return 0;
-    double deadline = now_us() + spin_us;
-    unsigned i = 0;
-    while (atomic_load_explicit(v, memory_order_acquire) == value) {
-        if ((++i & 255) == 0 && now_us() > deadline)
+    spinner sp = spin_for(spin_us);
+    while (atomic_load_explicit(v, memory_order_acquire) == value)
+        if (!spin_step(&sp))
             return 0;
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-    }
     return 1;
+}
+
+/* Joins the shared run of generation gen unless it is closed or over. */
+static int shared_join(duck_pool *pool, unsigned gen)
+{
+    uint64_t s = atomic_load(&pool->shared_state);
+    while ((uint32_t)(s >> 32) == gen && !(s & SHARED_CLOSED))
+        if (atomic_compare_exchange_weak(&pool->shared_state, &s, s + 1))
+            return 1;
+    return 0;
+}
+
+static void shared_leave(duck_pool *pool)
+{
+    uint64_t s = atomic_fetch_sub(&pool->shared_state, 1) - 1;
+    if ((s & SHARED_CLOSED) && (s & SHARED_ACTIVE) == 0) {
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_signal(&pool->done_cv);
+        pthread_mutex_unlock(&pool->lock);
+    }
 }
 
 static void pin_self(duck_pool *pool, unsigned index)
@@ -97,13 +151,20 @@ static void *worker_main(void *p)
             pthread_mutex_unlock(&pool->lock);
         }
         pthread_mutex_lock(&pool->lock);
-        int stop = pool->stop;
+        int stop = pool->stop, shared = pool->shared;
         duck_task_fn fn = pool->fn;
         void *arg = pool->arg;
         seen = atomic_load(&pool->generation);
         pthread_mutex_unlock(&pool->lock);
         if (stop)
             return NULL;
+        if (shared) {
+            if (shared_join(pool, seen)) {
+                fn(arg, start.index, pool->n);
+                shared_leave(pool);
+            }
+            continue;
+        }
         fn(arg, start.index, pool->n);
         if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&pool->lock);
@@ -128,6 +189,7 @@ duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us)
     pthread_mutex_init(&pool->lock, NULL);
     pthread_cond_init(&pool->work_cv, NULL);
     pthread_cond_init(&pool->done_cv, NULL);
+    pthread_cond_init(&pool->latch_cv, NULL);
     pool->threads = calloc(nthreads, sizeof(pthread_t));
     if (!pool->threads) {
         free(pool);
@@ -157,22 +219,75 @@ void duck_pool_run(duck_pool *pool, duck_task_fn fn, void *arg)
     pthread_mutex_lock(&pool->lock);
     pool->fn = fn;
     pool->arg = arg;
+    pool->shared = 0;
     atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
     pthread_cond_broadcast(&pool->work_cv);
     pthread_mutex_unlock(&pool->lock);
     fn(arg, 0, pool->n);
-    double deadline = now_us() + pool->spin_us;
-    while (pool->spin_us && atomic_load_explicit(&pool->pending, memory_order_acquire) && now_us() < deadline) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-    }
+    spinner sp = spin_for(pool->spin_us);
+    while (pool->spin_us && atomic_load_explicit(&pool->pending, memory_order_acquire) && spin_step(&sp))
+        ;
     if (atomic_load_explicit(&pool->pending, memory_order_acquire)) {
         pthread_mutex_lock(&pool->lock);
         while (atomic_load(&pool->pending))
             pthread_cond_wait(&pool->done_cv, &pool->lock);
         pthread_mutex_unlock(&pool->lock);
     }
+}
+
+void duck_pool_run_shared(duck_pool *pool, duck_task_fn fn, void *arg)
+{
+    if (pool->n == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    pool->fn = fn;
+    pool->arg = arg;
+    pool->shared = 1;
+    unsigned gen = atomic_load(&pool->generation) + 1;
+    atomic_store(&pool->shared_state, (uint64_t)gen << 32);
+    atomic_store_explicit(&pool->generation, gen, memory_order_release);
+    pthread_cond_broadcast(&pool->work_cv);
+    pthread_mutex_unlock(&pool->lock);
+    fn(arg, 0, pool->n);
+    uint64_t s = atomic_fetch_or(&pool->shared_state, SHARED_CLOSED) | SHARED_CLOSED;
+    spinner sp = spin_for(pool->spin_us);
+    while ((s & SHARED_ACTIVE) && pool->spin_us && spin_step(&sp))
+        s = atomic_load(&pool->shared_state);
+    if (s & SHARED_ACTIVE) {
+        pthread_mutex_lock(&pool->lock);
+        while (atomic_load(&pool->shared_state) & SHARED_ACTIVE)
+            pthread_cond_wait(&pool->done_cv, &pool->lock);
+        pthread_mutex_unlock(&pool->lock);
+    }
+}
+
+void duck_pool_latch_add(duck_pool *pool, atomic_uint *count, unsigned target)
+{
+    if (atomic_fetch_add(count, 1) + 1 == target && pool && atomic_load(&pool->latch_waiters)) {
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_broadcast(&pool->latch_cv);
+        pthread_mutex_unlock(&pool->lock);
+    }
+}
+
+void duck_pool_latch_wait(duck_pool *pool, atomic_uint *count, unsigned target)
+{
+    if (atomic_load_explicit(count, memory_order_acquire) >= target)
+        return;
+    spinner sp = spin_for(pool && pool->spin_us > DUCK_POOL_LATCH_SPIN_US ? pool->spin_us : DUCK_POOL_LATCH_SPIN_US);
+    while (atomic_load_explicit(count, memory_order_acquire) < target && spin_step(&sp))
+        ;
+    if (!pool || atomic_load_explicit(count, memory_order_acquire) >= target)
+        return;
+    /* seq_cst: either the adder sees this waiter, or this waiter sees the count */
+    atomic_fetch_add(&pool->latch_waiters, 1);
+    pthread_mutex_lock(&pool->lock);
+    while (atomic_load(count) < target)
+        pthread_cond_wait(&pool->latch_cv, &pool->lock);
+    pthread_mutex_unlock(&pool->lock);
+    atomic_fetch_sub(&pool->latch_waiters, 1);
 }
 
 unsigned duck_pool_size(const duck_pool *pool) { return pool->n; }
@@ -192,6 +307,7 @@ void duck_pool_destroy(duck_pool *pool)
         pthread_join(pool->threads[i], NULL);
     pthread_cond_destroy(&pool->work_cv);
     pthread_cond_destroy(&pool->done_cv);
+    pthread_cond_destroy(&pool->latch_cv);
     pthread_mutex_destroy(&pool->lock);
     free(pool->threads);
     free(pool);

@@ -4,6 +4,8 @@
 #ifndef DUCK_POOL_H
 #define DUCK_POOL_H
 
+#include <stdatomic.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -19,6 +21,23 @@ duck_pool *duck_pool_create(unsigned nthreads, int pin, unsigned spin_us);
 /* Runs fn on every worker and returns when all have finished. Not
  * reentrant: one caller at a time. */
 void duck_pool_run(duck_pool *pool, duck_task_fn fn, void *arg);
+/* For tasks that share their work out themselves (workers claim pieces
+ * from an atomic counter until none is left): fn runs on the calling thread
+ * and on every worker that wakes up before the calling thread's fn has
+ * returned; one that wakes later does not run it at all. So the caller
+ * never waits for a worker to wake up (tens of microseconds in a VM), only
+ * for those already running to finish. fn must do all the work whoever
+ * runs it, and may not rely on worker numbers being all present. */
+void duck_pool_run_shared(duck_pool *pool, duck_task_fn fn, void *arg);
+
+/* A latch for the phases of a shared task: a count of finished pieces that
+ * workers wait on. Waiting spins for a bounded time (the pool's spin_us, at
+ * least DUCK_POOL_LATCH_SPIN_US: the wait is normally one piece of work
+ * long), then sleeps until duck_pool_latch_add brings the count to target. */
+#define DUCK_POOL_LATCH_SPIN_US 50
+void duck_pool_latch_add(duck_pool *pool, atomic_uint *count, unsigned target);
+void duck_pool_latch_wait(duck_pool *pool, atomic_uint *count, unsigned target);
+
 unsigned duck_pool_size(const duck_pool *pool);
 /* How many workers got the CPU they were meant to be pinned to. */
 unsigned duck_pool_pinned(const duck_pool *pool);

@@ -22,6 +22,39 @@ static void *pack_random(uint32_t rows, uint32_t cols, fp9_matrix *m)
     return buf;
 }
 
+/* ntok random activations for m, prepared, with their row pointers. */
+static float *random_tokens(const fp9_matrix *m, uint32_t ntok, const float **xr)
+{
+    uint32_t kp = m->groups * 64;
+    float *x = malloc(sizeof(float) * ntok * kp), *raw = malloc(sizeof(float) * m->cols);
+    for (uint32_t t = 0; t < ntok; t++) {
+        for (uint32_t c = 0; c < m->cols; c++)
+            raw[c] = frand();
+        fp9_prepare_x_f32(raw, m->cols, kp, x + t * kp);
+        xr[t] = x + t * kp;
+    }
+    free(raw);
+    return x;
+}
+
+/* fast against ref on ntok tokens: the worst error relative to |y| plus
+ * the spread of a dot of cols terms; y0, y1 hold ntok rows of m->rows. */
+static double worst_vs_ref(const duck_kernels *fast, const fp9_matrix *m, uint32_t ntok, const float *const *xr,
+                           float *y0, float *y1)
+{
+    float *yr0[DUCK_MAX_TOKENS + 3], *yr1[DUCK_MAX_TOKENS + 3];
+    for (uint32_t t = 0; t < ntok; t++)
+        yr0[t] = y0 + t * m->rows, yr1[t] = y1 + t * m->rows;
+    duck_kernels_ref()->gemm(m, 0, m->row_pairs, ntok, xr, yr0, 0);
+    fast->gemm(m, 0, m->row_pairs, ntok, xr, yr1, 0);
+    double worst = 0;
+    for (uint32_t i = 0; i < ntok * m->rows; i++) {
+        double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)m->cols) * 0.1);
+        worst = d > worst ? d : worst;
+    }
+    return worst;
+}
+
 static void test_kernels_agree(const duck_kernels *fast)
 {
     static const uint32_t dims[] = {1, 3, 17, 33, 127, 129, 2049, 4100};
@@ -32,28 +65,12 @@ static void test_kernels_agree(const duck_kernels *fast)
                 continue;
             fp9_matrix m;
             void *buf = pack_random(rows, cols, &m);
-            uint32_t ntok = 1 + (rows + cols) % 9, kp = m.groups * 64;
-            float *x = malloc(sizeof(float) * ntok * kp), *y0 = malloc(sizeof(float) * ntok * rows),
-                  *y1 = malloc(sizeof(float) * ntok * rows);
+            uint32_t ntok = 1 + (rows + cols) % 9;
             const float *xr[16];
-            float *yr0[16], *yr1[16];
-            for (uint32_t t = 0; t < ntok; t++) {
-                float raw[4100];
-                for (uint32_t c = 0; c < cols; c++)
-                    raw[c] = frand();
-                fp9_prepare_x_f32(raw, cols, kp, x + t * kp);
-                xr[t] = x + t * kp;
-                yr0[t] = y0 + t * rows;
-                yr1[t] = y1 + t * rows;
-            }
+            float *x = random_tokens(&m, ntok, xr), *y0 = malloc(sizeof(float) * ntok * rows),
+                  *y1 = malloc(sizeof(float) * ntok * rows);
             for (uint32_t n = 1; n <= ntok; n += ntok - 1 ? ntok - 1 : 1) {
-                duck_kernels_ref()->gemm(&m, 0, m.row_pairs, n, xr, yr0, 0);
-                fast->gemm(&m, 0, m.row_pairs, n, xr, yr1, 0);
-                double worst = 0;
-                for (uint32_t i = 0; i < n * rows; i++) {
-                    double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)cols) * 0.1);
-                    worst = d > worst ? d : worst;
-                }
+                double worst = worst_vs_ref(fast, &m, n, xr, y0, y1);
                 CHECK(worst < 1e-5, "%s vs ref %ux%u ntok %u: %.3g", fast->name, rows, cols, n, worst);
                 if (n == ntok)
                     break;
@@ -61,6 +78,63 @@ static void test_kernels_agree(const duck_kernels *fast)
             free(x), free(y0), free(y1), free(buf);
         }
     }
+}
+
+/* fp8 codes with block scales that are not powers of two: kept per block */
+static void *pack_fp8_scaled(uint32_t rows, uint32_t cols, fp9_matrix *m)
+{
+    uint8_t *codes = malloc((size_t)rows * cols);
+    uint32_t sr = (rows + 127) / 128, sc = (cols + 127) / 128;
+    float *scales = malloc(sizeof(float) * sr * sc);
+    for (size_t i = 0; i < (size_t)rows * cols; i++)
+        codes[i] = (uint8_t)((uint32_t)((frand() + 1.0f) * 63.0f) | (frand() < 0 ? 0x80 : 0));
+    for (uint32_t i = 0; i < sr * sc; i++)
+        scales[i] = 1e-3f * (3.0f + frand());
+    size_t cap = fp9_pack_fp8_bound(rows, cols);
+    void *buf = aligned_alloc(64, (cap + 63) / 64 * 64);
+    int with = 0;
+    CHECK(fp9_pack_fp8(codes, rows, cols, cols, scales, sc, buf, cap, &with, NULL) == FP9_OK && with,
+          "pack fp8 %ux%u with block scales", rows, cols);
+    CHECK(fp9_tensor_view(buf, fp9_tensor_bytes(rows, cols, 1), m) == FP9_OK && m->block_scales,
+          "view %ux%u", rows, cols);
+    free(codes), free(scales);
+    return buf;
+}
+
+/* The brief's odd shapes: every token count path (registers, decode into
+ * L1, more than DUCK_MAX_TOKENS), with and without block scales, against
+ * ref; and the same bits whatever row-pair split a pool would make. */
+static void test_odd_shapes(const duck_kernels *fast)
+{
+    static const uint32_t rows_list[] = {1, 3, 17, 33}, cols_list[] = {64, 128, 192, 2048 + 64};
+    static const uint32_t tokens[] = {1, 2, 5, DUCK_MAX_TOKENS + 3};
+    enum { TMAX = DUCK_MAX_TOKENS + 3 };
+    for (int scaled = 0; scaled < 2; scaled++)
+        for (size_t a = 0; a < 4; a++)
+            for (size_t b = 0; b < 4; b++) {
+                uint32_t rows = rows_list[a], cols = cols_list[b];
+                fp9_matrix m;
+                void *buf = scaled ? pack_fp8_scaled(rows, cols, &m) : pack_random(rows, cols, &m);
+                const float *xr[TMAX];
+                float *x = random_tokens(&m, TMAX, xr), *y0 = malloc(sizeof(float) * TMAX * rows),
+                      *y1 = malloc(sizeof(float) * TMAX * rows), *y2 = malloc(sizeof(float) * TMAX * rows);
+                float *yr2[TMAX];
+                for (uint32_t t = 0; t < TMAX; t++)
+                    yr2[t] = y2 + t * rows;
+                for (size_t n = 0; n < 4; n++) {
+                    uint32_t nt = tokens[n];
+                    double worst = worst_vs_ref(fast, &m, nt, xr, y0, y1);
+                    CHECK(worst < 1e-5, "%s vs ref %ux%u%s ntok %u: %.3g", fast->name, rows, cols,
+                          scaled ? " block-scaled" : "", nt, worst);
+                    for (uint32_t cut = DUCK_ROW_PAIR_ALIGN; cut < m.row_pairs; cut += DUCK_ROW_PAIR_ALIGN) {
+                        fast->gemm(&m, 0, cut, nt, xr, yr2, 0);
+                        fast->gemm(&m, cut, m.row_pairs, nt, xr, yr2, 0);
+                        CHECK(memcmp(y1, y2, sizeof(float) * nt * rows) == 0,
+                              "%s %ux%u ntok %u: split at pair %u changed bits", fast->name, rows, cols, nt, cut);
+                    }
+                }
+                free(x), free(y0), free(y1), free(y2), free(buf);
+            }
 }
 
 static void test_codec(void)
@@ -78,36 +152,118 @@ static void test_codec(void)
     CHECK(fp9_tensor_view(out, 10, &(fp9_matrix){0}) == FP9_EFORMAT, "short buffer refused");
 }
 
-static void test_moe_pool(void)
+static uint16_t bf16_rne(float v)
 {
-    enum { H = 300, S = 64, E = 5, T = 7, K = 3 };
-    duck_expert_slice ex[E];
-    void *bufs[2 * E];
+    uint16_t b;
+    duck_f32_to_bf16(&v, 1, &b);
+    return b;
+}
+
+static void test_bf16_rounding(void)
+{
+    CHECK(bf16_rne(1.0f) == 0x3F80, "1.0");
+    CHECK(bf16_rne(1.0f + 0x1p-8f) == 0x3F80, "tie to even, down");
+    CHECK(bf16_rne(1.0f + 3 * 0x1p-8f) == 0x3F82, "tie to even, up");
+    CHECK(bf16_rne(1.0f + 0x1p-8f + 0x1p-20f) == 0x3F81, "above the tie");
+    CHECK(bf16_rne(-2.0f) == 0xC000, "sign");
+    CHECK(bf16_rne(3.4e38f) == 0x7F80, "rounds up to Inf past the largest bf16");
+    CHECK((bf16_rne(NAN) & 0x7FC0) == 0x7FC0, "NaN stays a quiet NaN");
+}
+
+/* MoE forward with every kernel set, fp32 and bf16 in and out, on one thread
+ * and on pools of 2..4 (a shared run: pieces claimed as they come), many
+ * times over: the bits must not change. */
+static void test_moe_pool(const duck_kernels *k)
+{
+    enum { H = 300, S = 64, E = 5, T = 7, K = 3, HB = 2048, SB = 192, EB = 9 };
+    duck_expert_slice ex[EB];
+    void *bufs[2 * EB];
     for (int e = 0; e < E; e++) {
         bufs[2 * e] = pack_random(2 * S, H, &ex[e].gate_up);
         bufs[2 * e + 1] = pack_random(H, S, &ex[e].down);
     }
-    float x[T * H], y1[T * H], y2[T * H], w[T * K];
-    int32_t ids[T * K];
-    for (int i = 0; i < T * H; i++)
+    static float x[T * HB], y1[T * HB], y2[T * HB];
+    static uint16_t xb[T * HB], yb[T * HB];
+    float w[T * 8];
+    int32_t ids[T * 8];
+    for (int i = 0; i < T * HB; i++) {
         x[i] = frand();
+        xb[i] = bf16_rne(x[i]);
+    }
     for (int i = 0; i < T * K; i++) {
         ids[i] = (i * 7 + 3) % (E + 1) - 1;   /* includes -1 slots */
         w[i] = 0.5f + frand() * 0.25f;
     }
-    duck_moe_args a = {ex, E, T, K, H, ids, w, x, 0, y1};
+    duck_moe_args a = {ex, E, T, K, H, ids, w, x, DUCK_DT_F32, DUCK_DT_F32, y1};
     duck_ffn_workspace *ws = duck_ffn_workspace_create();
-    duck_pool *pool = duck_pool_create(3, 1, 0);
     uint64_t bytes = 0;
-    CHECK(duck_moe_forward(NULL, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_OK && bytes > 0, "moe 1 thread");
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK && bytes > 0, "%s: moe 1 thread", k->name);
+    for (unsigned threads = 2; threads <= 4; threads++) {
+        duck_pool *pool = duck_pool_create(threads, 1, 0);
+        int same = 1;
+        for (int rep = 0; rep < 50; rep++) {
+            a.y = y2;
+            memset(y2, 0xFF, sizeof y2);
+            CHECK(duck_moe_forward(pool, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: moe pool", k->name);
+            same &= memcmp(y1, y2, sizeof(float) * T * H) == 0;
+        }
+        CHECK(same, "%s: %u threads changed the result", k->name, threads);
+        duck_pool_destroy(pool);
+    }
+    /* bf16 out is the fp32 result rounded once; bf16 in is x rounded */
+    a.y = yb;
+    a.y_dtype = DUCK_DT_BF16;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: bf16 out", k->name);
+    int rounded = 1;
+    for (int i = 0; i < T * H; i++)
+        rounded &= yb[i] == bf16_rne(y1[i]);
+    CHECK(rounded, "%s: bf16 output is not the fp32 sum rounded to nearest even", k->name);
+    a.x = xb;
+    a.x_dtype = DUCK_DT_BF16;
     a.y = y2;
-    CHECK(duck_moe_forward(pool, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_OK, "moe pool");
-    CHECK(memcmp(y1, y2, sizeof y1) == 0, "pool result differs from one thread");
+    a.y_dtype = DUCK_DT_F32;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: bf16 in", k->name);
+    double worst = 0, top = 0;
+    for (int i = 0; i < T * H; i++) {
+        worst = fmax(worst, fabs((double)y2[i] - y1[i]));
+        top = fmax(top, fabs((double)y1[i]));
+    }
+    CHECK(worst <= top * 0.02, "%s: bf16 input moved the result by %g of %g", k->name, worst, top);
+    a.x_dtype = 2;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EINVAL, "unknown x dtype accepted");
+    a.x_dtype = DUCK_DT_F32;
+    a.x = x;
     ids[4] = E;
-    CHECK(duck_moe_forward(pool, duck_kernels_best(), ws, &a, &bytes) == DUCK_FFN_EEXPERT, "bad id refused");
-    duck_pool_destroy(pool);
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EEXPERT, "bad id refused");
+
+    /* a decode shape cut into many pieces (Qwen3-30B-A3B, one of four ducks): top-8 of 9, 1 and 2 tokens */
+    for (int e = 0; e < EB; e++) {
+        if (e < E) {
+            free(bufs[2 * e]);
+            free(bufs[2 * e + 1]);
+        }
+        bufs[2 * e] = pack_random(2 * SB, HB, &ex[e].gate_up);
+        bufs[2 * e + 1] = pack_random(HB, SB, &ex[e].down);
+    }
+    for (uint32_t ntok = 1; ntok <= 2; ntok++) {
+        for (uint32_t i = 0; i < ntok * 8; i++) {
+            ids[i] = (int32_t)((i * 5 + ntok) % EB);
+            w[i] = 0.1f + 0.01f * (float)i;
+        }
+        duck_moe_args d = {ex, EB, ntok, 8, HB, ids, w, x, DUCK_DT_F32, DUCK_DT_F32, y1};
+        CHECK(duck_moe_forward(NULL, k, ws, &d, &bytes) == DUCK_FFN_OK, "%s: decode shape", k->name);
+        duck_pool *pool = duck_pool_create(3, 0, 0);
+        int same = 1;
+        for (int rep = 0; rep < 20; rep++) {
+            d.y = y2;
+            CHECK(duck_moe_forward(pool, k, ws, &d, &bytes) == DUCK_FFN_OK, "%s: decode shape, pool", k->name);
+            same &= memcmp(y1, y2, sizeof(float) * ntok * HB) == 0;
+        }
+        CHECK(same, "%s: decode shape, %u token(s): 3 threads changed the result", k->name, ntok);
+        duck_pool_destroy(pool);
+    }
     duck_ffn_workspace_destroy(ws);
-    for (int i = 0; i < 2 * E; i++)
+    for (int i = 0; i < 2 * EB; i++)
         free(bufs[i]);
 }
 
@@ -169,11 +325,22 @@ int main(void)
     test_kernels_agree(duck_kernels_ref());
     const duck_kernels *avx2 = duck_kernels_avx2_variant(0);
     if (avx2) {
-        test_kernels_agree(avx2);
-        test_kernels_agree(duck_kernels_avx2_variant(1));
+        for (int blend = 0; blend < 2; blend++) {
+            test_kernels_agree(duck_kernels_avx2_variant(blend));
+            test_odd_shapes(duck_kernels_avx2_variant(blend));
+        }
     } else
         printf("note: no AVX2+FMA on this CPU; only the reference was tested\n");
-    test_moe_pool();
+    if (duck_kernels_avx512()) {
+        test_kernels_agree(duck_kernels_avx512());
+        test_odd_shapes(duck_kernels_avx512());
+    } else
+        printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
+    test_bf16_rounding();
+    const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512()};
+    for (int i = 0; i < 3; i++)
+        if (sets[i])
+            test_moe_pool(sets[i]);
     printf("%d passed, %d failed\n", checks - failures, failures);
     return failures;
 }

@@ -80,3 +80,31 @@ def test_upload_resumes_and_verifies_the_hash(tmp_path):
         with pytest.raises(DuckError, match="content hashes to") as e:
             fleet.call([(0, lib.WIRE_T_UPLOAD, bad, cap)])
         assert e.value.status == lib.WIRE_E_HASH_MISMATCH
+
+
+def test_weights_memory_is_reused_after_invalidation(tmp_path):
+    """The duck's tensors live in huge-page chunks (firmware/cache.c): invalidated
+    ones return their memory, tensors made after them land in it, and one larger
+    than half a chunk (37 MiB) gets a mapping of its own; forwards stay exact."""
+    from native.kernels import ExpertSlice
+    from native.transport import synth_experts
+    from tests.transport.test_forward import SUMMATION_ORDER_RTOL, assert_close, flat, local_reference, routing
+
+    rng = np.random.default_rng(41)
+    hidden = 4096
+    small = synth_experts(6, hidden, 256, 1, seed=3, name="small")
+    big = synth_experts(1, hidden, 4096, 1, seed=4, name="big")          # gate_up [8192, 4096]
+    assert big[0][0].gate_up.nbytes > 32 << 20
+    with Ducks(1, tmp_path, deadline_ms=10000) as ducks:
+        for layers in ([small], [small, big], [big, small]):
+            for per_duck in layers:
+                ducks.fleet.upload(flat(per_duck))
+            session = ducks.fleet.open_session(dict(enumerate(layers)), hidden)
+            for i, per_duck in enumerate(layers):
+                local = [[ExpertSlice(e.gate_up.materialize(), e.down.materialize()) for e in per_duck[0]]]
+                x = rng.standard_normal((2, hidden)).astype(np.float32)
+                ids, w = routing(rng, 2, 1, len(per_duck[0]))
+                assert_close(session.forward(i, x, ids, w), local_reference(local, hidden, x, ids, w),
+                             SUMMATION_ORDER_RTOL, f"layer {i}")
+            session.close()
+            assert ducks.fleet.invalidate() == [sum(len(flat(p)[0]) for p in layers)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from native.fp9 import Fp9Error, Fp9Tensor, pack_gate_up
-from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace
+from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
 
 # Relative to the output's scale (max |y| of the float64 result): the fp32
 # kernels and the fp32 silu stay well inside this.
@@ -94,16 +94,96 @@ def test_padded_tp_slices_sum_to_the_whole_mlp():
     _assert_close(total, ref, "tp=5 padded")
 
 
+KERNEL_SETS = [pytest.param(n, marks=pytest.mark.skipif(n not in kernels_available(), reason=f"this CPU has no {n}"))
+               for n in ("ref", "avx2", "avx512")]
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("hidden", [200, 512])      # 200: gate/up rows take the narrow kernel too
-def test_thread_count_does_not_change_a_bit(threads, hidden):
+def test_thread_count_does_not_change_a_bit(kernel_set, threads, hidden):
     rng = np.random.default_rng(22)
     experts, _ = make_experts(6, hidden, 128, rng)
     layer = MoeSlice(experts, hidden)
     x = rng.standard_normal((5, hidden)).astype(np.float32)
     ids = rng.integers(0, 6, size=(5, 3)).astype(np.int32)
     w = rng.uniform(size=(5, 3)).astype(np.float32)
-    assert np.array_equal(layer.forward(x, ids, w, Pool(threads)), layer.forward(x, ids, w, None))
+    assert np.array_equal(layer.forward(x, ids, w, Pool(threads), kernel_set=kernel_set),
+                          layer.forward(x, ids, w, None, kernel_set=kernel_set))
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
+@pytest.mark.parametrize("ntok", [1, 2, 5])
+def test_decode_shape_is_cut_into_pieces_and_stays_exact(kernel_set, ntok):
+    """Qwen3-30B-A3B on one of four ducks (H 2048, S 192, top-8): each phase is
+    many pieces that the threads claim; any thread count gives the same bits,
+    every call, and matches float64."""
+    rng = np.random.default_rng(30 + ntok)
+    experts, dense = make_experts(12, 2048, 192, rng)
+    layer = MoeSlice(experts, 2048)
+    x = rng.standard_normal((ntok, 2048)).astype(np.float32)
+    ids = np.stack([rng.choice(12, size=8, replace=False) for _ in range(ntok)]).astype(np.int32)
+    w = rng.uniform(0.05, 0.3, size=ids.shape).astype(np.float32)
+    one = layer.forward(x, ids, w, None, kernel_set=kernel_set)
+    _assert_close(one, torch_moe(dense, x, ids, w), kernel_set)
+    for threads in (2, 3, 4):
+        pool, ws = Pool(threads), Workspace()
+        for _ in range(20):
+            assert np.array_equal(layer.forward(x, ids, w, pool, ws, kernel_set=kernel_set), one), threads
+
+
+def _bf16_bits(y: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as torch does."""
+    return torch.from_numpy(y).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("x_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("out_kind", ["numpy-fp32", "torch-fp32", "numpy-bf16", "torch-bf16"])
+def test_output_dtypes_write_into_out(x_dtype, out_kind):
+    rng = np.random.default_rng(27)
+    experts, dense = make_experts(4, 320, 64, rng)
+    layer = MoeSlice(experts, 320)
+    x32 = rng.standard_normal((3, 320)).astype(np.float32)
+    x = x32 if x_dtype == "fp32" else torch.from_numpy(x32).to(torch.bfloat16)
+    ids, w = np.array([[0, 2], [1, -1], [3, 0]]), np.array([[0.5, 0.5], [1.0, 0.0], [0.3, 0.7]], dtype=np.float32)
+    y32 = layer.forward(x, ids, w, Pool(2))
+    x_used = x32 if x_dtype == "fp32" else x.float().numpy()
+    _assert_close(y32, torch_moe(dense, x_used, ids, w), f"{x_dtype} in")
+    out = {"numpy-fp32": lambda: np.full((3, 320), np.nan, np.float32),
+           "torch-fp32": lambda: torch.full((3, 320), float("nan")),
+           "numpy-bf16": lambda: np.full((3, 320), 0xFFFF, np.uint16),
+           "torch-bf16": lambda: torch.full((3, 320), float("nan"), dtype=torch.bfloat16)}[out_kind]()
+    assert layer.forward(x, ids, w, Pool(2), out=out) is out
+    got = out if isinstance(out, np.ndarray) else out.view(torch.int16).numpy().view(np.uint16) \
+        if out.dtype == torch.bfloat16 else out.numpy()
+    if out_kind.endswith("bf16"):   # summed in fp32, rounded once: exactly the fp32 result rounded
+        assert np.array_equal(got, _bf16_bits(y32))
+    else:
+        assert np.array_equal(got, y32)
+
+
+def test_bf16_output_of_many_tokens_is_chunked_into_the_same_array():
+    rng = np.random.default_rng(28)
+    experts, _ = make_experts(3, 128, 64, rng)
+    layer = MoeSlice(experts, 128)
+    x = rng.standard_normal((70, 128)).astype(np.float32)
+    ids, w = rng.integers(0, 3, size=(70, 2)), rng.uniform(size=(70, 2)).astype(np.float32)
+    out = torch.empty((70, 128), dtype=torch.bfloat16)
+    layer.forward(x, ids, w, out=out)
+    assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), _bf16_bits(layer.forward(x, ids, w)))
+
+
+def test_bad_out_is_named():
+    rng = np.random.default_rng(29)
+    experts, _ = make_experts(2, 128, 64, rng)
+    layer = MoeSlice(experts, 128, "layers.3.mlp")
+    args = (np.ones((2, 128), np.float32), np.zeros((2, 1)), np.ones((2, 1)))
+    with pytest.raises(Fp9Error, match=r"layers.3.mlp: out= must be a writable C-contiguous array of shape \(2, 128\)"):
+        layer.forward(*args, out=np.zeros((2, 127), np.float32))
+    with pytest.raises(Fp9Error, match="out= has dtype float64"):
+        layer.forward(*args, out=np.zeros((2, 128)))
+    with pytest.raises(Fp9Error, match="contiguous CPU tensor"):
+        layer.forward(*args, out=torch.zeros((128, 2)).t())
 
 
 def test_bf16_activations():

@@ -1,11 +1,16 @@
-"""GEMV / GEMM: AVX2 against the scalar reference against float64, on odd
-shapes and on the real slice shapes."""
+"""GEMV / GEMM: every kernel set (AVX2, AVX-512) against the scalar reference
+and float64, on odd shapes and on the real slice shapes. A set this CPU lacks
+is skipped with the reason (CI machines may have AVX2 only)."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from native.fp9 import Fp9Tensor
-from native.kernels import Pool, gemm, kernels, kernels_name, matmul
+from native.kernels import Pool, gemm, kernels, kernels_available, kernels_name, matmul
 
 # Error of an fp32 dot product of K terms, relative to sum |w| |x|: both
 # kernels accumulate in fp32 in blocks, so it stays far below K * 2^-24.
@@ -28,11 +33,55 @@ def _check(t: Fp9Tensor, x: np.ndarray, y: np.ndarray, what: str):
     assert err <= DOT_REL_TOL, f"{what}: relative error {err:.3g} > {DOT_REL_TOL}"
 
 
-FAST = ("avx2-xor", "avx2-blend")
+AVAILABLE = kernels_available()
+NEEDS = {"avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL"}
+FAST = tuple(n for n in NEEDS if n in AVAILABLE)
+FAST_PARAMS = [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE, reason=f"this CPU has no {NEEDS[n]}"))
+               for n in NEEDS]
 
 
-def test_an_avx2_variant_is_chosen_on_this_cpu():
-    assert kernels_name(kernels()) in FAST
+def test_the_fastest_set_this_cpu_has_is_chosen():
+    best = kernels_name(kernels())
+    if "avx512" in AVAILABLE:
+        assert best == "avx512"
+    elif FAST:
+        assert best in ("avx2-xor", "avx2-blend")
+    else:
+        assert best == "ref"
+
+
+@pytest.mark.parametrize("want", ["ref", "avx2-xor", "avx2-blend", "avx512", "nonsense"])
+def test_duck_kernels_in_the_environment_forces_a_set_the_cpu_has(want):
+    code = "from native.kernels import kernels, kernels_name; print(kernels_name(kernels()))"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DUCK_KERNELS": want},
+                         capture_output=True, text=True, check=True)
+    expected = want if want in AVAILABLE else kernels_name(kernels())
+    assert run.stdout.strip() == expected
+
+
+def _fp8_with_block_scales(rows: int, cols: int, rng: np.random.Generator) -> Fp9Tensor:
+    codes = rng.integers(0, 0x7E, size=(rows, cols), dtype=np.uint8)
+    codes[:, ::7] |= 0x80                                   # some negative weights
+    scale = rng.uniform(1e-3, 5e-3, size=(-(-rows // 128), -(-cols // 128))).astype(np.float32)
+    t = Fp9Tensor.from_fp8(codes, scale, "w")
+    assert t.has_block_scales                              # scales not powers of two: kept per block
+    return t
+
+
+@pytest.mark.parametrize("kernel_set", FAST_PARAMS)
+@pytest.mark.parametrize("block_scales", [False, True], ids=["plain", "block_scales"])
+@pytest.mark.parametrize("cols", [64, 128, 192, 2048 + 64])
+@pytest.mark.parametrize("rows", [1, 3, 17, 33])
+def test_every_set_matches_ref_on_odd_shapes(kernel_set, rows, cols, block_scales):
+    """Tokens 1 and 2 (registers), 5 and 64 + 3 (the decode-into-L1 path, chunked)."""
+    rng = np.random.default_rng(rows * 1000 + cols + block_scales)
+    t = (_fp8_with_block_scales(rows, cols, rng) if block_scales
+         else Fp9Tensor.from_float(rng.standard_normal((rows, cols)).astype(np.float32) * 0.03, "w"))
+    for ntok in (1, 2, 5, 64 + 3):
+        x = rng.standard_normal((ntok, cols)).astype(np.float32)
+        ref = gemm(t, x, "ref")
+        _check(t, x, ref, "ref")
+        _check(t, x, gemm(t, x, kernel_set), f"{kernel_set} ntok {ntok}")
 
 
 @pytest.mark.parametrize("shape", ODD_SHAPES + list(SLICE_SHAPES.values()),
@@ -46,13 +95,14 @@ def test_gemm_avx2_and_ref_match_float64(shape, ntok):
         _check(t, x, gemm(t, x, kernel_set), kernel_set)
 
 
-@pytest.mark.parametrize("ntok", [6, 13, 64, 65])
-def test_gemm_batches_match_gemv_per_token(ntok):
+@pytest.mark.parametrize("kernel_set", FAST_PARAMS)
+@pytest.mark.parametrize("ntok", [3, 6, 13, 64, 65])
+def test_gemm_batches_match_gemv_per_token(kernel_set, ntok):
     rng = np.random.default_rng(ntok)
     t = Fp9Tensor.from_float(rng.standard_normal((33, 2500)).astype(np.float32), "w")
     x = rng.standard_normal((ntok, 2500)).astype(np.float32)
-    batched = gemm(t, x, "avx2")
-    one_by_one = np.concatenate([gemm(t, x[i:i + 1], "avx2") for i in range(ntok)])
+    batched = gemm(t, x, kernel_set)
+    one_by_one = np.concatenate([gemm(t, x[i:i + 1], kernel_set) for i in range(ntok)])
     _check(t, x, batched, "batched")
     _check(t, x, one_by_one, "one by one")
 
@@ -86,18 +136,22 @@ def test_padded_slice_rows_contribute_nothing():
     w[:150] = rng.standard_normal((150, 2048)) * 0.02       # 768 / tp 5 = 153.6 -> 192 wide slices
     t = Fp9Tensor.from_float(w, "w")
     x = rng.standard_normal((2, 2048)).astype(np.float32)
-    y = gemm(t, x, "avx2")
-    assert np.all(y[:, 150:] == 0.0)
-    _check(t, x, y, "padded")
+    for kernel_set in ("ref",) + FAST:
+        y = gemm(t, x, kernel_set)
+        assert np.all(y[:, 150:] == 0.0)
+        _check(t, x, y, f"padded, {kernel_set}")
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_threaded_matmul_is_identical_to_one_thread(threads):
+@pytest.mark.parametrize("kernel_set", FAST_PARAMS)
+@pytest.mark.parametrize("shape", [(301, 4100), (7168 + 66, 192)], ids=["wide", "narrow"])
+@pytest.mark.parametrize("ntok", [1, 2, 5])
+def test_threaded_matmul_is_identical_to_one_thread(kernel_set, shape, ntok):
     rng = np.random.default_rng(12)
-    t = Fp9Tensor.from_float(rng.standard_normal((301, 4100)).astype(np.float32), "w")
-    x = rng.standard_normal((3, 4100)).astype(np.float32)
-    one = gemm(t, x, "avx2")
-    assert np.array_equal(matmul(t, x, Pool(threads)), one)
+    t = Fp9Tensor.from_float(rng.standard_normal(shape).astype(np.float32), "w")
+    x = rng.standard_normal((ntok, shape[1])).astype(np.float32)
+    one = gemm(t, x, kernel_set)
+    for threads in (1, 2, 3, 5):
+        assert np.array_equal(matmul(t, x, Pool(threads), kernel_set=kernel_set), one), threads
 
 
 def test_bf16_and_fp32_sources_agree_within_bf16_rounding():
@@ -106,4 +160,4 @@ def test_bf16_and_fp32_sources_agree_within_bf16_rounding():
     wbf = torch.from_numpy(w32).to(torch.bfloat16)
     t = Fp9Tensor.from_float(wbf, "w")
     x = rng.standard_normal((1, 256)).astype(np.float32)
-    _check(t, x, gemm(t, x, "avx2"), "bf16 source")
+    _check(t, x, gemm(t, x, "best"), "bf16 source")

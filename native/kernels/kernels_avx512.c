@@ -1,0 +1,312 @@
+/* AVX-512 fp9 kernels (F + BW + VL; FMA). Same fp32 products as _ref; only
+ * the order of the sums differs.
+ *
+ * The GEMVs decode 32 weights per step in 16-bit lanes: zero-extend the
+ * magnitude bytes to words, shift each left by 4 (the word is then the
+ * weight's bf16 bit pattern, value * 2^-112, exactly as fp9.h's shift by 20
+ * gives in fp32), set bit 15 under a k-mask read straight from the 64-bit
+ * sign word (32 signs per mask, in column order), and split the words into
+ * fp32: even columns by a shift left by 16, odd columns by masking off the
+ * low half. The activations are taken in the same even/odd order (permuted
+ * once per panel into a buffer on the stack). That is 6 operations and 2
+ * FMAs for 32 weights where the plain 32-bit decode (decode16) takes 8 and
+ * 2; on the development machine (AMD Zen 5) the GEMV ran a third faster on
+ * L2-resident weights (docs/fp9.md section 5). */
+#include "kernels.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#include <immintrin.h>
+
+/* Sixteen weights in column order: columns 16j .. 16j + 15 of one row of a
+ * block (the multi-token path, which decodes into L1 once per chunk). */
+static inline __attribute__((always_inline)) __m512 decode16(const uint8_t *mag, const uint64_t *sign, int j)
+{
+    __m512i u = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mag + 16 * j))),
+                                  FP9_DECODE_SHIFT);
+    uint16_t bits;
+    memcpy(&bits, (const uint8_t *)sign + 2 * j, 2);   /* little-endian: bits 16j .. 16j + 15 */
+    return _mm512_castsi512_ps(_mm512_mask_xor_epi32(u, _cvtu32_mask16(bits), u,
+                                                     _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* Thirty-two weights, columns 32h .. 32h + 31 of one row of a block: the
+ * even columns in *even, the odd ones in *odd. */
+static inline __attribute__((always_inline)) void decode32(const uint8_t *mag, const uint64_t *sign, int h,
+                                                           __m512 *even, __m512 *odd)
+{
+    __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mag + 32 * h))),
+                                  FP9_DECODE_SHIFT - 16);
+    uint32_t bits;
+    memcpy(&bits, (const uint8_t *)sign + 4 * h, 4);
+    w = _mm512_mask_add_epi16(w, _cvtu32_mask32(bits), w, _mm512_set1_epi16((short)0x8000));
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* n activations (a multiple of 64) into the order decode32 gives: per 32
+ * columns, the 16 even ones, then the 16 odd ones. */
+static void even_odd(const float *x, uint32_t n, float *out)
+{
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (uint32_t c = 0; c < n; c += 32) {
+        __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + c + 16);
+        _mm512_store_ps(out + c, _mm512_permutex2var_ps(lo, ie, hi));
+        _mm512_store_ps(out + c + 16, _mm512_permutex2var_ps(lo, io, hi));
+    }
+}
+
+/* The sum of the 16 lanes, in the order hsum16x16 uses for every row, so a
+ * row's result does not depend on which path reduced it. */
+static inline float hsum16(__m512 a)
+{
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+
+/* [hsum16(a[0]), ..., hsum16(a[15])] in one vector. */
+static inline __m512 hsum16x16(const __m512 a[16])
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)   /* quarters (0 + 2, 1 + 3) of two rows */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)   /* one quarter per row */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)   /* lanes (0 + 2, 1 + 3) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    /* lane 4q + m of e holds row 4m + q */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+static inline void store_out(float *y, uint32_t row, uint32_t rows, float v, int accumulate)
+{
+    if (row < rows)
+        y[row] = accumulate ? y[row] + v : v;
+}
+
+static inline __attribute__((always_inline)) __m512 chain_sum(const __m512 *a, int n)
+{
+    if (n == 4)
+        return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    return n == 2 ? _mm512_add_ps(a[0], a[1]) : a[0];
+}
+
+/* NT tokens (1 .. GEMV_MAX_TOKENS) at once: each block is decoded into
+ * registers once and used for every token. Panel by panel (fp9.h), so the
+ * panel's activations stay in L1 and the weights stream front to back. */
+#define GEMV_MAX_TOKENS 4
+
+static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *m, uint32_t pair_begin,
+                                                              uint32_t pair_end, const float *const *x,
+                                                              float *const *y, int accumulate, const int NT)
+{
+    /* FMA chains per row and token: 8 or more in flight hide the FMA
+     * latency; few enough that everything stays in the 32 registers */
+    const int A = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+    float xs[GEMV_MAX_TOKENS][FP9_PANEL_GROUPS * FP9_GROUP] __attribute__((aligned(64)));
+    const float out_scale = m->prescale * 0x1p48f;
+    const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
+    if (pair_begin >= pair_end)
+        return;
+    for (uint32_t g0 = 0; g0 < groups; g0 += FP9_PANEL_GROUPS) {
+        const uint32_t ng = fp9_panel_groups(groups, g0);
+        const int add = accumulate || g0 > 0;
+        for (int i = 0; i < NT; i++)
+            even_odd(x[i] + (size_t)g0 * FP9_GROUP, ng * FP9_GROUP, xs[i]);
+        for (uint32_t p = pair_begin; p < pair_end; p++) {
+            const fp9_block *run = fp9_pair_run(m, p, g0);
+            const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
+            __m512 a[GEMV_MAX_TOKENS][2][4], t[GEMV_MAX_TOKENS][2];
+            for (int i = 0; i < NT; i++)
+                for (int r = 0; r < 2; r++) {
+                    t[i][r] = _mm512_setzero_ps();
+                    for (int c = 0; c < A; c++)
+                        a[i][r][c] = _mm512_setzero_ps();
+                }
+            for (uint32_t g = 0; g < ng; g++) {
+                const fp9_block *blk = &run[g];
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 128, _MM_HINT_T0);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    __m512 e0, o0, e1, o1;
+                    decode32(blk->mag[0], &blk->sign[0], h, &e0, &o0);
+                    decode32(blk->mag[1], &blk->sign[1], h, &e1, &o1);
+                    for (int i = 0; i < NT; i++) {
+                        __m512 xe = _mm512_load_ps(xs[i] + g * FP9_GROUP + 32 * h);
+                        __m512 xo = _mm512_load_ps(xs[i] + g * FP9_GROUP + 32 * h + 16);
+                        a[i][0][(2 * h) % A] = _mm512_fmadd_ps(e0, xe, a[i][0][(2 * h) % A]);
+                        a[i][0][(2 * h + 1) % A] = _mm512_fmadd_ps(o0, xo, a[i][0][(2 * h + 1) % A]);
+                        a[i][1][(2 * h) % A] = _mm512_fmadd_ps(e1, xe, a[i][1][(2 * h) % A]);
+                        a[i][1][(2 * h + 1) % A] = _mm512_fmadd_ps(o1, xo, a[i][1][(2 * h + 1) % A]);
+                    }
+                }
+                const uint32_t gg = g0 + g;
+                if (s0 && ((gg & 1) || gg + 1 == groups)) {   /* end of a 128-column scale block */
+                    __m512 k0 = _mm512_set1_ps(s0[gg / 2]), k1 = _mm512_set1_ps(s0[sc + gg / 2]);
+                    for (int i = 0; i < NT; i++)
+                        for (int r = 0; r < 2; r++) {
+                            t[i][r] = _mm512_fmadd_ps(chain_sum(a[i][r], A), r ? k1 : k0, t[i][r]);
+                            for (int c = 0; c < A; c++)
+                                a[i][r][c] = _mm512_setzero_ps();
+                        }
+                }
+            }
+            for (int i = 0; i < NT; i++)
+                for (int r = 0; r < 2; r++) {
+                    __m512 sum = s0 ? t[i][r] : chain_sum(a[i][r], A);
+                    store_out(y[i], 2 * p + r, m->rows, hsum16(sum) * out_scale, add);
+                }
+        }
+    }
+}
+
+/* Narrow matrices (the down slices: K = 64 .. 256 columns, one token) have
+ * too few columns to hide a horizontal sum per row: eight pairs go
+ * together and their sixteen sums come out of one transposing reduction.
+ * A leftover pair takes the same FMA chain and the same order of sums
+ * (hsum16), so the result of a row does not depend on how rows are split. */
+#define NARROW_MAX_GROUPS 4
+#define NARROW_PAIRS 8
+
+static inline __attribute__((always_inline)) __m512 narrow_row(const fp9_block *run, uint32_t groups, int r,
+                                                               const float *xs, __m512 acc)
+{
+    for (uint32_t g = 0; g < groups; g++)
+        for (int h = 0; h < 2; h++) {
+            __m512 e, o;
+            decode32(run[g].mag[r], &run[g].sign[r], h, &e, &o);
+            acc = _mm512_fmadd_ps(e, _mm512_load_ps(xs + g * FP9_GROUP + 32 * h), acc);
+            acc = _mm512_fmadd_ps(o, _mm512_load_ps(xs + g * FP9_GROUP + 32 * h + 16), acc);
+        }
+    return acc;
+}
+
+static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, const float *x,
+                        float *y, int accumulate)
+{
+    float xs[NARROW_MAX_GROUPS * FP9_GROUP] __attribute__((aligned(64)));
+    const float out_scale = m->prescale * 0x1p48f;
+    const uint32_t groups = m->groups;
+    even_odd(x, groups * FP9_GROUP, xs);
+    uint32_t p = pair_begin;
+    for (; p + NARROW_PAIRS <= pair_end; p += NARROW_PAIRS) {
+        const fp9_block *run = fp9_pair_run(m, p, 0);   /* pair p + i at run + i * groups */
+        for (uint32_t off = 0; off < NARROW_PAIRS * groups * sizeof(fp9_block); off += 64)
+            _mm_prefetch((const char *)run + off + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
+        __m512 a[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++)
+            a[r] = narrow_row(run + (size_t)(r >> 1) * groups, groups, r & 1, xs, _mm512_setzero_ps());
+        __m512 sums = _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(out_scale));
+        uint32_t row = 2 * p;
+        __mmask16 live = row + 16 <= m->rows ? (__mmask16)0xFFFF : (__mmask16)((1u << (m->rows - row)) - 1);
+        if (accumulate)
+            sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(live, y + row));
+        _mm512_mask_storeu_ps(y + row, live, sums);
+    }
+    for (; p < pair_end; p++) {
+        const fp9_block *run = fp9_pair_run(m, p, 0);
+        for (int r = 0; r < 2; r++)
+            store_out(y, 2 * p + r, m->rows, hsum16(narrow_row(run, groups, r, xs, _mm512_setzero_ps())) * out_scale,
+                      accumulate);
+    }
+}
+
+#define TOKENS_TILE 8   /* tokens per register tile: 2 x 8 accumulators */
+
+/* Decode groups [g0, g0 + ng) of a row pair into two fp32 rows, block
+ * scales folded in. */
+static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t ng, float *w0, float *w1)
+{
+    const uint32_t sc = fp9_scale_cols(m);
+    for (uint32_t g = 0; g < ng; g++) {
+        const fp9_block *b = &m->blocks[fp9_block_index(m->row_pairs, m->groups, p, g0 + g)];
+        __m512 k0 = _mm512_set1_ps(1.0f), k1 = k0;
+        if (m->block_scales) {
+            k0 = _mm512_set1_ps(m->block_scales[(size_t)(2 * p) * sc + (g0 + g) / 2]);
+            k1 = _mm512_set1_ps(m->block_scales[(size_t)(2 * p + 1) * sc + (g0 + g) / 2]);
+        }
+        for (int j = 0; j < 4; j++) {
+            _mm512_store_ps(w0 + g * 64 + 16 * j, _mm512_mul_ps(decode16(b->mag[0], &b->sign[0], j), k0));
+            _mm512_store_ps(w1 + g * 64 + 16 * j, _mm512_mul_ps(decode16(b->mag[1], &b->sign[1], j), k1));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const float *w0, const float *w1, uint32_t n,
+                                                       const float *const *x, uint32_t k0, int T,
+                                                       float *ys0, float *ys1)
+{
+    __m512 a0[TOKENS_TILE], a1[TOKENS_TILE];
+    for (int i = 0; i < T; i++)
+        a0[i] = a1[i] = _mm512_setzero_ps();
+    for (uint32_t k = 0; k < n; k += 16) {
+        __m512 v0 = _mm512_load_ps(w0 + k), v1 = _mm512_load_ps(w1 + k);
+        for (int i = 0; i < T; i++) {
+            __m512 xv = _mm512_loadu_ps(x[i] + k0 + k);
+            a0[i] = _mm512_fmadd_ps(v0, xv, a0[i]);
+            a1[i] = _mm512_fmadd_ps(v1, xv, a1[i]);
+        }
+    }
+    for (int i = 0; i < T; i++) {
+        ys0[i] += hsum16(a0[i]);
+        ys1[i] += hsum16(a1[i]);
+    }
+}
+
+#include "gemm_tokens.h"
+
+static void gemm_avx512(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                        const float *const *x, float *const *y, int accumulate)
+{
+    switch (ntok) {
+    case 0: return;
+    case 1:
+        if (m->groups <= NARROW_MAX_GROUPS && !m->block_scales)
+            gemv_narrow(m, pair_begin, pair_end, x[0], y[0], accumulate);
+        else
+            gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 1);
+        return;
+    case 2: gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 2); return;
+    case 3: gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 3); return;
+    case 4: gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 4); return;
+    default: break;
+    }
+    for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {
+        uint32_t n = ntok - t < DUCK_MAX_TOKENS ? ntok - t : DUCK_MAX_TOKENS;
+        gemm_tokens(m, pair_begin, pair_end, n, x + t, y + t, accumulate);
+    }
+}
+
+#pragma GCC pop_options
+
+static const duck_kernels k_avx512 = {"avx512", gemm_avx512};
+
+const duck_kernels *duck_kernels_avx512(void)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("fma"))
+        return NULL;
+    return &k_avx512;
+}
+
+#else
+
+const duck_kernels *duck_kernels_avx512(void) { return NULL; }
+
+#endif

@@ -1,0 +1,45 @@
+"""duckctl bench kernels on tiny sizes: every figure present, each fp9 kernel set
+beside an int8 peer of its own instruction set, both MoE shapes, the pool's
+wake-up; --kernels refuses a set this CPU lacks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duckd.ctl import main as duckctl
+from native.kernels import kernels, kernels_available, kernels_name
+
+TINY = ["--rounds", "1", "--seconds", "0.01", "--read-mib", "8", "--cold-mib", "8", "--moe-experts", "8"]
+
+
+def test_bench_kernels_reports_every_case_with_its_peer(capsys):
+    assert duckctl(["bench", "kernels", "--threads", "1,2", "--json"] + TINY) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["kernels"] == kernels_name(kernels()) == r["kernel_sets"][0]
+    assert set(r["read_gbps"]) == {"1", "2"}
+    fp9 = [c for c in r["cases"] if c["name"] == "fp9_gemv"]
+    int8 = {(str(c["shape"]), c["threads"], c["isa"]) for c in r["cases"] if c["name"] == "int8_gemv"}
+    assert {c["kernels"] for c in fp9} == set(r["kernel_sets"])
+    for c in fp9:   # the peer of the same vector width was measured in the same run
+        want = {"avx512": "avx512", "avx2-xor": "avx2", "avx2-blend": "avx2", "ref": "scalar"}[c["kernels"]]
+        assert c["int8_peer_isa"] == want and (str(c["shape"]), c["threads"], want) in int8
+        assert c["ratio_to_int8"] > 0 and c["ratio_to_read"] > 0
+    moe = {(c["model"], c["tokens"], c["threads"]) for c in r["cases"] if c["name"] == "moe_slice"}
+    assert moe == {(m, t, n) for m, t in (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 2))
+                   for n in (1, 2)}
+    qwen = next(c for c in r["cases"] if c["name"] == "moe_slice" and c["model"] == "qwen3-30b-a3b")
+    assert qwen["shape"] == [128, 3, 192, 2048] and qwen["experts_per_call"] == 8
+    (wake,) = r["pool_wake"]
+    assert wake["threads"] == 2 and wake["blocked"]["wake_us"] > 0 and wake["shared_blocked"]["run_us"] > 0
+
+
+def test_bench_kernels_refuses_unknown_and_missing_sets(capsys):
+    with pytest.raises(SystemExit):
+        duckctl(["bench", "kernels", "--kernels", "avx1024"] + TINY)
+    assert "unknown avx1024 (known: ref, avx2, avx2-xor, avx2-blend, avx512)" in capsys.readouterr().err
+    missing = [k for k in ("avx2-xor", "avx512") if k not in kernels_available()]
+    if missing:   # where the CPU has every set there is nothing more to refuse
+        with pytest.raises(SystemExit):
+            duckctl(["bench", "kernels", "--kernels", missing[0]] + TINY)
+        assert f"lacks {missing[0]}" in capsys.readouterr().err
