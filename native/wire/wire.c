@@ -206,6 +206,13 @@ void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t 
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
                  const wire_key *key, int with_mac, uint8_t *out)
 {
+    if (len)
+        memcpy(out + WIRE_HEADER_BYTES, payload, len);
+    return wire_seal_in_place(h, len, key, with_mac, out);
+}
+
+size_t wire_seal_in_place(const wire_header *h, uint32_t len, const wire_key *key, int with_mac, uint8_t *out)
+{
     wire_header hd = *h;
     hd.magic = WIRE_MAGIC;
     hd.version = WIRE_VERSION;
@@ -214,8 +221,6 @@ size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
     with_mac = with_mac && key && key->len;
     hd.flags = (uint16_t)((hd.flags & ~WIRE_F_MAC) | (with_mac ? WIRE_F_MAC : 0));
     memcpy(out, &hd, WIRE_HEADER_BYTES);
-    if (len)
-        memcpy(out + WIRE_HEADER_BYTES, payload, len);
     size_t n = WIRE_HEADER_BYTES + len;
     if (with_mac) {
         wire_mac(key, out, out + WIRE_HEADER_BYTES, len, out + n);
@@ -274,6 +279,17 @@ int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_
     }
     *payload = buf + WIRE_HEADER_BYTES;
     return WIRE_CHECK_OK;
+}
+
+void wire_f32_to_bf16_n(const float *src, uint16_t *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {   /* branch-free so that it vectorizes */
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        uint16_t quiet = (uint16_t)((u >> 16) | 0x40u);
+        dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded;
+    }
 }
 
 const char *wire_check_str(int result)

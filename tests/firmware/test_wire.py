@@ -68,10 +68,11 @@ def test_header_layout_matches_the_constants():
     assert ffi.sizeof("wire_hello_reply") == 96 and ffi.sizeof("wire_stats") == 160
 
 
-def seal(payload: bytes, key: bytes | None, mtype=None, flags=0, frag_index=0, frag_count=1, total=None) -> bytes:
+def seal(payload: bytes, key: bytes | None, mtype=None, flags=0, frag_index=0, frag_count=1, total=None,
+         session=7, sequence=42) -> bytes:
     h = ffi.new("wire_header *")
     h.type = lib.WIRE_T_PING if mtype is None else mtype
-    h.flags, h.session, h.sequence = flags, 7, 42
+    h.flags, h.session, h.sequence = flags, session, sequence
     h.frag_index, h.frag_count = frag_index, frag_count
     h.total_len = len(payload) if total is None else total
     out = ffi.new("uint8_t[]", len(payload) + 64)
