@@ -67,6 +67,14 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
     t->fcalls = calloc(n, sizeof *t->fcalls);
     if (!t->dest || !t->link || !t->active || !t->st || !t->rx || !t->replies || !t->reply_caps || !t->fcalls)
         FAIL("out of memory for %u ducks", n);
+    for (int i = 0; i < BATCH; i++) {
+        t->rx_iov[i].iov_base = t->rx[i];
+        t->rx_iov[i].iov_len = sizeof t->rx[i];
+        t->rx_msgs[i].msg_hdr.msg_name = &t->rx_from[i];
+        t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];
+        t->rx_msgs[i].msg_hdr.msg_iov = &t->rx_iov[i];
+        t->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+    }
     for (uint32_t d = 0; d < n; d++) {
         t->dest[d].sin_family = AF_INET;
         t->dest[d].sin_addr.s_addr = cfg->addrs[d];

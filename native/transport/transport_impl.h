@@ -41,6 +41,9 @@ struct duck_transport {
     uint8_t *seal;                /* sealed datagrams of one message, seal_stride apart */
     size_t seal_cap, seal_stride;
     uint8_t (*rx)[WIRE_MAX_DATAGRAM + 1];
+    struct mmsghdr rx_msgs[BATCH];    /* pointing at rx, set up once */
+    struct iovec rx_iov[BATCH];
+    struct sockaddr_in rx_from[BATCH];
     struct mmsghdr tx_msgs[BATCH];
     struct iovec tx_iov[BATCH];
     unsigned tx_n;
@@ -52,7 +55,7 @@ struct duck_transport {
     size_t acc_cap;
     duck_call *fcalls;
     uint64_t rcvtimeo_us;         /* the socket's receive timeout now */
-    int mid_message;              /* a reply is partly in: poll briefly for the rest */
+    int gathering;                /* replies of this run have started to arrive: poll briefly for the rest */
     duck_transport_stats stats;
 };
 

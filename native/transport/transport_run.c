@@ -20,7 +20,11 @@
 #include <sys/time.h>
 #include <time.h>
 
-#define MID_MESSAGE_SPIN_US 50
+/* Once replies of a scatter have started to arrive, the others are
+ * microseconds apart (fragments of one reply, or the other ducks'): poll for
+ * them this long before blocking, rather than pay a sleep and a wake-up per
+ * datagram (a context switch and an IPI on a VM: about 4 us each). */
+#define GATHER_SPIN_US 50
 
 uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck)
 {
@@ -152,10 +156,8 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
         return 0;
     s->bitmap[i / 8] |= (uint8_t)(1u << (i % 8));
     memcpy((uint8_t *)c->reply + (size_t)wire_frag_size(h.total_len, h.frag_count) * i, p, h.payload_len);
-    if (++s->rep_have < s->rep_count) {
-        t->mid_message = 1;
+    if (++s->rep_have < s->rep_count)
         return 0;
-    }
     c->result = DUCK_T_OK;
     c->reply_len = s->rep_total;
     c->rtt_ns = now - s->t_start;
@@ -168,22 +170,11 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
 
 static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, tr_done_fn done, void *ctx)
 {
-    struct mmsghdr msgs[BATCH];
-    struct iovec iov[BATCH];
-    struct sockaddr_in from[BATCH];
-    for (int i = 0; i < BATCH; i++) {
-        iov[i].iov_base = t->rx[i];
-        iov[i].iov_len = sizeof t->rx[i];
-        memset(&msgs[i], 0, sizeof msgs[i]);
-        msgs[i].msg_hdr.msg_name = &from[i];
-        msgs[i].msg_hdr.msg_namelen = sizeof from[i];
-        msgs[i].msg_hdr.msg_iov = &iov[i];
-        msgs[i].msg_hdr.msg_iovlen = 1;
-    }
+    struct mmsghdr *msgs = t->rx_msgs;
     int n = -1;
     uint64_t spin_us = t->cfg.spin_us;
-    if (t->mid_message && spin_us < MID_MESSAGE_SPIN_US)
-        spin_us = MID_MESSAGE_SPIN_US;   /* the rest of a reply is microseconds away */
+    if (t->gathering && spin_us < GATHER_SPIN_US)
+        spin_us = GATHER_SPIN_US;
     if (spin_us) {
         /* poll, yielding the CPU to anything else runnable on it (a duck sharing this core) */
         uint64_t until = tr_now_ns() + spin_us * 1000u;
@@ -210,9 +201,11 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, tr_don
     }
     int finished = 0;
     uint64_t now = tr_now_ns();
-    t->mid_message = 0;
-    for (int i = 0; i < n; i++)
-        finished += on_datagram(t, calls, t->rx[i], msgs[i].msg_len, &from[i], now, done, ctx);
+    t->gathering = 1;
+    for (int i = 0; i < n; i++) {
+        finished += on_datagram(t, calls, t->rx[i], msgs[i].msg_len, &t->rx_from[i], now, done, ctx);
+        msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
+    }
     return finished;
 }
 
@@ -270,6 +263,7 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
     }
     uint64_t start = tr_now_ns();
     uint32_t nseal = 0;
+    t->gathering = 0;   /* the first wait is as configured (a long layer may be computing) */
     for (uint32_t i = 0; i < n; i++) {
         duck_call *c = &calls[i];
         call_state *s = &t->st[i];

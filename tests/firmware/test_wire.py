@@ -55,11 +55,14 @@ def test_mac_is_keyed_blake2b_128(keylen, n):
     assert bytes(out) == hashlib.blake2b(header + payload, key=key, digest_size=16).digest()
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 33, 1000])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 33, 1000, 1535, 1536, 1537, 3072, 4615, 20001])
 def test_crc32c(n):
+    """Short inputs take one chain of crc32; from 1536 bytes on, three chains joined by shift tables."""
     data = os.urandom(n)
     assert lib.wire_crc32c(0, data, n) == crc32c_reference(data)
     assert lib.wire_crc32c(0, b"123456789", 9) == 0xE3069283   # the standard check value
+    half = n // 2                                              # continued from a running value
+    assert lib.wire_crc32c(lib.wire_crc32c(0, data[:half], half), data[half:], n - half) == crc32c_reference(data)
 
 
 def test_header_layout_matches_the_constants():
