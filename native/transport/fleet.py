@@ -178,9 +178,12 @@ class Fleet:
         return infos
 
     def _agree(self) -> None:
+        """Each duck's datagram size; a size above 1500 that is new is proven by a ping of
+        that size both ways (a size that fell back is tried again: the path may be fixed)."""
+        before = self.datagram_sizes()
         agreed = [lib.duck_transport_agree(self._t, d, info.mtu) for d, info in enumerate(self.infos)]
         probes = [(d, lib.WIRE_T_PING, self._ping_payload(m - _PROBE_ROOM), m - _PROBE_ROOM)
-                  for d, m in enumerate(agreed) if m > lib.WIRE_MTU_DEFAULT]
+                  for d, m in enumerate(agreed) if m > lib.WIRE_MTU_DEFAULT and m != before[d]]
         if probes:
             self.call(probes)
         for d, m in enumerate(agreed):

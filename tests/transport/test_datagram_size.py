@@ -42,6 +42,7 @@ def test_loopback_carries_a_layer_in_one_datagram_each_way(tmp_path):
         infos = ducks.fleet.hello()
         assert [i.mtu for i in infos] == [65535] * n and "mtu 65535 of lo" in ducks[0].log()
         assert ducks.fleet.datagram_sizes() == [65535] * n
+        assert datagrams(ducks.fleet, ducks.fleet.hello) == (n, n)          # proven once: no second probe
         assert lib.duck_transport_path_mtu(ducks.fleet._t, 0) >= 65535        # the route: IP_MTU
         ducks.fleet.upload(flat(per_duck))
         session = ducks.fleet.open_session({0: per_duck}, hidden)
