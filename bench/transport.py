@@ -88,7 +88,13 @@ def local_ducks(n: int, args):
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-                p.wait(10)
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.warning("duck pid %d ignored SIGTERM for 10 s; killing it", p.pid)
+                    p.kill()
+                    p.wait()
 
 
 def _us(a) -> dict:

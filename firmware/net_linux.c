@@ -28,6 +28,7 @@
 /* The rest of a message whose first fragments arrived is microseconds
  * away: poll for it this long rather than sleep and wake per fragment. */
 #define MID_MESSAGE_SPIN_US 50
+#define STOP_CHECK_US 200000
 
 static volatile sig_atomic_t stop_signal;
 
@@ -72,6 +73,10 @@ int net_open(const char *addr, uint16_t port, uint16_t *bound_port)
     }
     grow_buffer(fd, SO_RCVBUF, SO_RCVBUFFORCE, "receive");
     grow_buffer(fd, SO_SNDBUF, SO_SNDBUFFORCE, "send");
+    /* a blocking receive returns now and then: a signal that lands between the
+     * loop's check of stop_signal and the receive is seen within this */
+    struct timeval tick = {0, STOP_CHECK_US};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
     int on = 1;
     if (setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof on) != 0)
         dlog(DLOG_WARN, "no receive timestamps (%s): wake-up times are not reported", strerror(errno));
@@ -218,10 +223,10 @@ int net_serve(duck_core *core, int fd)
                    now_us() < until && !stop_signal)
                 sched_yield();
         }
-        if (n < 0)
+        if (n < 0 && !stop_signal)
             n = recvmmsg(fd, msgs, RECV_BATCH, MSG_WAITFORONE, NULL);
         if (n < 0) {
-            if (errno == EINTR || errno == EAGAIN)
+            if (errno == EINTR || errno == EAGAIN || stop_signal)
                 continue;
             dlog(DLOG_ERROR, "recvmmsg: %s; serving on", strerror(errno));
             struct timespec d = {0, 1000000};

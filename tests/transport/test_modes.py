@@ -31,6 +31,17 @@ def test_spin_then_block_idle(tmp_path):
         assert "idle spin-then-block (20 us)" in ducks[0].log()
 
 
+def test_sigterm_while_spinning_stops_the_duck(tmp_path):
+    """A signal that lands in the spin (outside any system call) must not leave the
+    duck blocked in its socket for ever."""
+    with Ducks(1, tmp_path, args=["--idle", "spin", "--spin-us", "1000000"]) as ducks:
+        ducks.fleet.ping()
+        time.sleep(0.05)                         # the duck is in its one-second spin now
+        t0 = time.monotonic()
+        rc = ducks[0].stop(timeout=5)
+        assert rc == 0 and time.monotonic() - t0 < 2, rc
+
+
 @pytest.mark.parametrize("idle", [["--idle", "block"], ["--idle", "spin", "--spin-us", "200"]])
 def test_the_ducks_wake_up_is_reported(tmp_path, idle):
     """Arrival of a forward at the duck (kernel timestamp) to its kernel's start:
