@@ -20,7 +20,8 @@ Cases (a table, or one JSON object with --json):
     (kernel time and end to end), against the local kernel on one thread.
 Every case names the datagram size agreed with its ducks (datagram_bytes;
 --mtu caps it, 1500 gives the old fragments), its partials' type, the host's
-wait (blocking or polling), the retransmits, and the ducks' wake-up: from a
+wait (blocking or polling), the retransmits (of the measured calls; the
+warm-up's apart), and the ducks' wake-up: from a
 request's arrival at a duck (kernel timestamp) to the start of its kernel,
 for the slowest duck of each call (median, p99) and the mean over all.
 Ducks run one worker thread each and block when idle, as on a shared host
@@ -130,18 +131,22 @@ def _sizes(fleet: Fleet):
 
 
 def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50) -> dict:
+    start = fleet.transport_stats()
+    for _ in range(warmup):                # first forwards: cold caches, the retransmit timer still learning
+        fn()
     before_d = fleet.stats()
-    before_t = fleet.transport_stats()     # after the STATS call: only the case's datagrams are counted
-    r = timed(fn, iters, warmup, session)
+    before_t = fleet.transport_stats()     # after the STATS call: only the measured calls' datagrams count
+    r = timed(fn, iters, 0, session)
     after_t, after_d = fleet.transport_stats(), fleet.stats()
     fwd = sum(a["forwards"] - b["forwards"] for a, b in zip(after_d, before_d))
     wake = sum(a["wake_ns"] - b["wake_ns"] for a, b in zip(after_d, before_d))
     r.update(ducks=fleet.n_ducks, datagram_bytes=_sizes(fleet), partials=partials,
              host="polling" if host_spin_us else "blocking", host_spin_us=host_spin_us,
              retransmits=after_t["retransmits"] - before_t["retransmits"],
+             warmup_retransmits=before_t["retransmits"] - start["retransmits"], warmup_calls=warmup,
              mtu_fallbacks=after_t["mtu_fallbacks"] - before_t["mtu_fallbacks"],
              datagrams_per_call=round((after_t["datagrams_tx"] + after_t["datagrams_rx"] - before_t["datagrams_tx"]
-                                       - before_t["datagrams_rx"]) / (iters + warmup), 1),
+                                       - before_t["datagrams_rx"]) / iters, 1),
              duck_wake_us_mean=round(wake / max(fwd, 1) / 1000.0, 1))
     return r
 
