@@ -117,7 +117,7 @@ def timed(fn, iters: int, warmup: int = 50, session=None) -> dict:
             wake[i], kernel[i] = session.wake_ns_max, session.kernel_us_total - k0
     t /= 1000.0
     r = {"median_us": round(float(np.median(t)), 1), "p99_us": round(float(np.percentile(t, 99)), 1),
-         "min_us": round(float(t.min()), 1), "iters": iters}
+         "min_us": round(float(t.min()), 1), "max_us": round(float(t.max()), 1), "iters": iters}
     if session is not None:
         r["duck_wake_us_slowest"] = _us(wake / 1000.0)
         if kernel.any():
