@@ -1,18 +1,31 @@
 """Transport benchmark: per-layer round trip through the Python API with real
-duckfw processes on loopback (becomes `duckctl bench transport`).
+duckfw processes on loopback (`duckctl bench transport`).
 
-  python -m bench.transport [--ducks 8] [--iters 2000] [--mtu 1500]
+  duckctl bench transport [--json] [--ducks 8] [--iters 2000] [--mtu 0] [--poll-us 200]
 
-Prints one JSON object:
+Cases (a table, or one JSON object with --json):
   overhead_{N}_ducks / overhead_1_duck: one token, an empty expert list, a
     64-wide activation: pure protocol and scheduling cost (a datagram out
     and a zero partial back per duck), median and p99 in microseconds;
-  ..._hidden7168: the same with DeepSeek's 28 KB fp32 activation, which is
-    21 fragments per duck at MTU 1500;
+  ..._hidden7168: the same with DeepSeek's activation (28 KB in fp32) out,
+    still a zero partial back;
+  ..._host_polling: the host polls its socket --poll-us before blocking
+    (otherwise --spin-us, 0: it blocks at once);
+  partials_{N}_ducks_hidden7168_{fp32,bf16}: every duck computes and sends
+    back a real partial of hidden 7168 (one expert of 64 units, top-1), in
+    fp32 or in bf16 (what a bf16 host model asks for); kernel_us_slowest is
+    the slowest duck's kernel per call, the rest is the transport's;
   deepseek_slice_{1,N}_duck(s): hidden 7168, 64 units per duck, top-8 of 8
     experts, one token: round trip, GB/s of fp9 weights streamed per duck
     (kernel time and end to end), against the local kernel on one thread.
-Ducks run one worker thread each and block when idle, as on a shared host.
+Every case names the datagram size agreed with its ducks (datagram_bytes;
+--mtu caps it, 1500 gives the old fragments), its partials' type, the host's
+wait (blocking or polling), the retransmits (of the measured calls; the
+warm-up's apart), and the ducks' wake-up: from a
+request's arrival at a duck (kernel timestamp) to the start of its kernel,
+for the slowest duck of each call (median, p99) and the mean over all.
+Ducks run one worker thread each and block when idle, as on a shared host
+(--duck-spin-us N: spin-then-block, yielding, for N us).
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,15 +51,17 @@ log = logging.getLogger("duck.bench_transport")
 HIDDEN = 7168
 
 
-def start_ducks(n: int, workdir: Path, threads: int, mtu: int) -> tuple[bytes, list[subprocess.Popen]]:
+def start_ducks(n: int, workdir: Path, threads: int, mtu: int, spin_us: int = 0) -> tuple[bytes, list]:
     key_file = workdir / "key"
     key = write_key_file(key_file)
+    idle = ["--idle", "spin", "--spin-us", str(spin_us)] if spin_us else ["--idle", "block"]
     procs = []
     for i in range(n):
         port_file = workdir / f"port{i}"
         procs.append(subprocess.Popen(
             [str(duckfw_path()), "--port-file", str(port_file), "--id", str(i), "--cache-dir", str(workdir / f"c{i}"),
-             "--key-file", str(key_file), "--threads", str(threads), "--mtu", str(mtu), "--log-level", "warn"]))
+             "--key-file", str(key_file), "--threads", str(threads), "--mtu", str(mtu or "auto"), *idle,
+             "--log-level", "warn"], stderr=subprocess.DEVNULL))
     return key, procs
 
 
@@ -62,42 +78,115 @@ def wait_ports(n: int, workdir: Path, timeout: float = 20.0) -> list[tuple[str, 
     return out
 
 
-def timed(fn, iters: int, warmup: int = 50) -> dict:
-    for _ in range(warmup):
-        fn()
-    t = np.empty(iters)
-    for i in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        t[i] = time.perf_counter_ns() - t0
-    t /= 1000.0
-    return {"median_us": round(float(np.median(t)), 1), "p99_us": round(float(np.percentile(t, 99)), 1),
-            "min_us": round(float(t.min()), 1), "iters": iters}
-
-
-def overhead(n: int, iters: int, mtu: int, threads: int, hidden: int = HIDDEN, spin_us: int = 0) -> dict:
+@contextmanager
+def local_ducks(n: int, args):
+    """n duckfw processes on loopback: (addresses, key); stopped on the way out."""
     with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
-        key, procs = start_ducks(n, Path(tmp), threads, mtu)
+        key, procs = start_ducks(n, Path(tmp), args.threads, args.mtu, args.duck_spin_us)
         try:
-            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, spin_us=spin_us)
-            fleet.hello()
-            session = fleet.open_session({0: [[] for _ in range(n)]}, hidden)
-            x = np.ones((1, hidden), np.float32)
-            ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
-            out = np.empty((1, hidden), np.float32)
-            r = timed(lambda: session.forward(0, x, ids, w, out=out), iters)
-            r.update(ducks=n, hidden=hidden, mtu=mtu, retransmits=fleet.transport_stats()["retransmits"])
-            fleet.shutdown()
-            fleet.close()
-            return r
+            yield wait_ports(n, Path(tmp)), key
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-                p.wait(10)
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.warning("duck pid %d ignored SIGTERM for 10 s; killing it", p.pid)
+                    p.kill()
+                    p.wait()
 
 
-def deepseek_slice(n: int, iters: int, mtu: int, threads: int, spin_us: int = 0) -> dict:
+def _us(a) -> dict:
+    return {"median": round(float(np.median(a)), 1), "p99": round(float(np.percentile(a, 99)), 1)}
+
+
+def timed(fn, iters: int, warmup: int = 50, session=None) -> dict:
+    """Median/p99/min of fn in microseconds; with a session, also the slowest duck's
+    wake-up and kernel time per call."""
+    for _ in range(warmup):
+        fn()
+    t, wake, kernel = np.empty(iters), np.empty(iters), np.empty(iters)
+    for i in range(iters):
+        k0 = session.kernel_us_total if session is not None else 0
+        t0 = time.perf_counter_ns()
+        fn()
+        t[i] = time.perf_counter_ns() - t0
+        if session is not None:
+            wake[i], kernel[i] = session.wake_ns_max, session.kernel_us_total - k0
+    t /= 1000.0
+    r = {"median_us": round(float(np.median(t)), 1), "p99_us": round(float(np.percentile(t, 99)), 1),
+         "min_us": round(float(t.min()), 1), "max_us": round(float(t.max()), 1), "iters": iters}
+    if session is not None:
+        r["duck_wake_us_slowest"] = _us(wake / 1000.0)
+        if kernel.any():
+            r["kernel_us_slowest"] = _us(kernel)
+    return r
+
+
+def _sizes(fleet: Fleet):
+    sizes = fleet.datagram_sizes()
+    return sizes[0] if len(set(sizes)) == 1 else sizes
+
+
+def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50) -> dict:
+    start = fleet.transport_stats()
+    for _ in range(warmup):                # first forwards: cold caches, the retransmit timer still learning
+        fn()
+    before_d = fleet.stats()
+    before_t = fleet.transport_stats()     # after the STATS call: only the measured calls' datagrams count
+    r = timed(fn, iters, 0, session)
+    after_t, after_d = fleet.transport_stats(), fleet.stats()
+    fwd = sum(a["forwards"] - b["forwards"] for a, b in zip(after_d, before_d))
+    wake = sum(a["wake_ns"] - b["wake_ns"] for a, b in zip(after_d, before_d))
+    r.update(ducks=fleet.n_ducks, datagram_bytes=_sizes(fleet), partials=partials,
+             host="polling" if host_spin_us else "blocking", host_spin_us=host_spin_us,
+             retransmits=after_t["retransmits"] - before_t["retransmits"],
+             warmup_retransmits=before_t["retransmits"] - start["retransmits"], warmup_calls=warmup,
+             mtu_fallbacks=after_t["mtu_fallbacks"] - before_t["mtu_fallbacks"],
+             datagrams_per_call=round((after_t["datagrams_tx"] + after_t["datagrams_rx"] - before_t["datagrams_tx"]
+                                       - before_t["datagrams_rx"]) / iters, 1),
+             duck_wake_us_mean=round(wake / max(fwd, 1) / 1000.0, 1))
+    return r
+
+
+def overhead(addresses, key, args, hidden: int, host_spin_us: int) -> dict:
+    """One token, no expert routed: the protocol and scheduling cost of a layer."""
+    n = len(addresses)
+    with Fleet(addresses, key, mtu=args.mtu, spin_us=host_spin_us) as fleet:
+        session = fleet.open_session({0: [[] for _ in range(n)]}, hidden)
+        x = np.ones((1, hidden), np.float32)
+        ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
+        out = np.empty((1, hidden), np.float32)
+        r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
+                      "none")
+        r.update(hidden=hidden)
+        return r
+
+
+def partials(addresses, key, args, host_spin_us: int, bf16: bool) -> dict:
+    """One token, one expert of 64 units per duck: a real partial of hidden 7168 back from every duck."""
+    n = len(addresses)
+    rng = np.random.default_rng(1)
+    expert = tuple((rng.standard_normal(s) * 0.02).astype(np.float32)
+                   for s in ((64 * n, HIDDEN), (64 * n, HIDDEN), (HIDDEN, 64 * n)))
+    per_duck = split_experts([expert], tp=n)
+    x = (rng.standard_normal((1, HIDDEN)) * 0.1).astype(np.float32)
+    ids, w = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us) as fleet:
+        fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
+        session = fleet.open_session({0: per_duck}, HIDDEN)
+        out = np.empty((1, HIDDEN), np.uint16 if bf16 else np.float32)
+        r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
+                      "bf16" if bf16 else "fp32")
+        r.update(hidden=HIDDEN, partial_bytes_per_duck=HIDDEN * (2 if bf16 else 4))
+        return r
+
+
+def deepseek_slice(addresses, key, args, host_spin_us: int) -> dict:
+    n = len(addresses)
+    iters = max(args.iters // 10, 50)
     rng = np.random.default_rng(0)
     n_experts, topk = 8, 8
     experts = [tuple((rng.standard_normal(s) * 0.02).astype(np.float32) for s in
@@ -109,60 +198,91 @@ def deepseek_slice(n: int, iters: int, mtu: int, threads: int, spin_us: int = 0)
     local = MoeSlice(per_duck[0], HIDDEN)
     ref = timed(lambda: local.forward(x, ids, w), max(iters // 4, 20), warmup=5)
     bytes_per_duck = sum(e.weight_bytes for e in per_duck[0])
-    with tempfile.TemporaryDirectory(prefix="duck-bench-") as tmp:
-        key, procs = start_ducks(n, Path(tmp), threads, mtu)
-        try:
-            fleet = Fleet(wait_ports(n, Path(tmp)), key, mtu=mtu, deadline_ms=5000, spin_us=spin_us)
-            fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
-            session = fleet.open_session({0: per_duck}, HIDDEN)
-            r = timed(lambda: session.forward(0, x, ids, w), iters, warmup=20)
-            before = fleet.stats()
-            timed(lambda: session.forward(0, x, ids, w), iters, warmup=0)
-            after = fleet.stats()
-            kern_s = np.mean([(a["kernel_ns"] - b["kernel_ns"]) / 1e9 / iters for a, b in zip(after, before)])
-            fleet.shutdown()
-            fleet.close()
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                p.wait(10)
-    r.update(ducks=n, mtu=mtu, experts=n_experts, topk=topk, bytes_per_duck=bytes_per_duck,
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us) as fleet:
+        fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
+        session = fleet.open_session({0: per_duck}, HIDDEN)
+        out = np.empty((1, HIDDEN), np.float32)
+        r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), iters, host_spin_us, "fp32",
+                      warmup=20)
+        before = fleet.stats()
+        timed(lambda: session.forward(0, x, ids, w, out=out), iters, warmup=0)
+        after = fleet.stats()
+        kern_s = np.mean([(a["kernel_ns"] - b["kernel_ns"]) / 1e9 / iters for a, b in zip(after, before)])
+        fleet.shutdown()
+    r.update(experts=n_experts, topk=topk, bytes_per_duck=bytes_per_duck,
              kernel_gbps_per_duck=round(bytes_per_duck / kern_s / 1e9, 2),
              end_to_end_gbps_per_duck=round(bytes_per_duck / (r["median_us"] * 1e-6) / 1e9, 2),
              local_kernel_gbps_1_thread=round(bytes_per_duck / (ref["median_us"] * 1e-6) / 1e9, 2))
     return r
 
 
+def run(args) -> dict:
+    result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
+              "load_avg_1min": round(os.getloadavg()[0], 2), "host_spin_us": args.spin_us,
+              "host_poll_us": args.poll_us, "mtu_ceiling": args.mtu, "duck_spin_us": args.duck_spin_us}
+    for n in (args.ducks, 1):
+        name = f"overhead_{n}_duck{'s' if n > 1 else ''}"
+        with local_ducks(n, args) as (addresses, key):
+            result[name] = overhead(addresses, key, args, 64, args.spin_us)
+            result[f"{name}_host_polling"] = overhead(addresses, key, args, 64, args.poll_us)
+            result[f"{name}_hidden{HIDDEN}"] = overhead(addresses, key, args, HIDDEN, args.spin_us)
+            if n > 1:
+                result[f"{name}_hidden{HIDDEN}_host_polling"] = overhead(addresses, key, args, HIDDEN, args.poll_us)
+                for dt in ("fp32", "bf16"):
+                    result[f"partials_{n}_ducks_hidden{HIDDEN}_{dt}"] = partials(addresses, key, args, args.spin_us,
+                                                                                dt == "bf16")
+    if not args.skip_deepseek:
+        for n in (1, args.ducks):
+            with local_ducks(n, args) as (addresses, key):
+                result[f"deepseek_slice_{n}_duck{'s' if n > 1 else ''}"] = deepseek_slice(addresses, key, args,
+                                                                                          args.spin_us)
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['cpus']} cpus (load {result['load_avg_1min']}), datagram sizes agreed at hello"
+             f"{' (ceiling ' + str(result['mtu_ceiling']) + ')' if result['mtu_ceiling'] else ''}; "
+             "wake = a request's arrival at a duck to its kernel's start, slowest duck per call",
+             f"{'case':44s} {'median':>8s} {'p99':>8s}  {'datagram':>8s} {'dgrams':>6s} {'y':4s} {'host':8s} "
+             f"{'retx':>4s} {'wake med':>8s} {'wake p99':>8s} {'kernel':>8s}"]
+    for name, r in result.items():
+        if not isinstance(r, dict):
+            continue
+        wake = r.get("duck_wake_us_slowest", {})
+        lines.append(f"{name:44s} {r['median_us']:8.1f} {r['p99_us']:8.1f}  {str(r['datagram_bytes']):>8s} "
+                     f"{r['datagrams_per_call']:6.1f} {r['partials']:4s} {r['host']:8s} {r['retransmits']:4d} "
+                     f"{wake.get('median', 0):8.1f} {wake.get('p99', 0):8.1f} "
+                     f"{r.get('kernel_us_slowest', {}).get('median', 0):8.1f}")
+        if "kernel_gbps_per_duck" in r:
+            lines.append(f"{'':44s} kernel {r['kernel_gbps_per_duck']} GB/s per duck, end to end "
+                         f"{r['end_to_end_gbps_per_duck']}, local 1 thread {r['local_kernel_gbps_1_thread']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="duck transport benchmark (loopback)")
+    p = argparse.ArgumentParser(prog="duckctl bench transport", description="duck transport benchmark (loopback)")
     p.add_argument("--ducks", type=int, default=8)
     p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--mtu", type=int, default=0,
+                   help="ceiling on the datagram size, ducks and host (0: as agreed, 64 KiB on loopback; 1500: the "
+                        "fragments of an Ethernet path)")
     p.add_argument("--threads", type=int, default=1, help="worker threads per duck")
     p.add_argument("--skip-deepseek", action="store_true")
     p.add_argument("--cpus", help="run the host and every duck on these CPUs only (e.g. 0): on a VM whose idle "
                    "vCPUs take 30-40 us to wake, co-located processes show the software's own overhead")
     p.add_argument("--spin-us", type=int, default=0,
-                   help="the host polls its socket this long before blocking (a dedicated host; ducks still block)")
+                   help="the host polls its socket this long before blocking in the plain cases (0: it blocks)")
+    p.add_argument("--poll-us", type=int, default=200, help="the host's polling in the _host_polling cases")
+    p.add_argument("--duck-spin-us", type=int, default=0,
+                   help="ducks spin-then-block (--idle spin) this long; 0: they block at once (a shared host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})   # the ducks inherit it
     logging.basicConfig(level=logging.WARNING)
-    result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
-              "host_spin_us": args.spin_us,
-              "command": " ".join(["python -m bench.transport", *(argv if argv is not None else sys.argv[1:])])}
-    for n in (args.ducks, 1):
-        name = f"overhead_{n}_duck{'s' if n > 1 else ''}"
-        result[name] = overhead(n, args.iters, args.mtu, args.threads, hidden=64, spin_us=args.spin_us)
-        result[f"{name}_hidden{HIDDEN}"] = overhead(n, args.iters, args.mtu, args.threads, spin_us=args.spin_us)
-    if not args.skip_deepseek:
-        iters = max(args.iters // 10, 50)
-        result["deepseek_slice_1_duck"] = deepseek_slice(1, iters, args.mtu, args.threads, args.spin_us)
-        result[f"deepseek_slice_{args.ducks}_ducks"] = deepseek_slice(args.ducks, iters, args.mtu, args.threads,
-                                                                     args.spin_us)
-    json.dump(result, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    result = run(args)
+    result["command"] = " ".join(["duckctl bench transport", *(argv if argv is not None else sys.argv[1:])])
+    sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
 
 

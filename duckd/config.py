@@ -111,14 +111,15 @@ class FleetConfig:
     threads_per_duck: int = 1
     tp: int = 0                        # tensor-parallel ranks; 0 = one per duck
     multiple_of: int = 64
-    mtu: int = 1500
+    mtu: int = 0                       # ceiling on the datagram size; 0: as agreed with each duck at hello
     link_timeout_s: float = 20.0
     health_interval_s: float = 0.5
     fail_after_s: float = 1.5          # no answer for this long -> FAILED
     restart: bool = True               # restart failed ducks where the driver can
     restart_delay_s: float = 1.0       # wait before a restart (no restart storms)
     cache_capacity_mb: int = 0         # per duck; 0 = unbounded
-    spin: bool = False                 # dedicated hardware only
+    spin: bool = False                 # ducks spin-then-block when idle: dedicated hardware only
+    spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
@@ -141,8 +142,10 @@ class FleetConfig:
                               "each duck holds one tensor-parallel slice")
         if self.multiple_of <= 0 or self.multiple_of % 64:
             raise ConfigError(f"fleet.multiple_of = {self.multiple_of!r}: expected a positive multiple of 64")
-        if not 576 <= self.mtu <= 9000:
-            raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 576..9000")
+        if self.mtu and not 1280 <= self.mtu <= 65535:
+            raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 0 (as agreed with each duck) or 1280..65535")
+        if not 1 <= self.spin_us <= 1000000:
+            raise ConfigError(f"fleet.spin_us = {self.spin_us!r}: expected 1..1000000")
         if not 0 <= self.host_spin_us <= 100000:
             raise ConfigError(f"fleet.host_spin_us = {self.host_spin_us!r}: expected 0..100000")
         if self.restart_delay_s < 0:

@@ -55,8 +55,8 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
             return -1;
         }
     }
-    dlog(DLOG_INFO, "kernels %s, %u worker thread(s)%s, idle %s", c->kernels->name, cfg->threads,
-         cfg->pin ? " pinned" : "", cfg->spin_us ? "spin-then-block" : "block");
+    dlog(DLOG_INFO, "kernels %s, %u worker thread(s)%s, idle %s (%u us)", c->kernels->name, cfg->threads,
+         cfg->pin ? " pinned" : "", cfg->spin_us ? "spin-then-block" : "block", cfg->spin_us);
     return 0;
 }
 
@@ -90,13 +90,14 @@ int core_fault_drop(duck_core *c)
     return 1;
 }
 
-/* Seals fragments [0, count) of one message, skipping those marked in
- * `have`, and sends them in batches. */
+uint32_t core_default_mtu(const duck_core *c) { return wire_reply_mtu(0, c->cfg.mtu); }
+
+/* Seals fragments [0, count) of one message in datagrams of at most mtu
+ * bytes, skipping those marked in `have`, and sends them in batches. */
 static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
-                         uint32_t total, int with_mac, const uint8_t *have, uint32_t have_bits)
+                         uint32_t total, uint32_t mtu, int with_mac, const uint8_t *have, uint32_t have_bits)
 {
-    uint32_t maxp = wire_max_payload(c->cfg.mtu, 1);
-    uint32_t count = total ? (total + maxp - 1) / maxp : 1;
+    uint32_t count = wire_frag_count(total, mtu);
     uint32_t fsize = wire_frag_size(total, count);
     if (have && have_bits != count)
         have = NULL;   /* the peer's view of the geometry is not ours: send all */
@@ -134,7 +135,7 @@ void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uin
     h.flags = WIRE_F_REPLY;
     h.session = r->key.session;
     h.sequence = r->key.sequence;
-    send_message(c, &r->key.peer, &h, r->buf, r->len, r->with_mac, have, have_bits);
+    send_message(c, &r->key.peer, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits);
 }
 
 static void send_nack(duck_core *c, const msg_key *k, const reasm_slot *s, int with_mac)
@@ -153,7 +154,7 @@ static void send_nack(duck_core *c, const msg_key *k, const reasm_slot *s, int w
     h.flags = WIRE_F_REPLY;
     h.session = k->session;
     h.sequence = k->sequence;
-    send_message(c, &k->peer, &h, buf, (uint32_t)sizeof n + bytes, with_mac, NULL, 0);
+    send_message(c, &k->peer, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0);
 }
 
 static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h, const uint8_t *p)

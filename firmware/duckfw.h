@@ -32,8 +32,8 @@ typedef struct duck_config {
     uint64_t cache_capacity;   /* bytes */
     unsigned threads;
     int pin;
-    unsigned spin_us;          /* 0: block when idle */
-    uint32_t mtu;
+    unsigned spin_us;          /* 0: block when idle; else spin (yielding) this long, then block */
+    uint32_t mtu;              /* largest datagram taken and sent (configured, or the interface's) */
     int data_mac;              /* require a MAC on forwards too */
     wire_key key;
     int faults;                /* fault injection allowed and on */
@@ -124,6 +124,7 @@ typedef struct reply_slot {
     int used;
     msg_key key;
     int with_mac;
+    uint32_t mtu;              /* datagram size the reply is cut for (a RESEND gets the same geometry) */
     uint64_t touched;
     uint8_t *buf;              /* reply payload (wire_reply_head + body) */
     uint32_t len, cap;
@@ -169,6 +170,8 @@ typedef struct duck_core {
     uint64_t rng;
     int shutdown;              /* a SHUTDOWN was accepted */
     int mid_message;           /* the last datagram left a message incomplete */
+    uint64_t rx_ns;            /* CLOCK_MONOTONIC arrival of the datagram in hand, set by the
+                                  platform from the kernel's timestamp; 0: unknown */
     uint64_t cores, mem_bytes;
 } duck_core;
 
@@ -178,8 +181,11 @@ void core_free(duck_core *c);
 void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size_t len);
 /* Fault injection: 1 when this datagram is to be dropped. */
 int core_fault_drop(duck_core *c);
-/* Seals and sends reply fragments; bitmap (or NULL: all) marks those the
- * peer already has. */
+/* The datagram size of replies that do not state one (WIRE_MTU_DEFAULT, or
+ * less if the duck's own is less). */
+uint32_t core_default_mtu(const duck_core *c);
+/* Seals and sends reply fragments, r->mtu large; bitmap (or NULL: all) marks
+ * those the peer already has. */
 void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits);
 /* Runs one complete request and returns its reply, kept in the last-reply
  * cache under k (handlers.c); NULL when out of memory. */

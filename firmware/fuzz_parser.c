@@ -3,7 +3,11 @@
  * fed raw (mode 0), or sealed with the harness key so that the fuzzer
  * reaches the handlers behind the MAC (modes 1, 2); a sealed SYNTH may get
  * its entries' digests fixed up so that descriptors reach the generator.
- * Every datagram the duck sends back must pass wire_check with the same key. Built by
+ * Mode 3 builds forwards for a session the harness opened at set-up (two
+ * synthetic experts, hidden 64) from fuzzed fields: dtypes, reply datagram
+ * size, counts, ids, activations, a length off by one. Every datagram the
+ * duck sends back must pass wire_check with the same key, and a forward's
+ * reply must keep to the datagram size the forward stated. Built by
  * firmware/build.py (variant fuzz: clang -fsanitize=fuzzer; fuzz-gcc: the
  * same entry point driven by fuzz_main.c). */
 #define _GNU_SOURCE
@@ -13,9 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define FUZZ_SESSION 0x00C0FFEEu
+#define FUZZ_HIDDEN 64
+
 static duck_core core;
 static int ready;
 static const duck_peer peer = {0x0100007f, 0x3930};
+static uint32_t reply_limit = WIRE_MTU_MAX;   /* largest datagram the duck may send now */
 
 static void check_out(void *ctx, const duck_peer *to, uint8_t *const *dgrams, const size_t *lens, unsigned n)
 {
@@ -26,7 +34,93 @@ static void check_out(void *ctx, const duck_peer *to, uint8_t *const *dgrams, co
             fprintf(stderr, "the duck sent a datagram that does not check\n");
             abort();
         }
+        if (lens[i] + WIRE_IP_UDP_BYTES > reply_limit) {
+            fprintf(stderr, "the duck sent a %zu-byte datagram; the request allowed %u\n", lens[i], reply_limit);
+            abort();
+        }
     }
+}
+
+static void request(uint8_t type, uint32_t session, const void *payload, uint32_t len)
+{
+    static uint8_t out[WIRE_MAX_DATAGRAM + 64];
+    static uint32_t seq = 1u << 30;
+    wire_header h = {0};
+    h.type = type;
+    h.session = session;
+    h.sequence = seq++;
+    h.frag_count = 1;
+    h.total_len = len;
+    size_t n = wire_seal(&h, payload, len, &core.cfg.key, 1, out);
+    core_datagram(&core, &peer, out, n);
+}
+
+/* Session FUZZ_SESSION, layer 0: two experts of one 64-unit slice, made by
+ * SYNTH; 0 when the duck refused (fuzzed requests may have filled its cache). */
+static int open_session(void)
+{
+    wire_session_open so = {FUZZ_HIDDEN, 0};
+    request(WIRE_T_SESSION_OPEN, FUZZ_SESSION, &so, sizeof so);
+    struct {
+        wire_synth head;
+        wire_synth_entry e[4];
+    } synth;
+    memset(&synth, 0, sizeof synth);
+    synth.head.count = 4;
+    uint8_t plan[sizeof(wire_layer_plan) + 4 * WIRE_DIGEST_BYTES];
+    wire_layer_plan lp = {0, 2, FUZZ_HIDDEN, 0};
+    memcpy(plan, &lp, sizeof lp);
+    for (int i = 0; i < 4; i++) {   /* gate_up [128, 64], down [64, 64], twice */
+        fp9_synth_desc *d = &synth.e[i].desc;
+        d->version = FP9_SYNTH_VERSION;
+        d->rows = d->live_rows = i % 2 ? FUZZ_HIDDEN : 128;
+        d->cols = d->live_cols = i % 2 ? 64 : FUZZ_HIDDEN;
+        d->prescale_log2 = fp9_synth_default_prescale_log2(d->cols);
+        d->seed = (uint64_t)i + 1;
+        wire_synth_digest(d, synth.e[i].digest);
+        memcpy(plan + sizeof lp + (size_t)i * WIRE_DIGEST_BYTES, synth.e[i].digest, WIRE_DIGEST_BYTES);
+    }
+    request(WIRE_T_SYNTH, 0, &synth, sizeof synth);
+    request(WIRE_T_LAYER_PLAN, FUZZ_SESSION, plan, sizeof plan);
+    return core.session.id == FUZZ_SESSION && core.session.layers[0];
+}
+
+/* A forward built from fuzzed fields; mostly well formed, so that it reaches the kernel. */
+static void forward(const uint8_t *data, size_t size)
+{
+    static uint8_t payload[sizeof(wire_forward) + 8 * 4 * 3 + 4 * 4 * FUZZ_HIDDEN];
+    if (size < 8)
+        return;
+    if (core.session.id != FUZZ_SESSION || !core.session.layers[0])
+        open_session();   /* a fuzzed request closed it */
+    wire_forward f = {0};
+    f.layer = data[0] % 8 == 0;                                   /* layer 1 has no plan */
+    f.ntok = (uint16_t)(data[1] % 5);
+    f.topk = (uint8_t)(data[2] % 4);
+    f.x_dtype = (uint8_t)(data[3] % 3);                           /* 2: unknown */
+    f.y_dtype = (uint8_t)(data[4] % 3);
+    f.reserved = (uint8_t)((data[5] & 7) == 7);
+    f.hidden = data[6] % 8 == 0 ? FUZZ_HIDDEN / 2 : FUZZ_HIDDEN;
+    f.reply_mtu = (uint16_t)(data[7] < 8 ? data[7] * 200u : WIRE_MTU_MIN + (data[7] - 8u) * 260u);
+    uint32_t slots = (uint32_t)f.ntok * f.topk, xs = f.x_dtype == WIRE_DT_BF16 ? 2 : 4;
+    uint32_t len = (uint32_t)sizeof f + 8 * slots + f.ntok * f.hidden * xs;
+    memcpy(payload, &f, sizeof f);
+    for (uint32_t i = 0; i < len - sizeof f; i++) {
+        uint8_t b = 8 + i < size ? data[8 + i] : (uint8_t)(i * 37);
+        if (i < 4 * slots && i % 4 == 0) {                        /* ids: -1 .. 2 (2 is out of range) */
+            int32_t id = (int32_t)(b % 4) - 1;
+            memcpy(payload + sizeof f + i, &id, 4);
+            i += 3;
+        } else {
+            payload[sizeof f + i] = b;
+        }
+    }
+    if (data[5] & 0x10)
+        len--;                                                    /* does not match its counts */
+    uint32_t stated = wire_reply_mtu(f.reply_mtu, core.cfg.mtu);
+    reply_limit = stated ? stated : wire_reply_mtu(0, core.cfg.mtu);
+    request(WIRE_T_FORWARD, FUZZ_SESSION, payload, len);
+    reply_limit = WIRE_MTU_MAX;
 }
 
 static void setup(void)
@@ -40,13 +134,17 @@ static void setup(void)
     cfg.cache_dir = dir;
     cfg.cache_capacity = 16u << 20;
     cfg.threads = 1;
-    cfg.mtu = WIRE_MTU_DEFAULT;
+    cfg.mtu = WIRE_MTU_MAX;   /* replies cut for whatever size a request states (reply_mtu) */
     cfg.key.len = 32;
     memset(cfg.key.bytes, 0x5a, cfg.key.len);
     dlog_init(0, DLOG_ERROR);
     if (core_init(&core, &cfg, check_out, NULL) != 0)
         abort();
     core.cores = 4;
+    if (!open_session()) {
+        fprintf(stderr, "fuzz set-up: the session did not open\n");
+        abort();
+    }
     ready = 1;
 }
 
@@ -93,12 +191,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         setup();
     if (size == 0)
         return 0;
-    switch (data[0] % 3) {
+    switch (data[0] % 4) {
     case 0:
         core_datagram(&core, &peer, data + 1, size - 1);
         break;
     case 1:
         sealed(data + 1, size - 1);
+        break;
+    case 3:
+        forward(data + 1, size - 1);
         break;
     default:   /* several sealed messages: each prefixed by a length byte */
         for (size_t i = 1; i < size;) {

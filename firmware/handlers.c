@@ -5,6 +5,7 @@
 #include "duckfw.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -25,6 +26,7 @@ static reply_slot *reply_new(duck_core *c, const msg_key *k, const wire_header *
     if (!r)
         return NULL;
     r->with_mac = (h->flags & WIRE_F_MAC) != 0;
+    r->mtu = core_default_mtu(c);
     memset(r->buf, 0, sizeof(wire_reply_head));
     r->len = (uint32_t)sizeof(wire_reply_head) + body;
     return r;
@@ -63,6 +65,21 @@ static reply_slot *on_hello(duck_core *c, reply_slot *r)
     hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
     snprintf(hr.name, sizeof hr.name, "%s", DUCKFW_NAME);
     memcpy(body(r), &hr, sizeof hr);
+    return r;
+}
+
+static reply_slot *on_ping(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    wire_ping pg;
+    if (len < sizeof pg || len > WIRE_MTU_MAX)
+        return fail(r, WIRE_E_MALFORMED, "ping payload is %u bytes, expected %zu..%u", len, sizeof pg, WIRE_MTU_MAX);
+    memcpy(&pg, p, sizeof pg);
+    uint32_t mtu = wire_reply_mtu(pg.reply_mtu, c->cfg.mtu);
+    if (!mtu)
+        return fail(r, WIRE_E_MALFORMED, "ping asks for reply datagrams of %u bytes, below the minimum %u",
+                    pg.reply_mtu, WIRE_MTU_MIN);
+    r->mtu = mtu;
+    memcpy(body(r), p, len);   /* echoed whole: a padded ping proves the path both ways */
     return r;
 }
 
@@ -175,6 +192,19 @@ static reply_slot *on_layer_plan(duck_core *c, reply_slot *r, const wire_header 
     return r;
 }
 
+/* --- forward: the wake-up time --------------------------------------------- */
+
+/* From the arrival of the request's last datagram (the kernel's timestamp)
+ * to now, when the kernel starts: the duck's wake-up and parsing. */
+static uint32_t wake_ns(duck_core *c)
+{
+    if (!c->rx_ns)
+        return 0;
+    uint64_t now = now_ns(), dt = now > c->rx_ns ? now - c->rx_ns : 0;
+    c->stats.wake_ns += dt;
+    return dt > UINT32_MAX ? UINT32_MAX : (uint32_t)dt;
+}
+
 static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header *h, const uint8_t *p,
                               uint32_t len)
 {
@@ -183,16 +213,19 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
     if (len >= sizeof f)
         memcpy(&f, p, sizeof f);
     uint64_t slots = (uint64_t)f.ntok * f.topk, xsize = f.x_dtype == WIRE_X_BF16 ? 2 : 4;
-    uint64_t ybytes = (uint64_t)f.ntok * f.hidden * 4;
+    uint64_t ybytes = (uint64_t)f.ntok * f.hidden * wire_dtype_bytes(f.y_dtype);
+    uint32_t reply_mtu = wire_reply_mtu(f.reply_mtu, c->cfg.mtu);
     int ok_shape = len >= sizeof f && f.ntok <= WIRE_MAX_TOKENS && f.topk <= WIRE_MAX_TOPK && f.x_dtype <= 1 &&
-                   f.hidden <= (1u << 16) &&
+                   f.hidden <= (1u << 16) && f.y_dtype <= 1 && f.reserved == 0 && reply_mtu &&
                    ybytes + sizeof(wire_reply_head) + sizeof(wire_forward_reply) <= WIRE_MAX_MESSAGE && len == sizeof f + 8 * slots + (uint64_t)f.ntok * f.hidden * xsize;
     reply_slot *r = reply_new(c, k, h, (uint32_t)sizeof(wire_forward_reply) + (ok_shape ? (uint32_t)ybytes : 0));
     if (!r)
         return NULL;
     if (!ok_shape)
         return fail(r, WIRE_E_MALFORMED, "forward of %u bytes does not match ntok %u, topk %u, hidden %u, "
-                    "dtype %u", len, f.ntok, f.topk, f.hidden, f.x_dtype);
+                    "dtype %u -> %u, reply datagrams %u (reserved %u)", len, f.ntok, f.topk, f.hidden, f.x_dtype,
+                    f.y_dtype, f.reply_mtu, f.reserved);
+    r->mtu = reply_mtu;
     if (!c->session.id || h->session != c->session.id)
         return fail(r, WIRE_E_NO_SESSION, "no open session %08x (open: %08x)", h->session, c->session.id);
     const duck_layer *l = f.layer < WIRE_MAX_LAYERS ? c->session.layers[f.layer] : NULL;
@@ -210,12 +243,13 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
                         l->n_experts);
         any |= id >= 0;
     }
-    wire_forward_reply fr = {f.layer, f.ntok, 0, f.hidden, 0, 0};
+    wire_forward_reply fr = {f.layer, f.ntok, f.y_dtype, 0, f.hidden, 0, 0, 0, {0}};
     wire_reply_head head = {WIRE_OK, 0};
     c->stats.forwards++;
     if (!any || f.ntok == 0) {
         head.flags = WIRE_R_ZERO;   /* nothing routed here: no bytes to send back */
         r->len = (uint32_t)(sizeof head + sizeof fr);
+        fr.wake_ns = wake_ns(c);
     } else {
         duck_moe_args a = {0};
         a.experts = l->experts;
@@ -227,8 +261,10 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
         a.expert_weights = (const float *)(p + sizeof f + 4 * slots);
         a.x = p + sizeof f + 8 * slots;
         a.x_dtype = f.x_dtype == WIRE_X_BF16 ? DUCK_DT_BF16 : DUCK_DT_F32;
-        a.y_dtype = DUCK_DT_F32;   /* the reply carries fp32 partials */
+        /* the partial straight into the reply, rounded once (to nearest even) where bf16 is asked */
+        a.y_dtype = f.y_dtype == WIRE_DT_BF16 ? DUCK_DT_BF16 : DUCK_DT_F32;
         a.y = body(r) + sizeof fr;
+        fr.wake_ns = wake_ns(c);
         uint64_t t0 = now_ns(), bytes = 0;
         int rc = duck_moe_forward(c->pool, c->kernels, c->ws, &a, &bytes);
         uint64_t dt = now_ns() - t0;
@@ -261,18 +297,15 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     uint32_t n = h->type < WIRE_T_COUNT ? sizes[h->type] : 0;
     if (h->type == WIRE_T_CACHE_QUERY)
         n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
+    if (h->type == WIRE_T_PING && len <= WIRE_MTU_MAX)
+        n = len;   /* the echo */
     reply_slot *r = reply_new(c, k, h, n);
     if (!r)
         return NULL;
     memset(body(r), 0, n);
     switch (h->type) {
     case WIRE_T_HELLO: r = on_hello(c, r); break;
-    case WIRE_T_PING:
-        if (len != sizeof(wire_ping))
-            r = fail(r, WIRE_E_MALFORMED, "ping payload is %u bytes, expected %zu", len, sizeof(wire_ping));
-        else
-            memcpy(body(r), payload, len);
-        break;
+    case WIRE_T_PING: r = on_ping(c, r, payload, len); break;
     case WIRE_T_STATS: memcpy(body(r), &c->stats, sizeof c->stats); break;
     case WIRE_T_CACHE_QUERY: r = on_cache_query(c, r, payload, len); break;
     case WIRE_T_CACHE_INVALIDATE: r = on_invalidate(c, r, payload, len); break;

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <net/if.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,16 +27,19 @@ static void usage(FILE *f)
             "  --pin                    pin workers to CPUs (dedicated hardware only)\n"
             "  --key-file FILE          shared key: the file's bytes, one trailing newline\n"
             "                           dropped, %d..%d bytes\n"
-            "  --idle block|spin        block when idle (default), or spin --spin-us first\n"
+            "  --idle block|spin        block when idle (default), or spin-then-block: poll for\n"
+            "                           --spin-us, yielding the CPU, then block\n"
             "  --spin-us N              spin time for --idle spin (default 50)\n"
-            "  --mtu N                  datagram budget incl. IP/UDP headers (default %d)\n"
+            "  --mtu N|auto             largest datagram taken and sent, IP/UDP headers included,\n"
+            "                           %d..%d; auto or 0 (default): the MTU of the interface of --bind\n"
+            "                           (loopback 65535); the host agrees its size at hello\n"
             "  --data-mac               require a MAC on forwards too\n"
             "  --log-level error|warn|info|debug (default info)\n"
             "  test only, refused without --enable-fault-injection:\n"
             "  --drop-rate F            drop this fraction of datagrams in and out\n"
             "  --delay-us N             delay before handling each request\n"
             "  --fault-seed N           seed of the drop pattern\n",
-            WIRE_KEY_MIN, WIRE_KEY_MAX, WIRE_MTU_DEFAULT);
+            WIRE_KEY_MIN, WIRE_KEY_MAX, WIRE_MTU_MIN, WIRE_MTU_MAX);
 }
 
 static int parse_size(const char *s, uint64_t *out)
@@ -115,7 +119,7 @@ int main(int argc, char **argv)
     memset(&cfg, 0, sizeof cfg);
     cfg.bind_addr = "127.0.0.1";
     cfg.cache_capacity = 1ull << 30;
-    cfg.mtu = WIRE_MTU_DEFAULT;
+    cfg.mtu = 0;   /* auto */
     const char *key_file = NULL;
     int spin = 0, faults_allowed = 0, fault_opts = 0, level = DLOG_INFO;
     unsigned long spin_us = 50, v;
@@ -137,7 +141,11 @@ int main(int argc, char **argv)
             spin = strcmp(optarg, "spin") == 0;
             break;
         case O_SPIN: if (parse_uint(optarg, 1000000, &spin_us)) BAD("--spin-us %s is not 0..1000000", optarg); break;
-        case O_MTU: if (parse_uint(optarg, WIRE_MTU_MAX, &v) || v < WIRE_MTU_MIN) BAD("--mtu %s is not %d..%d", optarg, WIRE_MTU_MIN, WIRE_MTU_MAX); cfg.mtu = (uint32_t)v; break;
+        case O_MTU:
+            if (strcmp(optarg, "auto") == 0) { cfg.mtu = 0; break; }
+            if (parse_uint(optarg, WIRE_MTU_MAX, &v) || (v && v < WIRE_MTU_MIN)) BAD("--mtu %s is not auto (0) or %d..%d", optarg, WIRE_MTU_MIN, WIRE_MTU_MAX);
+            cfg.mtu = (uint32_t)v;
+            break;
         case O_DATA_MAC: cfg.data_mac = 1; break;
         case O_LOG:
             level = !strcmp(optarg, "error") ? DLOG_ERROR : !strcmp(optarg, "warn") ? DLOG_WARN
@@ -172,10 +180,18 @@ int main(int argc, char **argv)
     cfg.faults = faults_allowed && fault_opts;
     cfg.spin_us = spin ? (unsigned)spin_us : 0;
     if (cfg.spin_us && cfg.pin == 0)
-        fprintf(stderr, "duckfw: warning: --idle spin on a shared host starves its neighbours\n");
+        fprintf(stderr, "duckfw: note: --idle spin polls up to %u us after each datagram (yielding the CPU); on a "
+                "host shared with other work keep --idle block\n", cfg.spin_us);
 
     dlog_init(cfg.duck_id, level);
     net_install_signals();
+    char ifname[IF_NAMESIZE + 1] = "";
+    if (!cfg.mtu) {
+        uint32_t mtu = net_detect_mtu(cfg.bind_addr, ifname, sizeof ifname);
+        cfg.mtu = mtu < WIRE_MTU_MIN ? WIRE_MTU_DEFAULT : mtu;
+        if (!mtu)
+            dlog(DLOG_WARN, "no interface found for %s: datagrams of %u bytes", cfg.bind_addr, cfg.mtu);
+    }
     if (cfg.faults)
         dlog(DLOG_WARN, "FAULT INJECTION ON: drop rate %.3f, delay %u us (tests only)", cfg.drop_rate, cfg.delay_us);
     uint16_t port = 0;
@@ -200,7 +216,8 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-    dlog(DLOG_INFO, "%s listening on %s:%u (duck %u, mtu %u)", DUCKFW_NAME, cfg.bind_addr, port, cfg.duck_id, cfg.mtu);
+    dlog(DLOG_INFO, "%s listening on %s:%u (duck %u, mtu %u%s%s)", DUCKFW_NAME, cfg.bind_addr, port, cfg.duck_id,
+         cfg.mtu, ifname[0] ? " of " : "", ifname);
     net_serve(&core, fd);
     core_free(&core);
     close(fd);

@@ -20,8 +20,9 @@ def duckfw_command(cfg, duck_id: int, bind: str, port: int, workdir: Path, key_f
 
     cmd = [str(duckfw_path()), "--bind", bind, "--port", str(port), "--port-file", str(workdir / "port"),
            "--id", str(duck_id), "--cache-dir", str(workdir / "cache"), "--key-file", str(key_file),
-           "--threads", str(cfg.threads_per_duck), "--idle", "spin" if cfg.spin else "block",
-           "--mtu", str(cfg.mtu)]
+           "--threads", str(cfg.threads_per_duck), "--mtu", str(cfg.mtu or "auto")]
+    # spin-then-block keeps a duck awake for the next layer; on a shared host block (the default)
+    cmd += ["--idle", "spin", "--spin-us", str(cfg.spin_us)] if cfg.spin else ["--idle", "block"]
     if cfg.cache_capacity_mb:
         cmd += ["--cache-capacity", f"{cfg.cache_capacity_mb}M"]
     return cmd

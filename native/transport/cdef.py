@@ -10,7 +10,7 @@ WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BY
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
-WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16
+WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK
 """.split()
 
@@ -34,11 +34,11 @@ typedef struct wire_hello_reply {
     uint64_t cache_bytes; uint64_t cache_capacity; uint32_t cache_entries; uint32_t session; uint32_t mtu;
     uint32_t flags; char name[...]; ...;
 } wire_hello_reply;
-typedef struct wire_ping { uint64_t t_ns; ...; } wire_ping;
+typedef struct wire_ping { uint64_t t_ns; uint16_t reply_mtu; ...; } wire_ping;
 typedef struct wire_stats {
     uint64_t datagrams_rx, datagrams_tx, requests, forwards, duplicates, resends, malformed, unauthenticated,
              stale, injected_drops, errors, bytes_streamed, kernel_ns, uploads_done, upload_bytes,
-             cache_evictions, cache_corrupt;
+             cache_evictions, cache_corrupt, wake_ns;
     ...;
 } wire_stats;
 typedef struct wire_invalidate { uint32_t flags; uint8_t digest[...]; ...; } wire_invalidate;
@@ -49,10 +49,13 @@ typedef struct wire_synth_entry { fp9_synth_desc desc; uint8_t digest[...]; ...;
 typedef struct wire_synth_reply { uint32_t created; uint32_t present; uint64_t bytes_created; ...; } wire_synth_reply;
 typedef struct wire_session_open { uint32_t hidden; uint32_t flags; ...; } wire_session_open;
 typedef struct wire_layer_plan { uint32_t layer; uint32_t n_experts; uint32_t hidden; ...; } wire_layer_plan;
-typedef struct wire_forward { uint32_t layer; uint16_t ntok; uint8_t topk; uint8_t x_dtype; uint32_t hidden; ...; }
-    wire_forward;
+typedef struct wire_forward {
+    uint32_t layer; uint16_t ntok; uint8_t topk; uint8_t x_dtype; uint32_t hidden; uint8_t y_dtype;
+    uint16_t reply_mtu; ...;
+} wire_forward;
 typedef struct wire_forward_reply {
-    uint32_t layer; uint16_t ntok; uint32_t hidden; uint32_t kernel_us; uint64_t bytes_streamed; ...;
+    uint32_t layer; uint16_t ntok; uint8_t y_dtype; uint32_t hidden; uint32_t kernel_us; uint64_t bytes_streamed;
+    uint32_t wake_ns; ...;
 } wire_forward_reply;
 typedef struct wire_key { uint8_t bytes[...]; uint32_t len; ...; } wire_key;
 
@@ -62,6 +65,7 @@ void wire_synth_digest(const fp9_synth_desc *d, uint8_t *out);
 void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t *out);
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len, const wire_key *key, int with_mac,
                  uint8_t *out);
+void wire_f32_to_bf16_n(const float *src, uint16_t *dst, size_t n);
 int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_mac, wire_header *h,
                const uint8_t **payload);
 const char *wire_check_str(int result);
@@ -77,7 +81,7 @@ typedef struct duck_call {
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
-             unauthenticated;
+             unauthenticated, mtu_fallbacks;
     int32_t last_errno; ...;
 } duck_transport_stats;
 typedef struct duck_transport duck_transport;
@@ -86,13 +90,18 @@ void duck_transport_destroy(duck_transport *t);
 uint32_t duck_transport_ducks(const duck_transport *t);
 uint16_t duck_transport_local_port(const duck_transport *t);
 int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n);
+uint32_t duck_transport_agree(duck_transport *t, uint32_t duck, uint32_t duck_mtu);
+uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck);
+uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck);
+uint32_t duck_transport_rcvbuf(const duck_transport *t);
+uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 typedef struct duck_forward_args {
     uint32_t session, layer, ntok, topk, hidden; const int32_t *expert_ids; const float *expert_weights;
-    const void *x; int32_t x_is_bf16; float *y; ...;
+    const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; ...;
 } duck_forward_args;
 typedef struct duck_forward_result {
     int32_t failed_duck; int32_t result; int32_t duck_status; uint32_t kernel_us_max; uint64_t bytes_streamed;
-    uint32_t retransmits; char message[...]; ...;
+    uint32_t retransmits; uint32_t wake_ns_max; uint32_t mtu_fallbacks; char message[...]; ...;
 } duck_forward_result;
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);

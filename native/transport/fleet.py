@@ -1,5 +1,6 @@
 """One socket to N ducks (native/transport/transport.c, GIL released): requests,
-hello, ping, stats, cache queries and invalidation, uploads and sessions."""
+hello (and the datagram size agreed with each duck), ping, stats, cache queries
+and invalidation, uploads and sessions."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,11 @@ from native.transport.errors import DuckError, DuckTimeout
 
 log = logging.getLogger("duck.transport")
 
+# A probe's payload is this much below the agreed size, so that the request
+# (28 + 32 + payload) and its echo (28 + 32 + 8 + payload, room for a MAC
+# kept) are one datagram each, within 24 bytes of the size.
+_PROBE_ROOM = lib.WIRE_IP_UDP_BYTES + lib.WIRE_HEADER_BYTES + lib.WIRE_MAC_BYTES + ffi.sizeof("wire_reply_head")
+
 
 @dataclass(frozen=True)
 class DuckInfo:
@@ -36,7 +42,7 @@ class DuckInfo:
     cache_capacity: int
     cache_entries: int
     session: int
-    mtu: int
+    mtu: int                 # the largest datagram the duck takes and sends
     data_mac: bool
     fault_injection: bool
 
@@ -49,11 +55,17 @@ class Fleet:
     """One socket to N ducks. Not for concurrent use from several threads
     (calls are serialized by a lock); the C releases the GIL while waiting.
 
-    retransmit_ms: silence before the first retransmit (doubles, up to 8x);
+    mtu: a ceiling on the datagram size (IP and UDP headers counted); 0: none.
+    Datagrams are WIRE_MTU_DEFAULT (1500) bytes until hello() agrees a size with
+    each duck: the smallest of what it announces, the path MTU to it and mtu
+    (64 KiB on loopback: one datagram per layer and duck instead of twenty).
+    retransmit_ms: the least silence before a retransmit, and the timer until a
+    duck's round trip is measured (then srtt + 4 rttvar; doubles, up to 8x);
     deadline_ms: silence after which a duck has failed (DuckTimeout names it).
+    spin_us: poll for replies this long before blocking (a dedicated host).
     """
 
-    def __init__(self, addresses, key: bytes, *, mtu: int = 1500, retransmit_ms: float = 10.0,
+    def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
                  deadline_ms: float = 1000.0, mac_data: bool = False, spin_us: int = 0):
         self.addresses = [(str(h), int(p)) for h, p in addresses]
         if not self.addresses:
@@ -145,7 +157,9 @@ class Fleet:
         return self.call([(d, mtype, payload, cap) for d in ducks], session)
 
     def hello(self) -> list[DuckInfo]:
-        """Asks every duck who it is; also the link check (a duck that is down raises DuckTimeout)."""
+        """Asks every duck who it is; also the link check (a duck that is down raises
+        DuckTimeout). Agrees the datagram size with each duck and proves it with a
+        ping of that size both ways (a size the path drops falls back to 1500)."""
         infos = []
         for d, (_, body) in enumerate(self._all(lib.WIRE_T_HELLO, cap=ffi.sizeof("wire_hello_reply"))):
             h = ffi.cast("wire_hello_reply *", ffi.from_buffer(body))
@@ -160,13 +174,40 @@ class Fleet:
                 raise DuckError(f"{self.name(d)} requires a MAC on forwards (duckfw --data-mac); "
                                 "open the Fleet with mac_data=True", d)
         self.infos = infos
+        self._agree()
         return infos
+
+    def _agree(self) -> None:
+        """Each duck's datagram size; a size above 1500 that is new is proven by a ping of
+        that size both ways (a size that fell back is tried again: the path may be fixed)."""
+        before = self.datagram_sizes()
+        agreed = [lib.duck_transport_agree(self._t, d, info.mtu) for d, info in enumerate(self.infos)]
+        probes = [(d, lib.WIRE_T_PING, self._ping_payload(m - _PROBE_ROOM), m - _PROBE_ROOM)
+                  for d, m in enumerate(agreed) if m > lib.WIRE_MTU_DEFAULT and m != before[d]]
+        if probes:
+            self.call(probes)
+        for d, m in enumerate(agreed):
+            now = lib.duck_transport_mtu(self._t, d)
+            if now != m:
+                log.warning("%s: datagrams of %d bytes did not get through (the duck announced %d, the route "
+                            "to it %d); using %d: check the MTU of the path, or set the fleet's mtu", self.name(d), m,
+                            self.infos[d].mtu, lib.duck_transport_path_mtu(self._t, d), now)
+        log.debug("datagram sizes: %s", self.datagram_sizes())
+
+    def datagram_sizes(self) -> list[int]:
+        """The datagram size (an MTU: IP and UDP headers counted) used with each duck now."""
+        return [lib.duck_transport_mtu(self._t, d) for d in range(self.n_ducks)]
+
+    @staticmethod
+    def _ping_payload(size: int = 0) -> bytes:
+        p = ffi.new("wire_ping *")
+        p.t_ns = time.monotonic_ns()     # reply_mtu: the transport states the agreed size
+        head = bytes(ffi.buffer(p))
+        return head + bytes(max(0, size - len(head)))
 
     def ping(self) -> list[float]:
         """Round trip to every duck (all at once), in microseconds."""
-        p = ffi.new("wire_ping *")
-        p.t_ns = time.monotonic_ns()
-        self._all(lib.WIRE_T_PING, bytes(ffi.buffer(p)), cap=ffi.sizeof("wire_ping"))
+        self._all(lib.WIRE_T_PING, self._ping_payload(), cap=ffi.sizeof("wire_ping"))
         return list(self.last_rtt_us)
 
     def stats(self) -> list[dict]:
@@ -215,5 +256,8 @@ class Fleet:
     def open_session(self, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
                      session_id: int | None = None) -> _session.Session:
         """Makes the layer plans resident on every duck: layers[layer][duck] is
-        that duck's list of expert slices (split_experts' result), already uploaded."""
+        that duck's list of expert slices (split_experts' result), already uploaded.
+        Says hello first if this Fleet has not (the datagram sizes are agreed there)."""
+        if not self.infos:
+            self.hello()
         return _session.open_session(self, layers, hidden, session_id or (secrets.randbits(32) or 1))

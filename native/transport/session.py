@@ -2,16 +2,61 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 
 from native._native import ffi, lib
-from native.kernels import ExpertSlice, ffn_inputs
+from native.fp9 import _to_numpy
+from native.kernels import ExpertSlice
 from native.transport.errors import DuckError, DuckTimeout
 
 log = logging.getLogger("duck.transport")
 
 MAX_TOKENS = lib.WIRE_MAX_TOKENS
+F32, BF16 = lib.DUCK_DT_F32, lib.DUCK_DT_BF16
+_ELEMENT_BYTES = {F32: 4, BF16: 2}
+_NUMPY_DTYPES = {np.dtype(np.float32): F32, np.dtype(np.uint16): BF16}   # bf16 as its bits
+_torch_dtypes: dict = {}
+
+
+def _torch_dtype(dtype):
+    """The wire dtype of a torch dtype (None if not fp32/bf16); torch is imported by whoever made the tensor."""
+    if not _torch_dtypes:
+        torch = sys.modules["torch"]
+        _torch_dtypes.update({torch.float32: F32, torch.bfloat16: BF16})
+    return _torch_dtypes.get(dtype)
+
+
+def _wire_view(a, writable: bool = False):
+    """(pointer, wire dtype, shape) of a C-contiguous fp32/bf16 CPU buffer, viewed
+    (numpy float32 or uint16 bf16 bits, torch float32 or bfloat16); None otherwise."""
+    if type(a) is np.ndarray:
+        code = _NUMPY_DTYPES.get(a.dtype)
+        if code is None or not a.flags.c_contiguous or (writable and not a.flags.writeable):
+            return None
+        return ffi.cast("char *", ffi.from_buffer(a)), code, a.shape
+    if hasattr(a, "data_ptr") and a.is_cpu and a.is_contiguous():
+        code = _torch_dtype(a.dtype)
+        if code is not None:
+            return ffi.cast("char *", a.data_ptr()), code, a.shape
+    return None
+
+
+def _routing_view(a, np_dtype, torch_name: str, ctype: str):
+    """(typed pointer, element count, owner) of ids (int32) or weights (fp32), converted only if needed."""
+    if type(a) is np.ndarray and a.dtype == np_dtype and a.flags.c_contiguous:
+        return ffi.from_buffer(ctype + "[]", a), a.size, a
+    if hasattr(a, "data_ptr") and a.is_cpu and a.is_contiguous() and str(a.dtype) == torch_name:
+        return ffi.cast(ctype + " *", a.data_ptr()), a.numel(), a
+    arr = np.ascontiguousarray(_to_numpy(a), dtype=np_dtype)
+    return ffi.from_buffer(ctype + "[]", arr), arr.size, arr
+
+
+def tokens_per_call(rcvbuf: int, n_ducks: int, hidden: int, y_dtype: int) -> int:
+    """Tokens per forward whose partials, from every duck at once, fit the host's
+    receive buffer twice over (kernel bookkeeping included); 0 if not even one."""
+    return min(MAX_TOKENS, rcvbuf // (2 * n_ducks * hidden * _ELEMENT_BYTES[y_dtype]))
 
 
 class Session:
@@ -26,44 +71,85 @@ class Session:
         self.kernel_us_max = 0
         self.kernel_us_total = 0   # the slowest duck's kernel time, summed over calls
         self.retransmits = 0
+        self.wake_ns_max = 0       # the last call's slowest duck: its request's arrival to its kernel's start
+        rcvbuf = lib.duck_transport_rcvbuf(fleet._t)
+        self._step = {}
+        for dt in (F32, BF16):
+            step = tokens_per_call(rcvbuf, fleet.n_ducks, hidden, dt)
+            if step == 0:
+                log.warning("the host's socket receive buffer (%d bytes) is less than twice one token's partials "
+                            "from %d ducks at hidden %d (%d bytes in %s): replies will be dropped and resent; raise "
+                            "net.core.rmem_max (sysctl -w net.core.rmem_max=67108864)", rcvbuf, fleet.n_ducks,
+                            hidden, fleet.n_ducks * hidden * _ELEMENT_BYTES[dt], "fp32" if dt == F32 else "bf16")
+            self._step[dt] = max(step, 1)
 
-    def forward(self, layer: int, x, expert_ids, expert_weights, out: np.ndarray | None = None) -> np.ndarray:
-        """x [T, H] (fp32 numpy, or torch fp32/bf16 on the CPU), expert_ids / weights [T, k]
-        -> [T, H] fp32: the sum of every duck's partial. T is any count (chunks of 64).
+    def forward(self, layer: int, x, expert_ids, expert_weights, out=None):
+        """x [T, H] fp32 or bf16: numpy (bf16 as uint16 bits) or a CPU torch tensor,
+        passed as it is when contiguous (anything else is converted to fp32);
+        expert_ids / expert_weights [T, k] int32 / fp32 (numpy or torch; converted
+        only if not). Returns y [T, H], the fp32 sum of every duck's partial written
+        in out's dtype: out is fp32 or bf16, numpy (float32 or uint16 bits) or a
+        contiguous CPU torch tensor; None: a new fp32 numpy array. The partials
+        travel in out's dtype (docs/wire.md). T is any count (chunks of <= 64).
         Raises DuckTimeout naming a duck that did not answer within the deadline,
         DuckError for a duck that refused (unknown layer, expert id out of range)."""
-        xn, bf16, ids, wts = ffn_inputs(x, expert_ids, expert_weights)
-        ntok = xn.shape[0]
-        if xn.ndim != 2 or xn.shape[1] != self.hidden:
-            raise ValueError(f"forward layer {layer}: activation {xn.shape} does not have hidden size {self.hidden}")
-        if ids.shape[1] > lib.WIRE_MAX_TOPK:
-            raise ValueError(f"forward layer {layer}: {ids.shape[1]} experts per token, at most {lib.WIRE_MAX_TOPK}")
-        y = out if out is not None else np.empty((ntok, self.hidden), dtype=np.float32)
-        if y.shape != (ntok, self.hidden) or y.dtype != np.float32 or not y.flags.c_contiguous:
-            raise ValueError(f"forward layer {layer}: out must be a contiguous float32 array of {(ntok, self.hidden)}")
-        a, res = self._args, self._res
-        a.layer, a.topk, a.x_is_bf16 = layer, ids.shape[1], int(bf16)
-        step = MAX_TOKENS
+        xv = _wire_view(x)
+        if xv is None:
+            xf = np.ascontiguousarray(_to_numpy(x), dtype=np.float32)
+            xv = ffi.cast("char *", ffi.from_buffer(xf)), F32, xf.shape
+        xp, x_dtype, shape = xv
+        ntok = shape[0] if len(shape) == 2 else 1
+        if shape[-1] != self.hidden or len(shape) > 2:
+            raise ValueError(f"forward layer {layer}: activation {tuple(shape)} does not have hidden size "
+                             f"{self.hidden}")
+        if out is None:
+            out = np.empty((ntok, self.hidden), dtype=np.float32)
+        yv = _wire_view(out, writable=True)
+        if yv is None or yv[2][-1] != self.hidden or (yv[2][0] if len(yv[2]) == 2 else 1) != ntok:
+            raise ValueError(f"forward layer {layer}: out must be a contiguous fp32 or bf16 CPU array of "
+                             f"{(ntok, self.hidden)} (numpy float32/uint16 or torch float32/bfloat16), got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        yp, y_dtype, _ = yv
+        ip, n_ids, keep_i = _routing_view(expert_ids, np.int32, "torch.int32", "int32_t")
+        wp, n_w, keep_w = _routing_view(expert_weights, np.float32, "torch.float32", "float")
+        topk = n_ids // ntok if ntok else 0
+        if n_ids != ntok * topk or n_w != n_ids:
+            raise ValueError(f"forward layer {layer}: {n_ids} expert ids and {n_w} weights for {ntok} tokens")
+        if topk > lib.WIRE_MAX_TOPK:
+            raise ValueError(f"forward layer {layer}: {topk} experts per token, at most {lib.WIRE_MAX_TOPK}")
+        a, res, fleet = self._args, self._res, self.fleet
+        a.layer, a.topk, a.x_dtype, a.y_dtype = layer, topk, x_dtype, y_dtype
+        step = self._step[y_dtype]
+        xrow, yrow = self.hidden * _ELEMENT_BYTES[x_dtype], self.hidden * _ELEMENT_BYTES[y_dtype]
+        wake = 0
         for t0 in range(0, ntok, step):
-            if ntok <= step:
-                xs, ys, si, sw = xn, y, ids, wts
+            a.ntok = min(step, ntok - t0)
+            if t0:
+                a.x, a.y, a.expert_ids, a.expert_weights = xp + t0 * xrow, yp + t0 * yrow, ip + t0 * topk, wp + t0 * topk
             else:
-                xs, ys, si, sw = xn[t0:t0 + step], y[t0:t0 + step], ids[t0:t0 + step], wts[t0:t0 + step]
-            a.ntok = xs.shape[0]
-            a.expert_ids = ffi.from_buffer("int32_t[]", si)
-            a.expert_weights = ffi.from_buffer("float[]", sw)
-            a.x = ffi.from_buffer(xs)
-            a.y = ffi.from_buffer("float[]", ys, require_writable=True)
-            with self.fleet._lock:
-                rc = lib.duck_transport_forward(self.fleet._t, a, res)
+                a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
+            with fleet._lock:
+                rc = lib.duck_transport_forward(fleet._t, a, res)
             self.retransmits += res.retransmits
-            if rc != lib.DUCK_T_OK:
+            if res.mtu_fallbacks:
+                self._log_fallback(layer)
+            if rc:
                 self._raise(rc, res)
             self.bytes_streamed += res.bytes_streamed
-            if res.kernel_us_max > self.kernel_us_max:
-                self.kernel_us_max = res.kernel_us_max
-            self.kernel_us_total += res.kernel_us_max
-        return y
+            kernel_us = res.kernel_us_max
+            if kernel_us > self.kernel_us_max:
+                self.kernel_us_max = kernel_us
+            self.kernel_us_total += kernel_us
+            if res.wake_ns_max > wake:
+                wake = res.wake_ns_max
+        self.wake_ns_max = wake
+        del keep_i, keep_w
+        return out
+
+    def _log_fallback(self, layer: int) -> None:
+        sizes = self.fleet.datagram_sizes()
+        log.warning("forward of layer %d: %d duck(s) did not take their agreed datagram size and fell back; "
+                    "datagram sizes now %s", layer, self._res.mtu_fallbacks, sizes)
 
     def _raise(self, rc: int, res) -> None:
         msg = ffi.string(res.message).decode(errors="replace")
@@ -92,5 +178,6 @@ def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
             digests = b"".join(bytes.fromhex(e.gate_up.digest()) + bytes.fromhex(e.down.digest()) for e in experts)
             reqs.append((d, lib.WIRE_T_LAYER_PLAN, bytes(ffi.buffer(lp)) + digests, 0))
         fleet.call(reqs, session=session_id)
-    log.info("session %08x open on %d ducks: %d layers, hidden %d", session_id, fleet.n_ducks, len(layers), hidden)
+    log.info("session %08x open on %d ducks: %d layers, hidden %d; datagrams of %s bytes", session_id,
+             fleet.n_ducks, len(layers), hidden, fleet.datagram_sizes())
     return Session(fleet, session_id, hidden, set(layers))

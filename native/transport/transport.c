@@ -1,8 +1,8 @@
-/* Host transport: the socket, and the sealing and sending of requests.
- * transport_run.c gathers and reassembles replies and retransmits on a
- * deadline: a single-datagram request is sent again; otherwise a RESEND
- * probe is answered by the missing reply fragments or by a NACK listing
- * the request fragments the duck holds. */
+/* Host transport: the socket, the datagram size of each duck, and the
+ * sealing and sending of requests. transport_run.c gathers and reassembles
+ * replies and retransmits on a timer: a single-datagram request is sent
+ * again; otherwise a RESEND probe is answered by the missing reply fragments
+ * or by a NACK listing the request fragments the duck holds. */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
@@ -18,7 +18,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SOCKET_BUFFER (16 << 20)
+/* Replies of every duck to one forward arrive at once: 8 ducks x 64 tokens x
+ * 7168 fp32 is 14.7 MB. Granted where the kernel allows (CAP_NET_ADMIN or
+ * net.core.rmem_max); session.py sizes its token chunks by what was granted. */
+#define SOCKET_BUFFER (64 << 20)
+
+static uint32_t route_mtu(const struct sockaddr_in *to);
 
 uint64_t tr_now_ns(void)
 {
@@ -42,8 +47,8 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
         FAIL("a fleet has 1..65536 ducks, got %u", n);
     if (cfg->key_len < WIRE_KEY_MIN || cfg->key_len > WIRE_KEY_MAX)
         FAIL("the shared key is %u bytes; it must be %d..%d", cfg->key_len, WIRE_KEY_MIN, WIRE_KEY_MAX);
-    if (cfg->mtu < WIRE_MTU_MIN || cfg->mtu > WIRE_MTU_MAX)
-        FAIL("mtu %u is outside %d..%d", cfg->mtu, WIRE_MTU_MIN, WIRE_MTU_MAX);
+    if (cfg->mtu && (cfg->mtu < WIRE_MTU_MIN || cfg->mtu > WIRE_MTU_MAX))
+        FAIL("mtu %u is outside %d..%d (0: no ceiling)", cfg->mtu, WIRE_MTU_MIN, WIRE_MTU_MAX);
     if (!cfg->retransmit_us || cfg->deadline_us < cfg->retransmit_us)
         FAIL("retransmit (%u us) must be > 0 and no longer than the deadline (%u us)", cfg->retransmit_us,
              cfg->deadline_us);
@@ -53,14 +58,23 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
     t->cfg.ports = NULL;
     t->cfg.key = NULL;
     t->dest = calloc(n, sizeof *t->dest);
+    t->link = calloc(n, sizeof *t->link);
     t->active = malloc(n * sizeof *t->active);
     t->st = calloc(n, sizeof *t->st);
     t->rx = malloc(BATCH * sizeof *t->rx);
     t->replies = calloc(n, sizeof *t->replies);
     t->reply_caps = calloc(n, sizeof *t->reply_caps);
     t->fcalls = calloc(n, sizeof *t->fcalls);
-    if (!t->dest || !t->active || !t->st || !t->rx || !t->replies || !t->reply_caps || !t->fcalls)
+    if (!t->dest || !t->link || !t->active || !t->st || !t->rx || !t->replies || !t->reply_caps || !t->fcalls)
         FAIL("out of memory for %u ducks", n);
+    for (int i = 0; i < BATCH; i++) {
+        t->rx_iov[i].iov_base = t->rx[i];
+        t->rx_iov[i].iov_len = sizeof t->rx[i];
+        t->rx_msgs[i].msg_hdr.msg_name = &t->rx_from[i];
+        t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];
+        t->rx_msgs[i].msg_hdr.msg_iov = &t->rx_iov[i];
+        t->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+    }
     for (uint32_t d = 0; d < n; d++) {
         t->dest[d].sin_family = AF_INET;
         t->dest[d].sin_addr.s_addr = cfg->addrs[d];
@@ -68,6 +82,8 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
         t->active[d] = -1;
         if (!cfg->ports[d])
             FAIL("duck %u has port 0", d);
+        t->link[d].path_mtu = route_mtu(&t->dest[d]);
+        t->link[d].mtu = tr_small_mtu(t);
     }
     t->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (t->fd < 0)
@@ -77,6 +93,10 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
         setsockopt(t->fd, SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
     if (setsockopt(t->fd, SOL_SOCKET, SO_SNDBUFFORCE, &want, sizeof want) != 0)
         setsockopt(t->fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof want);
+    int got = 0;
+    socklen_t optlen = sizeof got;
+    getsockopt(t->fd, SOL_SOCKET, SO_RCVBUF, &got, &optlen);
+    t->rcvbuf = got > 0 ? (uint32_t)got : 0;
     struct sockaddr_in any = {0};
     any.sin_family = AF_INET;
     socklen_t len = sizeof any;
@@ -101,7 +121,9 @@ void duck_transport_destroy(duck_transport *t)
     free(t->reply_caps);
     free(t->fcalls);
     free(t->dest);
+    free(t->link);
     free(t->active);
+    free(t->acc);
     free(t->st);
     free(t->rx);
     free(t->seal);
@@ -112,6 +134,54 @@ void duck_transport_destroy(duck_transport *t)
 uint32_t duck_transport_ducks(const duck_transport *t) { return t->cfg.n_ducks; }
 uint16_t duck_transport_local_port(const duck_transport *t) { return t->local_port; }
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out) { *out = t->stats; }
+uint32_t duck_transport_rcvbuf(const duck_transport *t) { return t->rcvbuf; }
+
+/* --- datagram size ------------------------------------------------------- */
+
+/* The MTU of the route to a duck: a connected UDP socket's IP_MTU (65536 on
+ * loopback, the NIC's on a LAN); 0 when there is no route. */
+static uint32_t route_mtu(const struct sockaddr_in *to)
+{
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return 0;
+    int mtu = 0;
+    socklen_t len = sizeof mtu;
+    if (connect(fd, (const struct sockaddr *)to, sizeof *to) != 0 ||
+        getsockopt(fd, IPPROTO_IP, IP_MTU, &mtu, &len) != 0 || mtu <= 0)
+        mtu = 0;
+    close(fd);
+    return (uint32_t)mtu;
+}
+
+uint32_t tr_small_mtu(const duck_transport *t)
+{
+    return t->cfg.mtu && t->cfg.mtu < WIRE_MTU_DEFAULT ? t->cfg.mtu : WIRE_MTU_DEFAULT;
+}
+
+uint32_t duck_transport_agree(duck_transport *t, uint32_t duck, uint32_t duck_mtu)
+{
+    if (duck >= t->cfg.n_ducks)
+        return 0;
+    uint32_t m = duck_mtu < WIRE_MTU_MIN ? WIRE_MTU_MIN : duck_mtu > WIRE_MTU_MAX ? WIRE_MTU_MAX : duck_mtu;
+    uint32_t path = t->link[duck].path_mtu;
+    if (path && path < m)
+        m = path < WIRE_MTU_MIN ? WIRE_MTU_MIN : path;
+    if (t->cfg.mtu && t->cfg.mtu < m)
+        m = t->cfg.mtu;
+    t->link[duck].mtu = m;
+    return m;
+}
+
+uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck)
+{
+    return duck < t->cfg.n_ducks ? t->link[duck].mtu : 0;
+}
+
+uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck)
+{
+    return duck < t->cfg.n_ducks ? t->link[duck].path_mtu : 0;
+}
 
 /* --- sending ----------------------------------------------------------- */
 
@@ -153,30 +223,29 @@ void tr_tx_add(duck_transport *t, uint32_t duck, uint8_t *dgram, size_t len)
         tr_tx_flush(t);
 }
 
-int tr_seal_room(duck_transport *t, uint32_t frags)
+/* Where a request states the largest reply datagram the host takes: the
+ * transport writes the call's datagram size there when it seals fragment 0. */
+static void state_reply_mtu(uint32_t type, uint8_t *payload, uint32_t len, uint32_t mtu)
 {
-    size_t need = (size_t)frags * (t->cfg.mtu + 64);
-    if (need <= t->seal_cap)
-        return 0;
-    uint8_t *p = realloc(t->seal, need);
-    if (!p)
-        return -1;
-    t->seal = p;
-    t->seal_cap = need;
-    return 0;
+    uint16_t v = (uint16_t)mtu;
+    if (type == WIRE_T_FORWARD && len >= sizeof(wire_forward))
+        memcpy(payload + offsetof(wire_forward, reply_mtu), &v, sizeof v);
+    else if (type == WIRE_T_PING && len >= sizeof(wire_ping))
+        memcpy(payload + offsetof(wire_ping, reply_mtu), &v, sizeof v);
 }
 
-uint32_t tr_frag_count(const duck_transport *t, uint32_t total)
-{
-    uint32_t maxp = wire_max_payload(t->cfg.mtu, 1);
-    return total ? (total + maxp - 1) / maxp : 1;
-}
-
-/* Seals the fragments of a call's request (those not set in `have`, or all)
- * into t->seal; returns how many, with their lengths in lens. */
 uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have,
-                             size_t *lens, uint32_t *index)
+                         size_t *lens)
 {
+    size_t stride = (size_t)s->mtu + 64, need = (size_t)s->req_frags * stride;
+    if (need > t->seal_cap) {
+        uint8_t *p = realloc(t->seal, need);
+        if (!p)
+            return 0;
+        t->seal = p;
+        t->seal_cap = need;
+    }
+    t->seal_stride = stride;
     wire_header h = {0};
     h.type = (uint8_t)c->type;
     h.session = c->session;
@@ -188,10 +257,13 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
         if (have && (have[i / 8] & (1u << (i % 8))))
             continue;
         uint32_t off = fsize * i, len = c->payload_len - off < fsize ? c->payload_len - off : fsize;
+        uint8_t *out = t->seal + (size_t)n * stride;
+        if (len)
+            memcpy(out + WIRE_HEADER_BYTES, (const uint8_t *)c->payload + off, len);
+        if (i == 0)
+            state_reply_mtu(c->type, out + WIRE_HEADER_BYTES, len, s->mtu);
         h.frag_index = (uint16_t)i;
-        lens[n] = wire_seal(&h, (const uint8_t *)c->payload + off, len, &t->key, s->with_mac,
-                            t->seal + (size_t)n * (t->cfg.mtu + 64));
-        index[n++] = i;
+        lens[n++] = wire_seal_in_place(&h, len, &t->key, s->with_mac, out);
     }
     return n;
 }
@@ -199,10 +271,9 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
 void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have)
 {
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
-    static __thread uint32_t index[WIRE_MAX_FRAGMENTS];
-    uint32_t n = tr_seal_request(t, c, s, have, lens, index);
+    uint32_t n = tr_seal_request(t, c, s, have, lens);
     for (uint32_t i = 0; i < n; i++)
-        tr_tx_add(t, c->duck, t->seal + (size_t)i * (t->cfg.mtu + 64), lens[i]);
+        tr_tx_add(t, c->duck, t->seal + (size_t)i * t->seal_stride, lens[i]);
     tr_tx_flush(t);
 }
 

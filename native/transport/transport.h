@@ -1,8 +1,11 @@
 /* Host side of the wire: one UDP socket to a fleet of ducks, scatter of
- * requests, gather of replies with reassembly, retransmission on a
- * deadline, and a failure deadline after which the silent duck is named.
- * One caller at a time per transport; no call blocks past its deadline.
- * Python binds it through cffi (native/transport/cdef.py, fleet.py, session.py). */
+ * requests, gather of replies with reassembly, retransmission on a timer
+ * derived from each duck's measured round trip, and a failure deadline after
+ * which the silent duck is named. Datagrams are as large as agreed with each
+ * duck (duck_transport_agree); a size that does not get through falls back to
+ * WIRE_MTU_DEFAULT. One caller at a time per transport; no call blocks past
+ * its deadline. Python binds it through cffi (native/transport/cdef.py,
+ * fleet.py, session.py). */
 #ifndef DUCK_TRANSPORT_H
 #define DUCK_TRANSPORT_H
 
@@ -20,8 +23,8 @@ typedef struct duck_transport_config {
     const uint16_t *ports;       /* host byte order */
     const uint8_t *key;          /* shared key, WIRE_KEY_MIN..WIRE_KEY_MAX bytes */
     uint32_t key_len;
-    uint32_t mtu;                /* WIRE_MTU_MIN..WIRE_MTU_MAX */
-    uint32_t retransmit_us;      /* first retransmit after this long without the reply */
+    uint32_t mtu;                /* ceiling on the datagram size, WIRE_MTU_MIN..WIRE_MTU_MAX; 0: none */
+    uint32_t retransmit_us;      /* floor of the retransmit timer, and its value before a round trip is measured */
     uint32_t deadline_us;        /* a duck silent this long has failed */
     int32_t mac_data;            /* MAC forwards too (the ducks may require it) */
     uint32_t spin_us;            /* 0: block in ppoll while waiting (shared hosts) */
@@ -54,6 +57,7 @@ typedef struct duck_call {
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks;
     uint64_t timeouts, stale, malformed, unauthenticated;
+    uint64_t mtu_fallbacks;      /* calls whose agreed datagram size did not get through */
     int32_t last_errno;
     uint32_t reserved;
 } duck_transport_stats;
@@ -66,17 +70,39 @@ void duck_transport_destroy(duck_transport *t);
 uint32_t duck_transport_ducks(const duck_transport *t);
 uint16_t duck_transport_local_port(const duck_transport *t);
 
+/* The datagram size used with a duck (an MTU: IP and UDP headers counted)
+ * is WIRE_MTU_DEFAULT until agreed. duck_transport_agree makes it the
+ * smallest of what the duck announced at hello, the path MTU to it (the
+ * route's IP_MTU; unknown: the duck's word) and the configured ceiling, and
+ * returns it. A size that then does not get through (nothing heard for a
+ * quarter of the deadline) falls back to WIRE_MTU_DEFAULT for good. */
+uint32_t duck_transport_agree(duck_transport *t, uint32_t duck, uint32_t duck_mtu);
+uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck);
+uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck);
+/* The socket's receive buffer in bytes (what replies in flight must fit). */
+uint32_t duck_transport_rcvbuf(const duck_transport *t);
+/* The retransmit timeout of the duck's next call, in microseconds. */
+uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
+
 /* Runs the calls concurrently until every one has a reply or has failed.
  * Returns DUCK_T_OK when all got replies, else the first failing result. */
 int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n);
+
+/* Element types of x and y (native/kernels/ffn.h defines the same). */
+#ifndef DUCK_DT_F32
+#define DUCK_DT_F32 0
+#define DUCK_DT_BF16 1
+#endif
 
 typedef struct duck_forward_args {
     uint32_t session, layer, ntok, topk, hidden;
     const int32_t *expert_ids;   /* [ntok][topk], negative: skip */
     const float *expert_weights; /* [ntok][topk] */
-    const void *x;               /* [ntok][hidden] fp32, or bf16 bits */
-    int32_t x_is_bf16;
-    float *y;                    /* [ntok][hidden]: sum of every duck's partial */
+    const void *x;               /* [ntok][hidden] in x_dtype */
+    uint32_t x_dtype;            /* DUCK_DT_F32 | DUCK_DT_BF16 */
+    uint32_t y_dtype;            /* the type of y, and of the partials on the wire */
+    void *y;                     /* [ntok][hidden]: the fp32 sum of every duck's partial (in duck order),
+                                    converted once to y_dtype */
 } duck_forward_args;
 
 typedef struct duck_forward_result {
@@ -86,11 +112,15 @@ typedef struct duck_forward_result {
     uint32_t kernel_us_max;      /* slowest duck's kernel time */
     uint64_t bytes_streamed;     /* all ducks */
     uint32_t retransmits;
+    uint32_t wake_ns_max;        /* slowest duck's wake-up: its request's arrival to its kernel's start */
+    uint32_t mtu_fallbacks;      /* ducks whose agreed datagram size failed in this call */
     uint32_t reserved;
     char message[WIRE_MAX_ERROR_TEXT + 1];
 } duck_forward_result;
 
-/* One layer of the FFN over every duck: scatter, gather, sum in duck order. */
+/* One layer of the FFN over every duck: scatter, gather; each partial is
+ * added as soon as it and those of all lower-numbered ducks are in, so the
+ * sum is the same bits whatever order the replies arrive in. */
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);

@@ -1,16 +1,74 @@
-/* The scatter/gather loop: send every call's request (a group of calls with
- * one payload is sealed once), then receive, reassemble and retransmit
- * until each call has its reply or has passed the failure deadline. */
+/* The scatter/gather loop: send every call's request (calls with one payload
+ * and one datagram size are sealed once), then receive, reassemble and
+ * retransmit until each call has its reply or has passed the failure deadline.
+ *
+ * The retransmit timer of a duck follows its measured round trips as TCP's
+ * does (RFC 6298): srtt += (r - srtt) / 8, rttvar += (|r - srtt| - rttvar) / 4,
+ * RTO = srtt + 4 rttvar, never below the configured retransmit_us (also the
+ * value before any sample) nor above a quarter of the deadline. A duck that
+ * computes long layers is thus not sent duplicates while it works. A call that
+ * needed retransmits gives no sample (which transmission did the reply
+ * answer?) but leaves the interval it completed in as the duck's floor until
+ * a call completes without one (Karn). */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/time.h>
 #include <time.h>
 
-#define MID_MESSAGE_SPIN_US 50
+/* Once replies of a scatter have started to arrive, the others are
+ * microseconds apart (fragments of one reply, or the other ducks'): poll for
+ * them this long before blocking, rather than pay a sleep and a wake-up per
+ * datagram (a context switch and an IPI on a VM: about 4 us each). */
+#define GATHER_SPIN_US 50
+
+uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck)
+{
+    const duck_link *l = &t->link[duck];
+    uint64_t floor = (uint64_t)t->cfg.retransmit_us * 1000u, ceiling = (uint64_t)t->cfg.deadline_us * 250u;
+    uint64_t rto = l->srtt_ns ? l->srtt_ns + 4 * l->rttvar_ns : 0;
+    if (rto < l->backoff_ns)
+        rto = l->backoff_ns;
+    if (rto > ceiling)
+        rto = ceiling;
+    return rto > floor ? rto : floor;
+}
+
+uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck)
+{
+    return duck < t->cfg.n_ducks ? (uint32_t)(tr_rto_ns(t, duck) / 1000u) : 0;
+}
+
+static void rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now)
+{
+    if (c->retransmits) {
+        l->backoff_ns = s->interval;
+        return;
+    }
+    uint64_t r = now - s->t_start;
+    if (!l->srtt_ns) {
+        l->srtt_ns = r;
+        l->rttvar_ns = r / 2;
+    } else {
+        uint64_t err = r > l->srtt_ns ? r - l->srtt_ns : l->srtt_ns - r;
+        l->rttvar_ns = (3 * l->rttvar_ns + err) / 4;
+        l->srtt_ns = (7 * l->srtt_ns + r) / 8;
+    }
+    l->backoff_ns = 0;
+}
+
+static void start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now)
+{
+    s->interval = tr_rto_ns(t, c->duck);
+    s->cap = 8 * s->interval;
+    if (s->cap > (uint64_t)t->cfg.deadline_us * 500u)
+        s->cap = s->interval > (uint64_t)t->cfg.deadline_us * 500u ? s->interval : (uint64_t)t->cfg.deadline_us * 500u;
+    s->t_next = now + s->interval;
+}
 
 /* --- receiving --------------------------------------------------------- */
 
@@ -34,6 +92,8 @@ static void on_nack(duck_transport *t, const duck_call *c, call_state *s, const 
     if (nk.frag_count == 0) {
         tr_send_request(t, c, s, NULL);
     } else if (nk.frag_count == s->req_frags && h->payload_len == sizeof nk + (nk.frag_count + 7) / 8) {
+        for (uint32_t i = 0; i < (nk.frag_count + 7) / 8 && !s->progress; i++)
+            s->progress = p[sizeof nk + i] != 0;   /* our datagrams get through */
         tr_send_request(t, c, s, p + sizeof nk);
     } else {
         t->stats.malformed++;
@@ -42,7 +102,7 @@ static void on_nack(duck_transport *t, const duck_call *c, call_state *s, const 
 
 /* Returns 1 when this datagram completed (or failed) a call. */
 static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, size_t len,
-                       const struct sockaddr_in *from, uint64_t now)
+                       const struct sockaddr_in *from, uint64_t now, tr_done_fn done, void *ctx)
 {
     t->stats.datagrams_rx++;
     int32_t d = find_duck(t, from);
@@ -50,8 +110,9 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
         t->stats.stale++;
         return 0;
     }
-    duck_call *c = &calls[t->active[d]];
-    call_state *s = &t->st[t->active[d]];
+    uint32_t ci = (uint32_t)t->active[d];
+    duck_call *c = &calls[ci];
+    call_state *s = &t->st[ci];
     wire_header h;
     const uint8_t *p;
     int rc = wire_check(buf, len, &t->key, s->with_mac, &h, &p);
@@ -75,6 +136,7 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
         t->stats.stale++;
         return 0;
     }
+    s->progress = 1;
     if (s->rep_count == 0) {
         if (h.total_len > c->reply_cap) {
             c->result = DUCK_T_ETOOBIG;
@@ -94,40 +156,31 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
         return 0;
     s->bitmap[i / 8] |= (uint8_t)(1u << (i % 8));
     memcpy((uint8_t *)c->reply + (size_t)wire_frag_size(h.total_len, h.frag_count) * i, p, h.payload_len);
-    if (++s->rep_have < s->rep_count) {
-        t->mid_message = 1;
+    if (++s->rep_have < s->rep_count)
         return 0;
-    }
     c->result = DUCK_T_OK;
     c->reply_len = s->rep_total;
     c->rtt_ns = now - s->t_start;
     s->done = 1;
+    rtt_sample(&t->link[d], c, s, now);
+    if (done)
+        done(t, calls, ci, ctx);
     return 1;
 }
 
-static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns)
+static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, tr_done_fn done, void *ctx)
 {
-    struct mmsghdr msgs[BATCH];
-    struct iovec iov[BATCH];
-    struct sockaddr_in from[BATCH];
-    for (int i = 0; i < BATCH; i++) {
-        iov[i].iov_base = t->rx[i];
-        iov[i].iov_len = sizeof t->rx[i];
-        memset(&msgs[i], 0, sizeof msgs[i]);
-        msgs[i].msg_hdr.msg_name = &from[i];
-        msgs[i].msg_hdr.msg_namelen = sizeof from[i];
-        msgs[i].msg_hdr.msg_iov = &iov[i];
-        msgs[i].msg_hdr.msg_iovlen = 1;
-    }
+    struct mmsghdr *msgs = t->rx_msgs;
     int n = -1;
     uint64_t spin_us = t->cfg.spin_us;
-    if (t->mid_message && spin_us < MID_MESSAGE_SPIN_US)
-        spin_us = MID_MESSAGE_SPIN_US;   /* the rest of a reply is microseconds away */
+    if (t->gathering && spin_us < GATHER_SPIN_US)
+        spin_us = GATHER_SPIN_US;
     if (spin_us) {
+        /* poll, yielding the CPU to anything else runnable on it (a duck sharing this core) */
         uint64_t until = tr_now_ns() + spin_us * 1000u;
-        do
-            n = recvmmsg(t->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
-        while (n < 0 && errno == EAGAIN && tr_now_ns() < until);
+        while ((n = recvmmsg(t->fd, msgs, BATCH, MSG_DONTWAIT, NULL)) < 0 && errno == EAGAIN &&
+               tr_now_ns() < until)
+            sched_yield();
     }
     if (n < 0) {
         /* one blocking syscall per wake-up: the socket's receive timeout
@@ -148,9 +201,11 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns)
     }
     int finished = 0;
     uint64_t now = tr_now_ns();
-    t->mid_message = 0;
-    for (int i = 0; i < n; i++)
-        finished += on_datagram(t, calls, t->rx[i], msgs[i].msg_len, &from[i], now);
+    t->gathering = 1;
+    for (int i = 0; i < n; i++) {
+        finished += on_datagram(t, calls, t->rx[i], msgs[i].msg_len, &t->rx_from[i], now, done, ctx);
+        msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
+    }
     return finished;
 }
 
@@ -160,11 +215,33 @@ static int needs_mac(const duck_transport *t, uint32_t type)
          : type != WIRE_T_HELLO && type != WIRE_T_PING && type != WIRE_T_STATS && type != WIRE_T_CACHE_QUERY;
 }
 
+/* The agreed size did not get through (nothing of the reply, no request
+ * fragment acknowledged): this duck uses the small size from now on, and
+ * the call starts over as a new request, since the duck may hold the old
+ * one in the other geometry. */
+static void fall_back(duck_transport *t, duck_call *c, call_state *s, uint64_t now)
+{
+    uint32_t small = tr_small_mtu(t);
+    t->link[c->duck].mtu = small;
+    s->mtu = small;
+    s->req_frags = wire_frag_count(c->payload_len, small);
+    s->seq = ++t->seq;
+    s->rep_count = s->rep_have = s->rep_total = 0;
+    start_timer(t, c, s, now);
+    t->stats.mtu_fallbacks++;
+    c->retransmits++;
+    tr_send_request(t, c, s, NULL);
+}
+
 int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n)
+{
+    return tr_run(t, calls, n, NULL, NULL);
+}
+
+int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx)
 {
     uint32_t nd = t->cfg.n_ducks;
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
-    static __thread uint32_t index[WIRE_MAX_FRAGMENTS];
     int result = DUCK_T_OK;
     for (uint32_t d = 0; d < nd; d++)
         t->active[d] = -1;
@@ -176,7 +253,8 @@ int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n)
         c->rtt_ns = 0;
         if (c->duck >= nd || t->active[c->duck] >= 0 || c->type == 0 || c->type >= WIRE_T_COUNT ||
             c->payload_len > WIRE_MAX_MESSAGE || (c->payload_len && !c->payload) || !c->reply ||
-            c->reply_cap < sizeof(wire_reply_head) || tr_frag_count(t, c->payload_len) > WIRE_MAX_FRAGMENTS) {
+            c->reply_cap < sizeof(wire_reply_head) ||
+            wire_frag_count(c->payload_len, tr_small_mtu(t)) > WIRE_MAX_FRAGMENTS) {
             for (uint32_t d = 0; d < nd; d++)
                 t->active[d] = -1;
             return DUCK_T_EARG;
@@ -185,32 +263,37 @@ int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n)
     }
     uint64_t start = tr_now_ns();
     uint32_t nseal = 0;
+    t->gathering = 0;   /* the first wait is as configured (a long layer may be computing) */
     for (uint32_t i = 0; i < n; i++) {
         duck_call *c = &calls[i];
         call_state *s = &t->st[i];
-        int same = i > 0 && c->payload == calls[i - 1].payload && c->payload_len == calls[i - 1].payload_len &&
-                   c->type == calls[i - 1].type && c->session == calls[i - 1].session;
+        int same_msg = i > 0 && c->payload == calls[i - 1].payload && c->payload_len == calls[i - 1].payload_len &&
+                       c->type == calls[i - 1].type && c->session == calls[i - 1].session;
         memset(s, 0, offsetof(call_state, bitmap));
         s->with_mac = needs_mac(t, c->type);
-        s->req_frags = tr_frag_count(t, c->payload_len);
-        s->seq = same ? t->st[i - 1].seq : ++t->seq;
+        s->mtu = t->link[c->duck].mtu;
+        s->req_frags = wire_frag_count(c->payload_len, s->mtu);
+        /* a scatter: one sequence number; one seal for every duck of one datagram size */
+        s->seq = same_msg ? t->st[i - 1].seq : ++t->seq;
         s->t_start = s->t_heard = start;
-        s->interval = (uint64_t)t->cfg.retransmit_us * 1000u;
-        s->t_next = start + s->interval;
-        /* a scatter: the datagrams are sealed once and sent to every duck of the group */
-        if (!same) {
-            if (tr_seal_room(t, s->req_frags) != 0)
+        start_timer(t, c, s, start);
+        if (!same_msg || s->mtu != t->st[i - 1].mtu) {
+            tr_tx_flush(t);   /* what is queued points into the seal buffer */
+            nseal = tr_seal_request(t, c, s, NULL, lens);
+            if (!nseal) {
+                for (uint32_t d = 0; d < nd; d++)
+                    t->active[d] = -1;
                 return DUCK_T_EARG;
-            nseal = tr_seal_request(t, c, s, NULL, lens, index);
+            }
         }
         for (uint32_t f = 0; f < nseal; f++)
-            tr_tx_add(t, c->duck, t->seal + (size_t)f * (t->cfg.mtu + 64), lens[f]);
-        if (i + 1 == n || !(c->payload == calls[i + 1].payload && c->type == calls[i + 1].type))
-            tr_tx_flush(t);
+            tr_tx_add(t, c->duck, t->seal + (size_t)f * t->seal_stride, lens[f]);
     }
+    tr_tx_flush(t);
     t->stats.calls += n;
     uint32_t remaining = n;
-    uint64_t deadline = (uint64_t)t->cfg.deadline_us * 1000u, cap = 8 * (uint64_t)t->cfg.retransmit_us * 1000u;
+    uint64_t deadline = (uint64_t)t->cfg.deadline_us * 1000u, fallback_after = deadline / 4;
+    uint32_t small = tr_small_mtu(t);
     while (remaining) {
         uint64_t now = tr_now_ns(), wake = now + deadline;
         for (uint32_t i = 0; i < n; i++) {
@@ -225,26 +308,28 @@ int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n)
                 t->stats.timeouts++;
                 continue;
             }
-            if (now >= s->t_next) {
-                if (tr_seal_room(t, s->req_frags) != 0)
-                    return DUCK_T_EARG;
+            if (s->mtu > small && !s->progress && c->retransmits && now - s->t_start >= fallback_after) {
+                fall_back(t, c, s, now);
+            } else if (now >= s->t_next) {
                 if (s->req_frags == 1 && s->rep_count == 0)
                     tr_send_request(t, c, s, NULL);   /* the duck answers a duplicate from its cache */
                 else
                     tr_send_resend(t, c, s);
                 c->retransmits++;
                 t->stats.retransmits++;
-                s->interval = s->interval * 2 < cap ? s->interval * 2 : cap;
+                s->interval = s->interval * 2 < s->cap ? s->interval * 2 : s->cap;
                 s->t_next = now + s->interval;
             }
             if (s->t_next < wake)
                 wake = s->t_next;
+            if (s->mtu > small && !s->progress && c->retransmits && s->t_start + fallback_after < wake)
+                wake = s->t_start + fallback_after > now ? s->t_start + fallback_after : now;
             if (s->t_heard + deadline < wake)
                 wake = s->t_heard + deadline;
         }
         if (!remaining)
             break;
-        int r = receive(t, calls, wake > now ? wake - now : 0);
+        int r = receive(t, calls, wake > now ? wake - now : 0, done, ctx);
         if (r < 0) {
             for (uint32_t i = 0; i < n; i++)
                 if (!t->st[i].done)

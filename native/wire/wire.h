@@ -17,6 +17,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,14 +32,15 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 2                      /* bump on any change of a message layout (2: SYNTH) */
+#define WIRE_ABI 3                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+                                          size agreed per duck, partial dtype, wake-up time) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
 #define WIRE_KEY_MIN 16
 #define WIRE_KEY_MAX 64
 #define WIRE_IP_UDP_BYTES 28            /* IPv4 + UDP headers, counted in the MTU */
-#define WIRE_MTU_DEFAULT 1500
+#define WIRE_MTU_DEFAULT 1500           /* before agreement, and the fallback when a larger size fails */
 #define WIRE_MTU_MIN 1280
 #define WIRE_MTU_MAX 65535
 #define WIRE_MAX_DATAGRAM 65507         /* largest UDP payload over IPv4 */
@@ -120,6 +122,23 @@ static inline uint32_t wire_max_payload(uint32_t mtu, int with_mac)
 {
     return mtu - WIRE_IP_UDP_BYTES - WIRE_HEADER_BYTES - (with_mac ? WIRE_MAC_BYTES : 0);
 }
+static inline uint32_t wire_frag_count(uint32_t total_len, uint32_t mtu)
+{
+    uint32_t maxp = wire_max_payload(mtu, 1);   /* room for a MAC whether or not one is sent */
+    return total_len ? (uint32_t)(((uint64_t)total_len + maxp - 1) / maxp) : 1;
+}
+
+/* The datagram size a reply may use, from the size its request states
+ * (wire_forward.reply_mtu, wire_ping.reply_mtu; 0: not stated) and the
+ * sender's own limit: unstated means WIRE_MTU_DEFAULT. 0 when the stated
+ * size is below WIRE_MTU_MIN (malformed). */
+static inline uint32_t wire_reply_mtu(uint32_t stated, uint32_t own_limit)
+{
+    uint32_t m = stated ? stated : WIRE_MTU_DEFAULT;
+    if (m < WIRE_MTU_MIN)
+        return 0;
+    return m < own_limit ? m : own_limit;
+}
 
 typedef struct wire_reply_head {
     int32_t status;          /* enum wire_status */
@@ -146,10 +165,15 @@ WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 96, "wire_hello_reply must be 96 
 #define WIRE_HELLO_DATA_MAC 0x1u      /* the duck requires a MAC on forwards too */
 #define WIRE_HELLO_FAULTS 0x2u        /* fault injection is on (tests only) */
 
+/* Echoed whole, with any padding that follows: a ping padded to the agreed
+ * datagram size, with reply_mtu the same, proves the path both ways. */
 typedef struct wire_ping {
-    uint64_t t_ns;           /* echoed */
+    uint64_t t_ns;
+    uint16_t reply_mtu;      /* largest datagram of the echo; 0: WIRE_MTU_DEFAULT */
+    uint16_t reserved;
+    uint32_t reserved2;
 } wire_ping;
-WIRE_STATIC_ASSERT(sizeof(wire_ping) == 8, "wire_ping must be 8 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_ping) == 16, "wire_ping must be 16 bytes");
 
 typedef struct wire_stats {
     uint64_t datagrams_rx, datagrams_tx;
@@ -159,7 +183,8 @@ typedef struct wire_stats {
     uint64_t bytes_streamed, kernel_ns;
     uint64_t uploads_done, upload_bytes, cache_evictions;
     uint64_t cache_corrupt;  /* entries discarded at load for a bad hash */
-    uint64_t reserved[3];
+    uint64_t wake_ns;        /* sum over forwards of wire_forward_reply.wake_ns */
+    uint64_t reserved[2];
 } wire_stats;
 WIRE_STATIC_ASSERT(sizeof(wire_stats) == 160, "wire_stats must be 160 bytes");
 
@@ -207,30 +232,59 @@ typedef struct wire_layer_plan {
 } wire_layer_plan;
 WIRE_STATIC_ASSERT(sizeof(wire_layer_plan) == 16, "wire_layer_plan must be 16 bytes");
 
+/* Element types of activations and partials. */
+#define WIRE_DT_F32 0
+#define WIRE_DT_BF16 1               /* the high half of an fp32, rounded to nearest even */
+#define WIRE_X_F32 WIRE_DT_F32
+#define WIRE_X_BF16 WIRE_DT_BF16
+static inline uint32_t wire_dtype_bytes(uint32_t dtype) { return dtype == WIRE_DT_BF16 ? 2 : 4; }
+
 /* Followed by int32 expert_ids[ntok*topk] (negative: skip), float
- * weights[ntok*topk], x[ntok*hidden] (fp32, or bf16 if x_dtype is 1). */
+ * weights[ntok*topk], x[ntok*hidden] in x_dtype. */
 typedef struct wire_forward {
     uint32_t layer;
     uint16_t ntok;
     uint8_t topk;
-    uint8_t x_dtype;         /* WIRE_X_F32 | WIRE_X_BF16 */
+    uint8_t x_dtype;         /* WIRE_DT_F32 | WIRE_DT_BF16 */
     uint32_t hidden;
-    uint32_t reserved;
+    uint8_t y_dtype;         /* the partial's type in the reply: WIRE_DT_F32 | WIRE_DT_BF16 */
+    uint8_t reserved;        /* 0 */
+    uint16_t reply_mtu;      /* largest reply datagram the host takes from this duck; 0: WIRE_MTU_DEFAULT */
 } wire_forward;
 WIRE_STATIC_ASSERT(sizeof(wire_forward) == 16, "wire_forward must be 16 bytes");
-#define WIRE_X_F32 0
-#define WIRE_X_BF16 1
 
-/* After the wire_reply_head; then float y[ntok*hidden] unless WIRE_R_ZERO. */
+/* After the wire_reply_head; then y[ntok*hidden] in y_dtype unless WIRE_R_ZERO. */
 typedef struct wire_forward_reply {
     uint32_t layer;
     uint16_t ntok;
-    uint16_t reserved;
+    uint8_t y_dtype;         /* as asked */
+    uint8_t reserved;
     uint32_t hidden;
     uint32_t kernel_us;
     uint64_t bytes_streamed;
+    uint32_t wake_ns;        /* the request's arrival at the duck (kernel timestamp of its last datagram)
+                                to the start of the kernel; 0 when the platform has no timestamp */
+    uint32_t reserved2[7];   /* 0; with the reply head, y starts 64 bytes in: cache-line aligned */
 } wire_forward_reply;
-WIRE_STATIC_ASSERT(sizeof(wire_forward_reply) == 24, "wire_forward_reply must be 24 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_forward_reply) == 56, "wire_forward_reply must be 56 bytes");
+WIRE_STATIC_ASSERT((sizeof(wire_reply_head) + sizeof(wire_forward_reply)) % 64 == 0, "y must start aligned");
+
+/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t wire_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float wire_bf16_to_f32(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* Host -> duck: "what of request `sequence` do you have?" The duck resends
  * the reply fragments not set in the bitmap that follows (reply_frags bits),
@@ -287,6 +341,12 @@ void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t 
  * datagram length. h->payload_len is set from len. */
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
                  const wire_key *key, int with_mac, uint8_t *out);
+/* The same with the payload already in place at out + WIRE_HEADER_BYTES
+ * (a sender that patches a field of it first). */
+size_t wire_seal_in_place(const wire_header *h, uint32_t len, const wire_key *key, int with_mac, uint8_t *out);
+
+/* n values fp32 -> bf16 (wire_f32_to_bf16 each), for partials and sums. */
+void wire_f32_to_bf16_n(const float *src, uint16_t *dst, size_t n);
 
 /* Validates a received datagram: sizes, magic, version, type, flags,
  * fragment geometry, checksum, and the MAC when present (or when

@@ -1,14 +1,15 @@
 """Hostile datagrams to the ASan/UBSan build of duckfw: truncated, oversized,
-garbage, forged (wrong key, missing MAC), replies and broken fragments.
-The duck must keep serving, count each refusal, and end with no sanitizer
-report (leaks included) when stopped."""
+garbage, forged (wrong key, missing MAC), replies and broken fragments, and
+bad values in the fields of wire ABI 3 (partial dtype, reply datagram size,
+ping sizes). The duck must keep serving, count each refusal, and end with no
+sanitizer report (leaks included) when stopped."""
 import os
 import socket
 
 import numpy as np
 import pytest
 
-from native._native import lib
+from native._native import ffi, lib
 from native.transport import DuckError, split_experts
 from tests.firmware.test_wire import seal
 from tests.transport.ducks import Ducks, sanitizer_binary, sanitizer_report
@@ -70,6 +71,8 @@ def test_bad_requests_get_clear_errors_and_the_duck_serves_on(asan_duck):
         session.forward(3, x, [[5], [1]], [[1.0], [1.0]])
     y = session.forward(3, x, [[0, 1], [1, -1]], [[0.5, 0.5], [1.0, 0.0]])   # the compute path under ASan
     assert np.isfinite(y).all() and np.abs(y).max() > 0
+    yb = session.forward(3, x, [[0, 1], [1, -1]], [[0.5, 0.5], [1.0, 0.0]], out=np.empty((2, hidden), np.uint16))
+    assert np.abs((yb.astype(np.uint32) << 16).view(np.float32) - y).max() <= np.abs(y).max() * 2.0 ** -8
     with pytest.raises(DuckError, match="not in the cache"):
         from native.fp9 import Fp9Tensor
         stranger = Fp9Tensor.from_float(np.ones((128, hidden), np.float32))
@@ -77,6 +80,75 @@ def test_bad_requests_get_clear_errors_and_the_duck_serves_on(asan_duck):
         fleet.open_session({0: bogus}, hidden, session_id=session.id)
     session.close()
     assert fleet.stats()[0]["errors"] >= 3
+
+
+def exchange(port: int, dgram: bytes, key: bytes) -> tuple[int, bytes, list[int]]:
+    """Sends one datagram, gathers the reply's fragments: (status, body, datagram sizes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(2.0)
+        s.sendto(dgram, ("127.0.0.1", port))
+        parts, sizes = {}, []
+        while True:
+            data = s.recv(65535)
+            h = ffi.new("wire_header *")
+            p = ffi.new("const uint8_t **")
+            k = ffi.new("wire_key *")
+            k.bytes[0:len(key)], k.len = key, len(key)
+            assert lib.wire_check(data, len(data), k, 0, h, p) == lib.WIRE_CHECK_OK
+            sizes.append(len(data) + lib.WIRE_IP_UDP_BYTES)
+            parts[h.frag_index] = data[32:32 + h.payload_len]
+            if len(parts) == h.frag_count:
+                break
+    payload = b"".join(parts[i] for i in range(len(parts)))
+    return int.from_bytes(payload[:4], "little", signed=True), payload[8:], sizes
+
+
+def ping(size: int, reply_mtu: int) -> bytes:
+    p = ffi.new("wire_ping *")
+    p.reply_mtu = reply_mtu
+    head = bytes(ffi.buffer(p))
+    return head + os.urandom(max(0, size - len(head)))
+
+
+def forward_payload(hidden=64, ntok=1, x_dtype=0, y_dtype=0, reserved=0, reply_mtu=0) -> bytes:
+    f = ffi.new("wire_forward *")
+    f.layer, f.ntok, f.topk, f.x_dtype, f.hidden, f.y_dtype, f.reply_mtu = 0, ntok, 1, x_dtype, hidden, y_dtype, reply_mtu
+    head = bytearray(ffi.buffer(f))
+    head[ffi.offsetof("wire_forward", "reply_mtu") - 1] = reserved
+    xsize = 2 if x_dtype == 1 else 4
+    return bytes(head) + (-1).to_bytes(4, "little", signed=True) * ntok + bytes(4 * ntok) + bytes(xsize * ntok * hidden)
+
+
+def test_new_fields_are_checked_and_replies_keep_to_the_stated_size(asan_duck):
+    """ABI 3: a forward's partial dtype, reserved byte and reply datagram size, a
+    ping's size and echo: refused by name when wrong; replies cut as stated."""
+    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    session = fleet.open_session({0: [[]]}, 64)
+    errors = fleet.stats()[0]["errors"]
+    for payload, text in [(forward_payload(y_dtype=2), "dtype 0 -> 2"),
+                          (forward_payload(reserved=1), "reserved 1"),
+                          (forward_payload(reply_mtu=100), "reply datagrams 100"),
+                          (forward_payload(x_dtype=3), "dtype 3 -> 0")]:
+        status, body, _ = exchange(duck.port, seal(payload, key, mtype=lib.WIRE_T_FORWARD, session=session.id), key)
+        assert status == lib.WIRE_E_MALFORMED and text in body.decode(), body
+    status, body, _ = exchange(duck.port, seal(forward_payload(ntok=3, y_dtype=1, reply_mtu=1280), key,
+                                               mtype=lib.WIRE_T_FORWARD, session=session.id), key)
+    assert status == 0 and len(body) == ffi.sizeof("wire_forward_reply")        # nothing routed: R_ZERO
+    for payload, text in [(bytes(8), "ping payload is 8 bytes, expected 16..65535"),
+                          (ping(64, 1000), "below the minimum 1280")]:
+        status, body, _ = exchange(duck.port, seal(payload, key), key)
+        assert status == lib.WIRE_E_MALFORMED and text in body.decode(), body
+    for size, reply_mtu, limit, count in [(5000, 1280, 1280, 5), (5000, 0, 1500, 4), (60000, 65535, 65535, 1),
+                                          (60000, 9000, 9000, 7)]:
+        payload = ping(size, reply_mtu)
+        status, body, sizes = exchange(duck.port, seal(payload, key), key)
+        assert status == 0 and body == payload
+        assert max(sizes) <= limit and len(sizes) == count, (size, reply_mtu, sizes)
+    with pytest.raises(DuckError, match="ping payload is 70000 bytes"):
+        fleet.call([(0, lib.WIRE_T_PING, ping(70000, 0), 70000)])
+    assert fleet.stats()[0]["errors"] - errors == 7
+    assert duck.proc.poll() is None
+    session.close()
 
 
 def test_no_sanitizer_report_after_clean_stop(asan_duck):

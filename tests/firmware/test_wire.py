@@ -55,11 +55,14 @@ def test_mac_is_keyed_blake2b_128(keylen, n):
     assert bytes(out) == hashlib.blake2b(header + payload, key=key, digest_size=16).digest()
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 33, 1000])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 33, 1000, 1535, 1536, 1537, 3072, 4615, 20001])
 def test_crc32c(n):
+    """Short inputs take one chain of crc32; from 1536 bytes on, three chains joined by shift tables."""
     data = os.urandom(n)
     assert lib.wire_crc32c(0, data, n) == crc32c_reference(data)
     assert lib.wire_crc32c(0, b"123456789", 9) == 0xE3069283   # the standard check value
+    half = n // 2                                              # continued from a running value
+    assert lib.wire_crc32c(lib.wire_crc32c(0, data[:half], half), data[half:], n - half) == crc32c_reference(data)
 
 
 def test_header_layout_matches_the_constants():
@@ -68,10 +71,11 @@ def test_header_layout_matches_the_constants():
     assert ffi.sizeof("wire_hello_reply") == 96 and ffi.sizeof("wire_stats") == 160
 
 
-def seal(payload: bytes, key: bytes | None, mtype=None, flags=0, frag_index=0, frag_count=1, total=None) -> bytes:
+def seal(payload: bytes, key: bytes | None, mtype=None, flags=0, frag_index=0, frag_count=1, total=None,
+         session=7, sequence=42) -> bytes:
     h = ffi.new("wire_header *")
     h.type = lib.WIRE_T_PING if mtype is None else mtype
-    h.flags, h.session, h.sequence = flags, 7, 42
+    h.flags, h.session, h.sequence = flags, session, sequence
     h.frag_index, h.frag_count = frag_index, frag_count
     h.total_len = len(payload) if total is None else total
     out = ffi.new("uint8_t[]", len(payload) + 64)

@@ -126,3 +126,80 @@ def test_dense_mlp_is_one_expert(tmp_path):
         x = rng.standard_normal((4, hidden)).astype(np.float32)
         y = session.forward(0, x, np.zeros((4, 1), np.int32), np.ones((4, 1), np.float32))
         assert_close(y, dense_reference([(g, u, dn)], x, [[0]] * 4, [[1.0]] * 4), DENSE_RTOL, "dense MLP")
+
+
+def bf16_rounded(a: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 (round to nearest even) -> fp32, by torch."""
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def test_bf16_partials_and_the_output_types(tmp_path):
+    """y in bf16: each duck's fp32 partial rounded once to bf16, summed in fp32 in
+    duck order, the sum rounded once; out as numpy uint16 bits or torch bfloat16;
+    fp32 outs (numpy, torch) are the fp32 sum. x passes through in either type."""
+    rng = np.random.default_rng(31)
+    hidden, n, n_experts = 320, 3, 4
+    experts = make_layer(rng, n_experts, 64 * n, hidden)
+    per_duck = split_experts(experts, tp=n)
+    x = (rng.standard_normal((5, hidden)) * 0.5).astype(np.float32)
+    ids, w = routing(rng, 5, 2, n_experts)
+    acc = np.zeros_like(x)
+    for slices in per_duck:                       # duck order
+        acc = acc + bf16_rounded(MoeSlice(slices, hidden).forward(x, ids, w))
+    want_bf16 = torch.from_numpy(acc).to(torch.bfloat16)
+    with Ducks(n, tmp_path) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        bits = np.empty((5, hidden), np.uint16)
+        assert session.forward(0, x, ids, w, out=bits) is bits
+        assert np.array_equal(bits, want_bf16.view(torch.int16).numpy().view(np.uint16))
+        tb = torch.empty((5, hidden), dtype=torch.bfloat16)
+        assert session.forward(0, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out=tb) is tb
+        assert torch.equal(tb, want_bf16)
+        ref = local_reference(per_duck, hidden, x, ids, w)
+        tf = torch.empty((5, hidden), dtype=torch.float32)
+        session.forward(0, x, ids, w, out=tf)
+        assert np.array_equal(tf.numpy(), ref) and np.array_equal(session.forward(0, x, ids, w), ref)
+        # bf16 activations: numpy bits and torch bfloat16 are the same request
+        xb = torch.from_numpy(x).to(torch.bfloat16)
+        y_torch = session.forward(0, xb, ids, w)
+        y_bits = session.forward(0, xb.view(torch.int16).numpy().view(np.uint16), ids, w)
+        assert np.array_equal(y_torch, y_bits)
+        assert np.array_equal(y_torch, local_reference(per_duck, hidden, xb, ids, w))
+        # converted, not refused: a strided x, float64 x, lists of ids and weights
+        assert np.array_equal(session.forward(0, np.asfortranarray(x), ids.tolist(), w.tolist()), ref)
+        assert np.array_equal(session.forward(0, x.astype(np.float64), ids, w), ref)
+        for bad in (np.empty((5, hidden), np.float64), np.empty((4, hidden), np.float32),
+                    np.empty((hidden, 5), np.float32).T, torch.empty((5, hidden), dtype=torch.float16)):
+            with pytest.raises(ValueError, match="out must be a contiguous fp32 or bf16"):
+                session.forward(0, x, ids, w, out=bad)
+        frozen = np.empty((5, hidden), np.float32)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="out must be"):
+            session.forward(0, x, ids, w, out=frozen)
+
+
+@pytest.mark.parametrize("delays_ms", [(40, 20, 0), (0, 40, 20)])
+def test_the_sum_has_the_same_bits_whatever_the_arrival_order(tmp_path, delays_ms):
+    """Partials are added as they arrive but in duck order: replies that come in
+    the order 2, 1, 0 (or 0, 2, 1) give the bits of duck order, in fp32 and bf16."""
+    rng = np.random.default_rng(41)
+    hidden, n, n_experts = 256, 3, 3
+    per_duck = split_experts(make_layer(rng, n_experts, 64 * n, hidden), tp=n)
+    x = (rng.standard_normal((2, hidden)) * 0.5).astype(np.float32)
+    ids, w = routing(rng, 2, 3, n_experts)
+    slow = {i: ["--enable-fault-injection", "--delay-us", str(ms * 1000)] for i, ms in enumerate(delays_ms) if ms}
+    want = local_reference(per_duck, hidden, x, ids, w)
+    with Ducks(n, tmp_path, per_duck_args=slow, retransmit_ms=200, deadline_ms=5000) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        y = session.forward(0, x, ids, w)
+        bits = np.empty((2, hidden), np.uint16)
+        session.forward(0, x, ids, w, out=bits)
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+    with Ducks(n, tmp_path / "in-order") as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        in_order = np.empty((2, hidden), np.uint16)
+        session.forward(0, x, ids, w, out=in_order)
+    assert np.array_equal(bits, in_order)

@@ -28,7 +28,33 @@ def test_spin_then_block_idle(tmp_path):
     with Ducks(1, tmp_path, args=["--idle", "spin", "--spin-us", "20"]) as ducks:
         rtts = [ducks.fleet.ping()[0] for _ in range(20)]
         assert min(rtts) > 0
-        assert "idle spin-then-block" in ducks[0].log()
+        assert "idle spin-then-block (20 us)" in ducks[0].log()
+
+
+def test_sigterm_while_spinning_stops_the_duck(tmp_path):
+    """A signal that lands in the spin (outside any system call) must not leave the
+    duck blocked in its socket for ever."""
+    with Ducks(1, tmp_path, args=["--idle", "spin", "--spin-us", "1000000"]) as ducks:
+        ducks.fleet.ping()
+        time.sleep(0.05)                         # the duck is in its one-second spin now
+        t0 = time.monotonic()
+        rc = ducks[0].stop(timeout=5)
+        assert rc == 0 and time.monotonic() - t0 < 2, rc
+
+
+@pytest.mark.parametrize("idle", [["--idle", "block"], ["--idle", "spin", "--spin-us", "200"]])
+def test_the_ducks_wake_up_is_reported(tmp_path, idle):
+    """Arrival of a forward at the duck (kernel timestamp) to its kernel's start:
+    per call (the slowest duck) and summed in the duck's stats."""
+    with Ducks(2, tmp_path, args=idle) as ducks:
+        session = ducks.fleet.open_session({0: [[], []]}, HIDDEN)
+        wakes = []
+        for _ in range(20):
+            session.forward(0, np.ones((1, HIDDEN), np.float32), *NO_EXPERT)
+            wakes.append(session.wake_ns_max)
+        assert min(wakes) > 0 and max(wakes) < 1e9
+        stats = ducks.fleet.stats()
+        assert all(s["wake_ns"] >= s["forwards"] * 100 for s in stats)   # at least 0.1 us each
 
 
 def test_forward_releases_the_gil(tmp_path):

@@ -1,0 +1,32 @@
+"""duckd's [fleet] idle policy and datagram ceiling: what the local driver asks
+duckfw for, and values refused by name."""
+from pathlib import Path
+
+import pytest
+
+from duckd.config import ConfigError, FleetConfig
+from duckd.drivers.local import duckfw_command
+
+
+def command(**fleet) -> list[str]:
+    return duckfw_command(FleetConfig(**fleet), 0, "127.0.0.1", 0, Path("/tmp/d"), Path("/tmp/k"))
+
+
+def test_ducks_block_by_default_and_agree_their_datagram_size():
+    cmd = command()
+    assert cmd[cmd.index("--idle") + 1] == "block" and "--spin-us" not in cmd
+    assert cmd[cmd.index("--mtu") + 1] == "auto"
+
+
+def test_spin_is_spin_then_block_for_spin_us():
+    cmd = command(spin=True, spin_us=300, mtu=9000)
+    assert cmd[cmd.index("--idle") + 1:cmd.index("--idle") + 4] == ["spin", "--spin-us", "300"]
+    assert cmd[cmd.index("--mtu") + 1] == "9000"
+
+
+@pytest.mark.parametrize("fleet,text", [({"mtu": 1000}, "fleet.mtu = 1000: expected 0"),
+                                        ({"spin_us": 0}, "fleet.spin_us = 0"),
+                                        ({"host_spin_us": -1}, "fleet.host_spin_us = -1")])
+def test_bad_values_are_named(fleet, text):
+    with pytest.raises(ConfigError, match=text):
+        FleetConfig(**fleet)
