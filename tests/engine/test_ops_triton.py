@@ -1,8 +1,9 @@
 """engine.ops on CPU: each Triton kernel (engine.gpu.ops_triton, engine.gpu.decode_attention)
 under the Triton interpreter against its torch reference, on odd sizes, T = 1, 2, 5,
 head_dim 64 and 128, GQA groups 1 and 4, positions that do not start at 0, fp32 and
-bf16, with every output allocation NaN-poisoned; the kernels compile for Hopper (sm_90) without register
-spills. The interpreted checks run in the `interpreted` worker (conftest.py).
+bf16, with every output allocation NaN-poisoned; a tiny Qwen3-MoE and Llama run with
+the kernels equal the reference path; the kernels compile for Hopper (sm_90) without
+register spills. The interpreted checks run in the `interpreted` worker (conftest.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ BF16_ONE_ULP = 2.0 ** -7    # bf16 norms and rotary: within one bf16 ulp of the 
 BF16_MIN_EXACT = 0.99       # ...and bit-identical almost everywhere (same roundings in the same order)
 ROUTER_ATOL = 1e-6          # router weights (fp32, in [0, 1]): exp and the sums in another order
 PROBS_BF16_ATOL = 2.0 ** -8  # GPU attention in bf16: the probabilities rounded to bf16, times max |v|
+MODEL_RTOL = 1e-5           # tiny models in fp32, logits: kernels vs references
 # local memory of libdevice's sinf/cosf: the table of their range reduction for huge arguments,
 # there in any kernel that calls them (a one-line tl.cos kernel has it too); no register spill
 TRIG_STACK_BYTES = 32
@@ -214,6 +216,39 @@ def check_dispatch() -> None:
         del os.environ[ops.TRITON_OPS_ENV]
 
 
+def check_model_matches_reference(folder: str, device: str = "cpu", dtype: str = "float32",
+                                  rtol: float = MODEL_RTOL) -> str:
+    """A tiny model: a prefill (norms, rotary, router on the kernels) and static decode steps
+    (the attention kernel too), kernels against DUCK_TRITON_OPS=0, the same cache history."""
+    from engine.layers import static_decode
+    from engine.loader import load_model
+
+    model = load_model(folder, device=device, dtype=dtype).model
+    vocab = model.config.vocab_size
+    prefill, steps = 5, 2     # few: the interpreter runs a program at a time
+    tokens = torch.randint(2, vocab, (prefill + steps,), generator=torch.Generator().manual_seed(8)).to(device)
+
+    def run():
+        cache = model.make_cache(prefill + steps + 3)
+        logits = [model.compute_logits(model(tokens[:prefill], torch.arange(prefill, device=device), cache))]
+        with static_decode():
+            for p in range(prefill, prefill + steps):
+                logits.append(model.compute_logits(model(tokens[p:p + 1], torch.tensor([p], device=device), cache)))
+        return torch.cat(logits).float()
+
+    with torch.inference_mode():
+        got = run()
+        os.environ[ops.TRITON_OPS_ENV] = "0"
+        try:
+            want = run()
+        finally:
+            del os.environ[ops.TRITON_OPS_ENV]
+    worst = ((got - want).abs().max() / want.abs().max()).item()
+    what = f"tiny {model.config.model_type} {dtype} on {device}"
+    assert worst <= rtol, f"{what}: kernels vs references, logits rel err {worst:.1e} > {rtol:.0e}"
+    return f"{what}: Triton ops vs references, logits rel err {worst:.1e}"
+
+
 # -- the tests -----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,n", [(1, 64), (2, 200), (5, 17)])
@@ -248,6 +283,12 @@ def test_positions_past_the_cache_write_nothing(interpreted):
 
 def test_dispatch_and_the_switch(interpreted):
     interpreted(check_dispatch)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+def test_tiny_model_with_kernels_matches_references(interpreted, tiny_checkpoint, report, kind):
+    folder, _ = tiny_checkpoint(kind)
+    report(interpreted(check_model_matches_reference, str(folder)))
 
 
 def test_cpu_tensors_run_the_references_without_the_interpreter():
