@@ -7,8 +7,12 @@ register spills. The interpreted checks run in the `interpreted` worker (conftes
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,6 +301,18 @@ def test_cpu_tensors_run_the_references_without_the_interpreter():
     x = torch.randn(3, 16)
     assert not ops.triton_runs_on(x)
     assert torch.equal(ops.rms_norm(x, torch.ones(16), 1e-6), ops.rms_norm_ref(x, torch.ones(16), 1e-6))
+
+
+def test_bench_smoke_runs(tmp_path):
+    """bench/gpu_ops.py on the CPU under the interpreter: the script the GPU host runs stays runnable."""
+    out = tmp_path / "ops.json"
+    run = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "bench" / "gpu_ops.py"), "--smoke",
+                          "--tokens", "2", "--steps", "1", "--json", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, f"bench --smoke exited {run.returncode}:\n{run.stdout}\n{run.stderr}"
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["ops"], c["tokens"]) for c in cases] == [("reference", 2), ("triton", 2)]
+    assert all(c["per_layer_eager_ms"] > 0 for c in cases)
 
 
 # -- compiled for Hopper, without a GPU ----------------------------------------------------
