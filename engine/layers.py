@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.config import ModelConfig
 
 
@@ -48,10 +48,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x): the residual add fused into the norm
+        that follows it. residual None: x is the whole stream."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -74,26 +76,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Half-split (rotate_half) rotary embedding as in Hugging Face Llama/Qwen.
-    inv_freq is a plain fp32 tensor, not a buffer: it is computed, never loaded,
+    """Half-split (rotate_half) rotary embedding as in Hugging Face Llama/Qwen; engine.ops.qk_norm_rope
+    applies it. inv_freq is a plain fp32 tensor, not a buffer: it is computed, never loaded,
     and must survive building the model on the meta device."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inv_freq = rope_inv_freq(config)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, D]
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
 
 
 @dataclass(slots=True)
@@ -115,21 +109,46 @@ class KVCache:
         return self.k.shape[1]
 
 
+def attention_end(cache: KVCache, positions: torch.Tensor) -> int:
+    """The cache slots attention reads: all of them under static_decode (no host sync), else
+    up to the last position, checked to be within the cache before anything is written."""
+    if _mode.static:
+        return cache.max_model_len
+    end = int(positions[-1]) + 1
+    if end > cache.max_model_len:
+        raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
+    return end
+
+
+def attend_cache(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.Tensor, end: int,
+                 scale: float) -> torch.Tensor:
+    """q [T, H, D] over the layer's cache slots [0, end), causally (static_decode: the whole
+    cache, masked on the device); -> [T, H * D]."""
+    if _mode.static:
+        return ops.decode_attention(q, cache.k[layer], cache.v[layer], positions, scale)
+    return ops.decode_attention_ref(q, cache.k[layer, :end], cache.v[layer, :end], positions, scale,
+                                    masked=q.shape[0] > 1)
+
+
 def cached_attention(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, scale: float) -> torch.Tensor:
     """Writes k, v [T, KVH, D] at positions, attends q [T, H, D] causally over the
     cache up to the last position (static_decode: over all of it, masked); returns [T, H * D]."""
-    static = _mode.static
-    end = cache.max_model_len if static else int(positions[-1]) + 1
-    if end > cache.max_model_len:
-        raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
+    end = attention_end(cache, positions)
     cache.k[layer].index_copy_(0, positions, k)
     cache.v[layer].index_copy_(0, positions, v)
-    keys = cache.k[layer, :end].transpose(0, 1)     # [KVH, S, D]
-    values = cache.v[layer, :end].transpose(0, 1)   # [KVH, S, D]
-    mask = None
-    if q.shape[0] > 1 or static:
-        mask = positions[:, None] >= torch.arange(end, device=q.device)[None, :]  # [T, S]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)  # [H, T, D]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    return attend_cache(layer, cache, positions, q, end, scale)
+
+
+def rotary_cached_attention(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, rotary: RotaryEmbedding, scale: float, q_norm: RMSNorm | None = None,
+                            k_norm: RMSNorm | None = None) -> torch.Tensor:
+    """cached_attention of q, k after their per-head norms (Qwen3; None: Llama) and rotary,
+    the norms, rotary and cache write being one op (engine.ops.qk_norm_rope)."""
+    end = attention_end(cache, positions)
+    q, _ = ops.qk_norm_rope(q, k, positions, rotary.inv_freq_on(positions.device),
+                            q_norm.weight if q_norm is not None else None,
+                            k_norm.weight if k_norm is not None else None,
+                            q_norm.eps if q_norm is not None else 0.0,
+                            v=v, k_cache=cache.k[layer], v_cache=cache.v[layer])
+    return attend_cache(layer, cache, positions, q, end, scale)

@@ -2,14 +2,17 @@
 # On the lent GPU host (no pip, no network): builds native/ and duckfw, then runs
 # the named steps, logs and JSON into $OUT. Steps:
 #   gputests   tests/gpu (the CUDA path, the compiled Triton fp8 kernels)
+#   gpuquick   the host-contract graph path on the GPU (a subset of tests/gpu/test_cuda_path.py)
 #   fp8tests   tests/gpu/test_fp8_cuda.py alone
 #   fp8        bench/gpu_fp8.py (Triton fp8 block-scale linear vs bf16 matmul)
 #   deepseek   bench e2e --synthetic deepseek-v32 (full widths, 4 layers: 1 dense + 3 MoE)
-#   qwen3      bench e2e --synthetic qwen3-30b-a3b (all 48 layers)
+#   qwen3      bench e2e --synthetic qwen3-30b-a3b (all 48 layers); qwen3spin: ducks spin DUCK_SPIN us first
 #   qwen35     bench e2e --synthetic qwen3.5-35b-a3b (all 40 layers)
 #   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
 #              both MoE shapes, pool wake-up) and the standalone C test of the kernels
-# The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback).
+# The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback). Environment:
+#   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
+#   --backends fleet --duck-spin-us 300"), TAG (suffix of the e2e file names), KTHREADS (1,4,16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -19,12 +22,19 @@ bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py
 export PYTHONPATH=/tmp/site:$PWD
 GRAPHS=""
 STEPS=${STEPS:-8}
+E2E_ARGS=${E2E_ARGS:-}
+TAG=${TAG:-}
 for step in "$@"; do
     echo "=== $step $(date +%T)"
     case $step in
     gputests)
         python3 -m pytest -q -x -p no:cacheprovider tests/gpu >"$OUT/gputests.log" 2>&1
         rc=$?; tail -25 "$OUT/gputests.log"
+        [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
+    gpuquick)
+        timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_cuda_path.py \
+            -k "fp9_backend or host_backend_called or pair_graph" >"$OUT/gpuquick.log" 2>&1
+        rc=$?; tail -8 "$OUT/gpuquick.log"
         [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
     fp8tests)
         python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py >"$OUT/fp8tests.log" 2>&1
@@ -33,21 +43,26 @@ for step in "$@"; do
         python3 bench/gpu_fp8.py --json "$OUT/gpu_fp8.json" 2>&1 | tail -30 ;;
     deepseek)
         python3 -m bench.e2e_synthetic --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks 4 --duck-threads 4 \
-            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-deepseek.json" 2>"$OUT/e2e-deepseek.log"
-        tail -4 "$OUT/e2e-deepseek.log"; python3 scripts/e2e_table.py "$OUT/e2e-deepseek.json" ;;
+            --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-deepseek$TAG.json" 2>"$OUT/e2e-deepseek$TAG.log"
+        tail -4 "$OUT/e2e-deepseek$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-deepseek$TAG.json" ;;
     qwen3)
         python3 -m bench.e2e_synthetic --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
-            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen3.json" 2>"$OUT/e2e-qwen3.log"
-        tail -4 "$OUT/e2e-qwen3.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3.json" ;;
+            --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-qwen3$TAG.json" 2>"$OUT/e2e-qwen3$TAG.log"
+        tail -4 "$OUT/e2e-qwen3$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3$TAG.json" ;;
+    qwen3spin)   # the same with the ducks spinning (yielding) DUCK_SPIN us before they block
+        python3 -m bench.e2e_synthetic --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
+            --steps "$STEPS" $GRAPHS $E2E_ARGS --duck-spin-us "${DUCK_SPIN:-300}" --json \
+            >"$OUT/e2e-qwen3-spin$TAG.json" 2>"$OUT/e2e-qwen3-spin$TAG.log"
+        tail -4 "$OUT/e2e-qwen3-spin$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3-spin$TAG.json" ;;
     qwen35)
         python3 -m bench.e2e_synthetic --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
-            --steps "$STEPS" $GRAPHS --json >"$OUT/e2e-qwen35.json" 2>"$OUT/e2e-qwen35.log"
-        tail -4 "$OUT/e2e-qwen35.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35.json" ;;
+            --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-qwen35$TAG.json" 2>"$OUT/e2e-qwen35$TAG.log"
+        tail -4 "$OUT/e2e-qwen35$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35$TAG.json" ;;
     kernels)
         gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join(
             [f"-I{d}" for d in s.INCLUDE_DIRS] + s.FP9 + s.KERNELS + s.C_TESTS))') -lpthread -lm -o /tmp/test_native \
             && /tmp/test_native 2>&1 | tail -3
-        python3 -m bench.kernels --threads 1,4,16 --json >"$OUT/kernels.json" 2>"$OUT/kernels.log"
+        python3 -m bench.kernels --threads "${KTHREADS:-1,4,16}" ${KARGS:-} --json >"$OUT/kernels.json" 2>"$OUT/kernels.log"
         python3 -c "import json, sys; from bench.kernels import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
             "$OUT/kernels.json" ;;
     *) echo "unknown step $step"; exit 2 ;;

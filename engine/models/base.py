@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.config import ModelConfig
 from engine.ffn import ExpertWeights, FfnBackend, FfnLayer, ffn_call
 from engine.layers import KVCache, RMSNorm
@@ -86,11 +87,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)                        # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids.to(torch.int32), weights
+        return ops.router_topk(F.linear(x, self.weight), self.top_k, self.norm_topk_prob)   # [T, k], [T, k]
 
 
 class DecoderStack(nn.Module):
@@ -103,10 +100,10 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x, residual = self.embed_tokens(input_ids), None   # [T, H]; the stream is residual + x
         for layer in self.layers:
-            x = layer(x, positions, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cache)
+        return self.norm.add(x, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -21,7 +21,7 @@ void duck_host_add_rmsnorm(const duck_host_kernels *k, float *x, const float *ad
                            float eps, float *y);
 
 /* cos / sin of (float)position * inv_freq[i] for i < half, in fp32 as
- * engine.layers.RotaryEmbedding computes them */
+ * engine.ops.qk_norm_rope_ref computes them */
 void duck_host_rope_table(int64_t position, const float *inv_freq, uint32_t half, float *cos_out, float *sin_out);
 /* In place on heads consecutive vectors of head_dim: an optional per-head
  * RMSNorm (norm_w: [head_dim], or NULL; Qwen3's q_norm / k_norm), then the

@@ -2,7 +2,9 @@
 and a report of measured agreements printed at the end of the run."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ TINY = {
 }
 
 _REPORT: list[str] = []
+INTERPRETER_START_S = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -91,3 +94,36 @@ def write_word_tokenizer(folder, vocab_size: int) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text('{"eos_token": "w1"}')
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """run(fn, *args): fn (a module-level function of a test module) called in a worker
+    process started with TRITON_INTERPRET=1, where engine.gpu's Triton kernels run in
+    Triton's interpreter on CPU tensors; its exceptions (assertion messages included)
+    come back as they were raised. A worker, not this process: triton decides between
+    interpreter and compiler when a kernel is defined, and this process may hold
+    compiled kernels (the GPU tests). Spawned: nothing imported here is inherited."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"   # copied by the worker when it starts, in submit()
+    try:
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        started = pool.submit(interpreter_state)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    try:
+        state = started.result(timeout=INTERPRETER_START_S)
+        assert state == (True, True), f"worker (triton imported, kernels interpreted) = {state}"
+        yield lambda fn, *args: pool.submit(fn, *args).result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def interpreter_state() -> tuple[bool, bool]:
+    """(triton imported, every engine.gpu kernel module interpreted), in the worker."""
+    from engine.gpu import decode_attention, fp8, ops_triton
+
+    return fp8.triton is not None, fp8.INTERPRETED and ops_triton.INTERPRETED and decode_attention.INTERPRETED

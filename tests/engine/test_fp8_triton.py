@@ -6,19 +6,17 @@ fp8 checkpoint reproduces the dequantized model.
 Triton decides between interpreter and compiler when a @triton.jit decorator runs:
 its own library functions (tl.cdiv, tl.sum, ...) when triton is imported, ours when
 engine.gpu.fp8 is. The two cannot share a process, so the interpreted checks run in
-one worker process started with TRITON_INTERPRET=1 (spawned: nothing imported here
-is inherited); this process, which may hold compiled kernels (GPU tests), never sets it.
+one worker process started with TRITON_INTERPRET=1 (the `interpreted` fixture of
+tests/engine/conftest.py); this process, which may hold compiled kernels (GPU tests),
+never sets it.
 """
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,35 +35,8 @@ from tests.engine.test_deepseek_fp8 import _quantized, quantize_ue8m0
 FP32_RTOL = 1e-5         # fp32 x: max |y - exact| / max |exact|; fp32 sums of K <= 300 products
 BF16_ULP = 2.0 ** -8     # bf16 x: one bf16 ulp of |exact| (a rounding of sums that differ in the last fp32 bits)
 LOGITS_RTOL = 1e-5       # Fp8Linear model vs the dequantized nn.Linear model, fp32
-WORKER_START_S = 120
 
 Cfg = fp8.Fp8LinearConfig
-
-
-@pytest.fixture(scope="module")
-def interpreted():
-    """run(fn, *args): fn of this module called in the interpreter worker; its
-    exceptions (assertion messages included) come back as they were raised."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # copied by the worker when it starts, in submit()
-    try:
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        started = pool.submit(worker_state)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    try:
-        state = started.result(timeout=WORKER_START_S)
-        assert state == (True, True), f"worker (triton imported, kernels interpreted) = {state}"
-        yield lambda fn, *args: pool.submit(fn, *args).result()
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-def worker_state() -> tuple[bool, bool]:
-    return fp8.triton is not None, fp8.INTERPRETED
 
 
 def random_fp8_weight(n: int, k: int, gen: torch.Generator, block=(128, 128), ue8m0: bool = True):

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
+from engine.layers import RMSNorm, rope_inv_freq
+from engine.ops import qk_norm_rope_ref
 from engine.models.base import TopKRouter
 from native.host import ops
 from tests.native.test_host_kernels import SETS, kernel_set
@@ -67,10 +68,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 @pytest.mark.parametrize("head_dim", [2, 6, 64, 128])
 @pytest.mark.parametrize("position", [0, 1, 37, 5000, 100000])
 @pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["default", "llama3"])
-def test_rope_matches_rotary_embedding(name, head_dim, position, scaling):
+def test_rope_matches_the_models_rotary(name, head_dim, position, scaling):
     config = _rope_config(head_dim, scaling)
     q, k = _data(3, head_dim, seed=head_dim), _data(1, head_dim, seed=position)
-    rq, rk = RotaryEmbedding(config)(torch.tensor([position]), torch.from_numpy(q)[None], torch.from_numpy(k)[None])
+    rq, rk = qk_norm_rope_ref(torch.from_numpy(q)[None], torch.from_numpy(k)[None], torch.tensor([position]),
+                              rope_inv_freq(config))                           # the models' rotary (engine.ops)
     inv_freq = rope_inv_freq(config).numpy()
     assert _rel(ops.rope(q, position, inv_freq, kernel_set(name)), rq[0].numpy()) <= ROPE_TOL
     assert _rel(ops.rope(k, position, inv_freq, kernel_set(name)), rk[0].numpy()) <= ROPE_TOL
@@ -83,7 +85,7 @@ def test_rope_norms_each_head_first_like_qwen3(name):
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.from_numpy(w)
     normed = norm(torch.from_numpy(x))                                               # [heads, D]
-    want, _ = RotaryEmbedding(config)(torch.tensor([42]), normed[None], normed[None])
+    want, _ = qk_norm_rope_ref(normed[None], normed[None], torch.tensor([42]), rope_inv_freq(config))
     got = ops.rope(x, 42, rope_inv_freq(config).numpy(), kernel_set(name), norm_w=w, eps=1e-6)
     assert _rel(got, want[0].detach().numpy()) <= ROPE_TOL + NORM_TOL
 

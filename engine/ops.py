@@ -1,0 +1,154 @@
+"""The decoder's fused ops, and the one place that chooses how each runs.
+
+    rms_norm(x, weight, eps)                       RMSNorm
+    add_rms_norm(x, residual, weight, eps)         residual + x, then its RMSNorm -> (normed, sum)
+    qk_norm_rope(q, k, positions, inv_freq, ...)   per-head RMSNorm of q and k, rotary, and the
+                                                   KV-cache write at the positions
+    decode_attention(q, k_cache, v_cache, positions, scale)
+                                                   attention over a whole static cache, masked
+                                                   to slots <= each row's position
+    router_topk(logits, top_k, normalize)          softmax router -> ids int32, weights fp32
+
+Each `*_ref` is plain torch with the math of Hugging Face transformers' Llama / Qwen3 /
+Qwen3-MoE, rounding to the model dtype where they round. The Triton kernels
+(engine.gpu.ops_triton, engine.gpu.decode_attention) run instead when the tensors are
+on CUDA (or on any device under TRITON_INTERPRET=1: the tests) and triton imports;
+DUCK_TRITON_OPS=0 keeps the references everywhere. tests/engine/test_ops_triton.py
+holds each kernel to its reference.
+
+Top-k ties: torch.topk leaves the order of equal values unspecified (on the CPU it
+does not pick the lowest index). The kernel ranks experts by their logits (which order
+the probabilities exactly) and, among equal logits, takes the lowest expert id. Only
+exactly equal logits can make the two choose different experts, and those experts
+then get the same weight.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+TRITON_OPS_ENV = "DUCK_TRITON_OPS"
+
+
+@functools.cache
+def _kernels():
+    """(engine.gpu.ops_triton, engine.gpu.decode_attention), or None where triton does not import."""
+    from engine.gpu import decode_attention, ops_triton
+
+    return (ops_triton, decode_attention) if ops_triton.triton is not None else None
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the ops below run their Triton kernels on tensors like x."""
+    if os.environ.get(TRITON_OPS_ENV, "1") == "0":
+        return False
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False                 # the CPU path never imports triton
+    kernels = _kernels()
+    return kernels is not None and kernels[0].runs_on(x)
+
+
+# -- RMSNorm ------------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N]: computed in fp32, cast to x's dtype, times weight."""
+    if triton_runs_on(x):
+        rows = x.reshape(-1, x.shape[-1])
+        return _kernels()[0].rms_norm(rows, weight, eps)[0].view(x.shape)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    stream = x if residual is None else residual + x
+    return rms_norm_ref(stream, weight, eps), stream
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) for x, residual [T, N]; residual None: x is the
+    whole stream (the first layer). The sum is rounded to the model dtype, as HF's residual add is."""
+    if residual is not None and triton_runs_on(x):
+        return _kernels()[0].rms_norm(x, weight, eps, residual)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+# -- q/k norm, rotary, KV-cache write -----------------------------------------------------
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *, v=None, k_cache=None,
+                     v_cache=None):
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    freqs = positions.float()[:, None] * inv_freq[None, :]   # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
+    cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if k_cache is not None:
+        k_cache.index_copy_(0, positions, k)
+        v_cache.index_copy_(0, positions, v)
+    return q, k
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0, *,
+                 v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                 v_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, KVH, D] -> (q, k) with RMSNorm over each head (Qwen3's q_norm/k_norm
+    weights [D]; None: no norm, Llama) and half-split (rotate_half) rotary at positions [T]:
+    freqs = positions * inv_freq [D/2] in fp32, cos/sin cast to q's dtype before the products.
+    k_cache, v_cache [S, KVH, D] (one layer of a KVCache): k and v [T, KVH, D] are written
+    there at positions, which the caller has checked to be within S."""
+    if triton_runs_on(q):
+        return _kernels()[0].qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v, k_cache, v_cache)
+    return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, k_cache=k_cache,
+                            v_cache=v_cache)
+
+
+# -- attention over the static cache ------------------------------------------------------
+def decode_attention_ref(q, k_cache, v_cache, positions, scale, masked: bool = True):
+    """masked False: every row attends every slot given (one token at the last of them)."""
+    keys, values = k_cache.transpose(0, 1), v_cache.transpose(0, 1)   # [KVH, S, D]
+    mask = None
+    if masked:
+        mask = positions[:, None] >= torch.arange(k_cache.shape[0], device=q.device)[None, :]  # [T, S]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)   # [H, T, D]
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, D] over a k/v cache [S, KVH, D] (GQA: H a multiple of KVH), row t over the
+    slots <= positions[t] (within S) -> [T, H * D]. Fixed shapes, no host sync."""
+    if triton_runs_on(q):
+        return _kernels()[1].decode_attention(q, k_cache, v_cache, positions, scale)
+    return decode_attention_ref(q, k_cache, v_cache, positions, scale)
+
+
+# -- the softmax router -------------------------------------------------------------------
+def router_topk_ref(logits, top_k, normalize):
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)   # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)          # [T, k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate logits [T, E] -> (expert ids int32 [T, k], weights fp32 [T, k]): softmax in fp32,
+    the top_k largest, renormalized to sum 1 when normalize (norm_topk_prob)."""
+    if triton_runs_on(logits):
+        return _kernels()[0].router_topk(logits, top_k, normalize)
+    return router_topk_ref(logits, top_k, normalize)
