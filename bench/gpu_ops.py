@@ -1,6 +1,6 @@
 """GPU stage time per decoder layer of a Qwen3-30B-A3B-shaped model (synthetic weights,
-engine.synthetic) with the fused Triton ops (engine.ops) and with their torch references
-(DUCK_TRITON_OPS=0): eager and replayed from CUDA graphs (engine.gpu.graphs.stage_times:
+bench.synthetic) with the fused Triton ops (engine.ops) and with their torch references
+(DUCK_TRITON_OPS=0): eager and replayed from CUDA graphs (bench.gpu_stage.stage_times:
 CUDA events around the GPU work between two FFN calls, FFN calls answered with zeros),
 and the CUDA kernels one layer launches (torch.profiler).
 
