@@ -29,6 +29,7 @@ def default_state_dir() -> Path:
 @dataclass(slots=True)
 class DaemonConfig:
     listen: str = "127.0.0.1:7433"     # gRPC host:port; port 0 picks a free one
+    http_listen: str = "127.0.0.1:7434"  # OpenAI-compatible HTTP API and /metrics; "" turns it off
     token: str = ""                    # bearer token; empty: token_file, else generated
     token_file: str = ""               # a file holding the token
     state_dir: str = ""                # host caches, token, runtime file; "" = default
@@ -44,6 +45,13 @@ class DaemonConfig:
         if not self.allow_remote and not _is_loopback(host):
             raise ConfigError(f"daemon.listen = {self.listen!r}: not a loopback address; "
                               "set daemon.allow_remote = true to listen beyond this host")
+        if self.http_listen:
+            host, _, port = self.http_listen.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"daemon.http_listen = {self.http_listen!r}: expected host:port, or \"\" for none")
+            if not self.allow_remote and not _is_loopback(host):
+                raise ConfigError(f"daemon.http_listen = {self.http_listen!r}: not a loopback address; "
+                                  "set daemon.allow_remote = true to listen beyond this host")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"daemon.log_level = {self.log_level!r}: expected debug, info, warning or error")
         _positive("daemon.shutdown_grace_s", self.shutdown_grace_s)
@@ -57,6 +65,7 @@ class ModelConfig:
     backend: str = "fleet"             # fleet | fp9 | torch
     max_model_len: int = 2048
     max_tokens: int = 256              # a chat's default limit
+    max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     device: str = "auto"               # auto | cpu | cuda
 
     def __post_init__(self):
@@ -66,6 +75,7 @@ class ModelConfig:
             raise ConfigError(f"model.path = {self.path!r}: no such file or folder")
         _positive("model.max_model_len", self.max_model_len)
         _positive("model.max_tokens", self.max_tokens)
+        _positive("model.max_queued", self.max_queued)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device = {self.device!r}: expected auto, cpu or cuda")
 

@@ -1,4 +1,5 @@
-"""`duckd`: the daemon's entry point and lifecycle.
+"""`duckd`: the daemon's entry point and lifecycle: the gRPC API, the
+OpenAI-compatible HTTP API with /metrics (daemon.http_listen), the fleet and the model.
 
 Signal handlers only set events. The first SIGTERM (or SIGINT) drains: no
 new calls, in-flight chats get shutdown_grace_s to finish (they are ended at
@@ -61,7 +62,13 @@ async def run(cfg: Config, config_path: str | None) -> int:
     daemon = Daemon(cfg)
     server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s)
     await server.start()
-    runtime = daemon.write_runtime_file(server.address, token_file)
+    http = None
+    if cfg.daemon.http_listen:
+        from duckd.http_api import HttpApi, HttpServer
+        from duckd.metrics import Metrics
+        http = HttpServer(HttpApi(daemon, token, Metrics(daemon)), cfg.daemon.http_listen)
+        await http.start()
+    runtime = daemon.write_runtime_file(server.address, token_file, http.address if http else "")
     loop = asyncio.get_running_loop()
     stop, force, hup = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -106,6 +113,8 @@ async def run(cfg: Config, config_path: str | None) -> int:
     late.cancel()
     for t in side:
         t.cancel()
+    if http is not None:
+        await http.stop()
     await daemon.stop()
     runtime.unlink(missing_ok=True)
     log.info("stopped")
@@ -163,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2
+    except OSError as e:      # an API port in use, a state folder that cannot be written
+        log.error("%s", e)
+        return 1
 
 
 if __name__ == "__main__":
