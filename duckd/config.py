@@ -39,24 +39,22 @@ class DaemonConfig:
     allow_remote: bool = False         # listen on a non-loopback address
 
     def __post_init__(self):
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"daemon.listen = {self.listen!r}: expected host:port")
-        if not self.allow_remote and not _is_loopback(host):
-            raise ConfigError(f"daemon.listen = {self.listen!r}: not a loopback address; "
-                              "set daemon.allow_remote = true to listen beyond this host")
+        self._check_listen("listen", self.listen)
         if self.http_listen:
-            host, _, port = self.http_listen.rpartition(":")
-            if not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(f"daemon.http_listen = {self.http_listen!r}: expected host:port, or \"\" for none")
-            if not self.allow_remote and not _is_loopback(host):
-                raise ConfigError(f"daemon.http_listen = {self.http_listen!r}: not a loopback address; "
-                                  "set daemon.allow_remote = true to listen beyond this host")
+            self._check_listen("http_listen", self.http_listen)
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"daemon.log_level = {self.log_level!r}: expected debug, info, warning or error")
         _positive("daemon.shutdown_grace_s", self.shutdown_grace_s)
         if not 0 < self.watch_interval_s <= 1.0:
             raise ConfigError(f"daemon.watch_interval_s = {self.watch_interval_s!r}: expected 0 < value <= 1")
+
+    def _check_listen(self, key: str, value: str) -> None:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"daemon.{key} = {value!r}: expected host:port")
+        if not self.allow_remote and not _is_loopback(host):
+            raise ConfigError(f"daemon.{key} = {value!r}: not a loopback address; "
+                              "set daemon.allow_remote = true to listen beyond this host")
 
 
 @dataclass(slots=True)
