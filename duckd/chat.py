@@ -142,6 +142,7 @@ class ChatService:
     async def stream(self, r: ChatRequest):
         """Async iterator of TokenEvent ... DoneEvent; raises duckd.errors."""
         from engine.generate import GenerationStats, generate
+        from engine.mtp import generate_mtp
         from native.transport import DuckError
 
         validate(r)
@@ -149,6 +150,7 @@ class ChatService:
         if self.queued >= self.max_queued:
             raise Busy(f"{self.queued} requests are queued (model.max_queued = {self.max_queued}); retry shortly")
         loaded = self.daemon.model.loaded
+        run = generate_mtp if self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None) else generate
         prompt = self._prompt_ids(r)
         params = self._params(r, len(prompt))
 
@@ -176,8 +178,8 @@ class ChatService:
                 self._add(running=1)
                 emitted["t0"] = time.perf_counter()
                 try:
-                    result = generate(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
-                                      max_model_len=len(prompt) + params.max_tokens)
+                    result = run(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
+                                 max_model_len=len(prompt) + params.max_tokens)
                     put(("done", result))
                 except Cancelled:
                     put(("cancelled", None))

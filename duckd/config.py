@@ -64,6 +64,7 @@ class ModelConfig:
     max_model_len: int = 2048
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
+    mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     device: str = "auto"               # auto | cpu | cuda
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """Prometheus metrics of the daemon (served at /metrics by duckd.http_api):
 per-duck state and counters read from the fleet at each scrape, the chat service's
 queue and running requests, and per-request latency histograms and token counters
-observed as requests finish."""
+observed as requests finish (MTP1 acceptance too)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -62,6 +62,8 @@ class Metrics:
         self.tokens_in = Counter("duck_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.tokens_out = Counter("duck_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("duck_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
+        self.mtp_accepted = Counter("duck_mtp_drafts_accepted", "MTP1 drafts accepted", registry=r)
+        self.mtp_verified = Counter("duck_mtp_drafts_verified", "MTP1 drafts verified", registry=r)
         daemon.chat.observers.append(self.observe)
 
     def observe(self, done) -> None:
@@ -74,6 +76,9 @@ class Metrics:
             self.e2e.observe(s.time)
         if s.output_len > 1:
             self.tpot.observe(s.tpot)
+        if s.mtp:
+            self.mtp_accepted.inc(s.mtp[0])
+            self.mtp_verified.inc(s.mtp[1])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

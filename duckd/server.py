@@ -164,9 +164,11 @@ def chat_request(r: pb.ChatRequest) -> ChatRequest:
 
 def stats_message(done: DoneEvent) -> pb.GenerationStats:
     s = done.stats
+    accepted, verified = s.mtp or (0, 0)
     return pb.GenerationStats(time_s=s.time, input_len=s.input_len, output_len=s.output_len, ttft_s=s.ttft,
                               tpot_s=s.tpot, prefill_tok_s=s.prefill_tps, decode_tok_s=s.decode_tps,
-                              finish_reason=done.finish_reason, line=str(s))
+                              finish_reason=done.finish_reason, line=str(s), mtp_accepted=accepted,
+                              mtp_verified=verified)
 
 
 class ModelServicer(rpc.ModelServicer):

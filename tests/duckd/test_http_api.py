@@ -12,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.engine.test_deepseek_mtp import mtp_checkpoint  # noqa: F401 (fixture: tiny DeepSeek-V3 + nextn layer)
+
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
 
@@ -162,3 +164,27 @@ def test_a_full_queue_answers_429_and_the_rest_complete(tmp_path):
         assert any(r != "busy" for r in results) and all(r == "busy" or r > 0 for r in results), results
     finally:
         daemon.stop()
+
+
+def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp_checkpoint):
+    """A tiny DeepSeek-V3 with an MTP head on a 2-duck fleet, served with model.mtp true
+    and false: the same greedy completion; acceptance in the stats and /metrics."""
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    texts, stats = {}, {}
+    for mtp in (True, False):
+        state = tmp_path / f"mtp-{mtp}"
+        daemon = RunningDaemon(write_config(tmp_path / f"duckd-{mtp}.toml", state, ducks=2,
+                                            model={"path": str(mtp_checkpoint), "mtp": mtp, "device": "cpu"}),
+                               state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+        try:
+            client = openai.OpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token, max_retries=0)
+            r = client.completions.create(model="default", prompt="w5 w9 w12 w33 w7", max_tokens=24, temperature=0)
+            texts[mtp] = r.choices[0].text
+            status, body = _get(daemon, "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+            stats[mtp] = [s.value for s in families["duck_mtp_drafts_verified"].samples if s.name.endswith("_total")]
+        finally:
+            daemon.stop()
+    assert texts[True] == texts[False] and texts[True]
+    assert stats[True][0] > 0 and stats[False][0] == 0
