@@ -31,15 +31,18 @@ class ChatMessage:
 
 @dataclass(slots=True)
 class ChatRequest:
-    """messages (a chat) or prompt (a plain completion); sampling settings None: the defaults."""
+    """messages (a chat) or prompt (a plain completion). Sampling settings None take the
+    defaults: the daemon's [model] config, else the checkpoint's generation_config.json,
+    else greedy."""
     messages: list[ChatMessage] = field(default_factory=list)
     prompt: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None   # None or 0: greedy
+    temperature: float | None = None   # 0: greedy
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None           # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    repetition_penalty: float | None = None   # 1: off
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +91,9 @@ def validate(r: ChatRequest) -> None:
         raise InvalidArgument("top_p", f"top_p = {r.top_p}: expected 0 < top_p <= 1")
     if r.top_k is not None and r.top_k < 0:
         raise InvalidArgument("top_k", f"top_k = {r.top_k}: expected >= 0 (0: off)")
+    if r.repetition_penalty is not None and not 0.0 < r.repetition_penalty <= 10.0:
+        raise InvalidArgument("repetition_penalty",
+                              f"repetition_penalty = {r.repetition_penalty}: expected 0 < value <= 10 (1: off)")
     if any(not s for s in r.stop):
         raise InvalidArgument("stop", "stop strings must not be empty")
 
@@ -136,8 +142,19 @@ class ChatService:
             raise InvalidArgument("messages" if r.prompt is None else "prompt",
                                   f"the request is {prompt_len} tokens; max_model_len is {cfg.max_model_len}")
         max_tokens = min(r.max_tokens or cfg.max_tokens, cfg.max_model_len - prompt_len)
-        return SamplingParams(max_tokens=max_tokens, temperature=r.temperature or 0.0, top_k=r.top_k or 0,
-                              top_p=r.top_p or 1.0, seed=r.seed, stop=tuple(r.stop))
+        d = self.sampling_defaults()
+        pick = lambda name, off: getattr(r, name) if getattr(r, name) is not None else d.get(name, off)  # noqa: E731
+        return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature", 0.0), top_k=pick("top_k", 0),
+                              top_p=pick("top_p", 1.0), seed=r.seed, stop=tuple(r.stop),
+                              repetition_penalty=pick("repetition_penalty", 1.0))
+
+    def sampling_defaults(self) -> dict:
+        """What a request that names no sampling settings gets: [model] settings of the
+        daemon's config over the checkpoint's generation_config.json (empty: greedy)."""
+        cfg = self.daemon.cfg.model
+        mine = {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                if getattr(cfg, k) is not None}
+        return {**self.daemon.model.loaded.sampling, **mine}
 
     async def stream(self, r: ChatRequest):
         """Async iterator of TokenEvent ... DoneEvent; raises duckd.errors."""
@@ -150,9 +167,10 @@ class ChatService:
         if self.queued >= self.max_queued:
             raise Busy(f"{self.queued} requests are queued (model.max_queued = {self.max_queued}); retry shortly")
         loaded = self.daemon.model.loaded
-        run = generate_mtp if self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None) else generate
         prompt = self._prompt_ids(r)
         params = self._params(r, len(prompt))
+        mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
+        run = generate_mtp if mtp and params.repetition_penalty == 1.0 else generate   # MTP1 drafts know no penalty
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

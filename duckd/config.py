@@ -65,6 +65,11 @@ class ModelConfig:
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
+    # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     device: str = "auto"               # auto | cpu | cuda
 
     def __post_init__(self):
@@ -75,6 +80,14 @@ class ModelConfig:
         _positive("model.max_model_len", self.max_model_len)
         _positive("model.max_tokens", self.max_tokens)
         _positive("model.max_queued", self.max_queued)
+        if self.temperature is not None and not 0 <= self.temperature <= 10:
+            raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"model.top_p = {self.top_p!r}: expected 0 < top_p <= 1")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"model.top_k = {self.top_k!r}: expected >= 0 (0: off)")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 10:
+            raise ConfigError(f"model.repetition_penalty = {self.repetition_penalty!r}: expected 0 < value <= 10")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device = {self.device!r}: expected auto, cpu or cuda")
 

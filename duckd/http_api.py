@@ -37,6 +37,7 @@ STATUS = {errors.InvalidArgument: (400, "invalid_request_error"), errors.NotFoun
           errors.Busy: (429, "rate_limit_error")}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only at their neutral value
+# the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -91,7 +92,10 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
     req = ChatRequest(max_tokens=max_tokens,
                       temperature=_get(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2, "0 .. 2"),
                       top_p=_get(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "0 < top_p <= 1"),
-                      seed=_get(body, "seed", int, None, lambda v: v >= 0, "a non-negative integer"), stop=stop)
+                      seed=_get(body, "seed", int, None, lambda v: v >= 0, "a non-negative integer"), stop=stop,
+                      top_k=_get(body, "top_k", int, None, lambda v: v >= 0, "a count >= 0 (0: off)"),
+                      repetition_penalty=_get(body, "repetition_penalty", (int, float), None,
+                                              lambda v: 0 < v <= 10, "0 < value <= 10 (1: off)"))
     if chat:
         messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
         if messages is None:

@@ -156,10 +156,14 @@ class ChatServicer(rpc.ChatServicer):
 
 
 def chat_request(r: pb.ChatRequest) -> ChatRequest:
-    """The protobuf request as the chat service's: proto3's zeros mean "not set"."""
+    """The protobuf request as the chat service's: sampling settings by presence, max_tokens
+    and seed 0 mean "not set"."""
+    has = r.HasField
     return ChatRequest(messages=[ChatMessage(m.role, m.content) for m in r.messages], max_tokens=r.max_tokens or None,
-                       temperature=r.temperature or None, top_p=r.top_p or None, top_k=r.top_k or None,
-                       seed=r.seed or None, stop=tuple(r.stop))
+                       temperature=r.temperature if has("temperature") else None,
+                       top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
+                       seed=r.seed or None, stop=tuple(r.stop),
+                       repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None)
 
 
 def stats_message(done: DoneEvent) -> pb.GenerationStats:

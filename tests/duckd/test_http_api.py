@@ -188,3 +188,36 @@ def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp
             daemon.stop()
     assert texts[True] == texts[False] and texts[True]
     assert stats[True][0] > 0 and stats[False][0] == 0
+
+
+def test_requests_without_sampling_settings_take_the_checkpoints(tmp_path, mtp_checkpoint):
+    """generation_config.json (greedy with a repetition penalty) is what a request naming no
+    sampling settings gets; one that names them gets its own."""
+    import json
+    import shutil
+
+    from engine.generate import SamplingParams, generate
+    from engine.loader import load_model
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(mtp_checkpoint, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 1.8}))
+    lm = load_model(folder, device="cpu")
+    prompt = "w5 w9 w12 w33 w7"
+    ids = lm.tokenizer.encode(prompt, add_special_tokens=True)
+    want = {pen: generate(lm.model, lm.tokenizer, ids, SamplingParams(max_tokens=16, repetition_penalty=pen)).text
+            for pen in (1.8, 1.0)}
+    assert want[1.8] != want[1.0], "the penalty changes nothing here: pick another prompt"
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2,
+                                        model={"path": str(folder), "device": "cpu", "mtp": False}),
+                           state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token, max_retries=0)
+        got = client.completions.create(model="default", prompt=prompt, max_tokens=16).choices[0].text
+        mine = client.completions.create(model="default", prompt=prompt, max_tokens=16,
+                                         extra_body={"repetition_penalty": 1.0}).choices[0].text
+    finally:
+        daemon.stop()
+    assert got == want[1.8] and mine == want[1.0]
