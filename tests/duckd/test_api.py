@@ -23,7 +23,7 @@ def duckctl(daemon, *args, env=None, timeout=180):
 
 def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
     # no --address/--token: found from the running daemon's runtime file
-    r = duckctl(duckd_daemon, "chat", "Which city is the capital of France?",
+    r = duckctl(duckd_daemon, "chat", "--greedy", "Which city is the capital of France?",
                 env={"XDG_STATE_HOME": str(duckd_daemon.state_dir.parent)})
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
@@ -32,7 +32,7 @@ def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
 
 def test_duckctl_chat_json_and_multi_turn_from_stdin(duckd_daemon):
     r = subprocess.run([sys.executable, "-m", "duckd.ctl", "--address", duckd_daemon.address, "--token",
-                        duckd_daemon.token, "chat", "--json", "--max-tokens", "8"],
+                        duckd_daemon.token, "chat", "--greedy", "--json", "--max-tokens", "8"],
                        input="Hello!\nAnd what is your name?\n", capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     finals = [json.loads(line) for line in r.stdout.splitlines() if '"stats"' in line]

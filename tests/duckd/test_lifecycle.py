@@ -44,7 +44,7 @@ def test_sigterm_during_chat_ends_the_stream_cleanly_and_exits_0(tmp_path):
         _, short = daemon.chat("Tell me a long story.", max_tokens=0)       # 0: the daemon's (new) default
         assert short.output_len <= 5 and short.finish_reason == "length"
         req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Write a long story about a duck.")],
-                             max_tokens=400)
+                             max_tokens=400, temperature=0.0)
         stream = rpc.ChatStub(daemon.channel()).Chat(req, timeout=120)
         tokens, stats = 0, None
         for ev in stream:
