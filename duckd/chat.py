@@ -10,6 +10,7 @@ the daemon stops)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -68,6 +69,21 @@ class Cancelled(Exception):
     """Raised inside a generation to stop it (caller gone, daemon stopping)."""
 
 
+@dataclass(slots=True)
+class ActiveRequest:
+    """A request the service holds now (what the console's requests panel shows)."""
+    id: int
+    prompt_tokens: int
+    arrived: float                 # time.monotonic()
+    state: str = "queued"          # queued, running
+    generated: int = 0
+    first_token: float = 0.0
+
+    def tok_s(self, now: float) -> float:
+        dt = now - self.first_token
+        return (self.generated - 1) / dt if self.generated > 1 and dt > 0 else 0.0
+
+
 def validate(r: ChatRequest) -> None:
     """Raises InvalidArgument naming the first field that is wrong."""
     if r.prompt is None:
@@ -107,6 +123,8 @@ class ChatService:
         self.queued = 0            # waiting for the model
         self.running = 0           # generating
         self.observers: list = []  # callables (DoneEvent) -> None, e.g. the metrics
+        self.active: dict[int, ActiveRequest] = {}
+        self._ids = itertools.count(1)
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
@@ -178,13 +196,16 @@ class ChatService:
         put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
         stopping = self.daemon.stopping
+        record = ActiveRequest(next(self._ids), len(prompt), time.monotonic())
 
         def on_text(text: str) -> None:
             if cancel.is_set() or stopping.is_set():
                 raise Cancelled()
             if not emitted["n"]:
                 emitted["ttft"] = time.perf_counter() - emitted["t0"]
+                record.first_token = time.monotonic()
             emitted["n"] += 1
+            record.generated = emitted["n"]
             put(("token", text))
 
         def work() -> None:
@@ -194,6 +215,7 @@ class ChatService:
                     put(("cancelled", None))
                     return
                 self._add(running=1)
+                record.state = "running"
                 emitted["t0"] = time.perf_counter()
                 try:
                     result = run(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
@@ -210,6 +232,7 @@ class ChatService:
                     self._add(running=-1)
 
         self._add(queued=1)
+        self.active[record.id] = record
         self.daemon.active_chats += 1
         loop.run_in_executor(None, work)
         try:
@@ -234,6 +257,7 @@ class ChatService:
                     raise RuntimeError(f"generation failed: {value}")
         finally:
             cancel.set()
+            self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
     def _finish(self, done: DoneEvent) -> DoneEvent:

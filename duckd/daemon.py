@@ -139,12 +139,17 @@ class Daemon:
     def snapshot(self) -> pb.FleetSnapshot:
         p = self.model.progress
         ducks = [d.status() for d in self.fleet.ducks]
+        now = time.monotonic()
+        requests = [pb.RequestStatus(id=r.id, state=r.state, prompt_tokens=r.prompt_tokens,
+                                     generated_tokens=r.generated, tok_s=r.tok_s(now), age_s=now - r.arrived)
+                    for r in list(self.chat.active.values())]
         return pb.FleetSnapshot(
             ducks=ducks, aggregate_gbps=sum(d.gbps for d in ducks), roofline_gbps=self.roofline_gbps,
             decode_tok_s=self.model.last_decode_tps, model=self.model.name, unix_time=time.time(),
             sync=pb.SyncProgress(bytes_done=p.done if p.phase == "uploading" else 0,
                                  bytes_total=p.total if p.phase == "uploading" else 0,
-                                 bytes_per_s=p.rate(), eta_s=p.eta(), phase=p.phase))
+                                 bytes_per_s=p.rate(), eta_s=p.eta(), phase=p.phase),
+            requests=requests)
 
     def events_since(self, cursor: int):
         return self.events.since(cursor)

@@ -49,14 +49,16 @@ def test_duckctl_status_lists_every_duck_serving(duckd_daemon):
 
 
 def test_watch_shows_bandwidth_of_every_duck_during_a_chat(duckd_daemon):
+    """...and the chat itself among the requests, running with its tokens counted."""
     ch = duckd_daemon.channel()
-    seen = {}
+    seen, requests = {}, []
     done = threading.Event()
 
     def watch():
         for snap in rpc.FleetStub(ch).Watch(pb.WatchRequest(interval_s=0.2), timeout=120):
             for d in snap.ducks:
                 seen[d.id] = max(seen.get(d.id, 0.0), d.gbps)
+            requests.extend(snap.requests)
             if done.is_set():
                 return
     t = threading.Thread(target=watch)
@@ -69,6 +71,8 @@ def test_watch_shows_bandwidth_of_every_duck_during_a_chat(duckd_daemon):
     assert stats.output_len > 0
     assert sorted(seen) == [0, 1, 2, 3]
     assert all(v > 0 for v in seen.values()), seen
+    running = [r for r in requests if r.state == "running" and r.generated_tokens > 0]
+    assert running and running[-1].prompt_tokens == stats.input_len and running[-1].age_s > 0, requests
 
 
 def test_wrong_token_is_unauthenticated_and_health_needs_none(duckd_daemon):
