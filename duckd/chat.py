@@ -3,10 +3,12 @@ the model's template, or a raw prompt) and yields TokenEvents as text becomes fi
 then one DoneEvent with the generation's stats. Errors are duckd.errors; the gRPC
 (duckd.server) and OpenAI HTTP (duckd.http_api) adapters translate both ways.
 
-Requests wait in a bounded queue (fleet-wide one generation at a time today: the
-model's lock); a full queue is Busy. A request whose caller has gone is dropped
-before it starts, and a running one ends at its next token (as does every one when
-the daemon stops)."""
+Requests wait in a bounded queue on the event loop (one generation at a time
+today, in a thread of the service's own, so waiting requests hold no thread); a
+full queue is Busy. A waiting request whose caller goes away leaves the queue at
+once; one whose turn comes while the fleet cannot serve fails then (Unavailable);
+a running one ends at its next token when its caller goes away or the daemon
+stops, held-back text (a stop string's prefix) or not."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from duckd.errors import Busy, InvalidArgument, Unavailable
@@ -125,6 +128,8 @@ class ChatService:
         self.observers: list = []  # callables (DoneEvent) -> None, e.g. the metrics
         self.active: dict[int, ActiveRequest] = {}
         self._ids = itertools.count(1)
+        self._turn = asyncio.Lock()       # FIFO: the waiting requests, in order of arrival
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duck-generate")
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
@@ -210,16 +215,12 @@ class ChatService:
 
         def work() -> None:
             with self.daemon.model.lock:
-                self._add(queued=-1)
-                if cancel.is_set() or stopping.is_set():   # the caller left while it waited: nothing to run
-                    put(("cancelled", None))
-                    return
                 self._add(running=1)
-                record.state = "running"
                 emitted["t0"] = time.perf_counter()
                 try:
                     result = run(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
-                                 max_model_len=len(prompt) + params.max_tokens)
+                                 max_model_len=len(prompt) + params.max_tokens,
+                                 should_stop=lambda: cancel.is_set() or stopping.is_set())
                     put(("done", result))
                 except Cancelled:
                     put(("cancelled", None))
@@ -234,31 +235,51 @@ class ChatService:
         self._add(queued=1)
         self.active[record.id] = record
         self.daemon.active_chats += 1
-        loop.run_in_executor(None, work)
+        waiting = True
         try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "token":
-                    yield TokenEvent(value)
-                elif kind == "done":
-                    self.daemon.model.last_decode_tps = value.stats.decode_tps
-                    yield self._finish(DoneEvent(value.stats, value.finish_reason))
-                    return
-                elif kind == "cancelled":
-                    stats = GenerationStats(len(prompt), emitted["n"], time.perf_counter() - emitted["t0"],
-                                            emitted["ttft"])
-                    log.info("chat cancelled after %d tokens (%s)", emitted["n"],
-                             "daemon stopping" if stopping.is_set() else "client gone")
-                    yield self._finish(DoneEvent(stats, "cancelled"))
-                    return
-                elif kind == "unavailable":
-                    raise Unavailable(f"the fleet failed during the chat: {value}")
-                else:
-                    raise RuntimeError(f"generation failed: {value}")
+            async with self._turn:       # a caller that goes away while waiting leaves the queue here
+                waiting = False
+                self._add(queued=-1)
+                if stopping.is_set():
+                    raise Unavailable("duckd is stopping")
+                self._check_ready()      # the fleet may have failed while this request waited
+                record.state = "running"
+                loop.run_in_executor(self._worker, work)
+                async for event in self._events(queue, prompt, emitted, stopping):
+                    if isinstance(event, DoneEvent):
+                        done = event
+                        break
+                    yield event
+            yield done                   # the next request's turn does not wait for this caller
         finally:
+            if waiting:
+                self._add(queued=-1)
             cancel.set()
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
+
+    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping):
+        """What the generation thread reports, as events, until it is done."""
+        from engine.generate import GenerationStats
+        while True:
+            kind, value = await queue.get()
+            if kind == "token":
+                yield TokenEvent(value)
+            elif kind == "done":
+                self.daemon.model.last_decode_tps = value.stats.decode_tps
+                yield self._finish(DoneEvent(value.stats, value.finish_reason))
+                return
+            elif kind == "cancelled":
+                stats = GenerationStats(len(prompt), emitted["n"], time.perf_counter() - emitted["t0"],
+                                        emitted["ttft"])
+                log.info("chat cancelled after %d tokens (%s)", emitted["n"],
+                         "daemon stopping" if stopping.is_set() else "client gone")
+                yield self._finish(DoneEvent(stats, "cancelled"))
+                return
+            elif kind == "unavailable":
+                raise Unavailable(f"the fleet failed during the chat: {value}")
+            else:
+                raise RuntimeError(f"generation failed: {value}")
 
     def _finish(self, done: DoneEvent) -> DoneEvent:
         for observe in self.observers:

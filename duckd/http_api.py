@@ -227,6 +227,8 @@ class HttpApi:
                 event = await events.__anext__()
         except (errors.ServiceError, RuntimeError) as e:
             return error_response(e)
+        finally:
+            await events.aclose()
         return JSONResponse(shape.whole("".join(text), event))
 
     async def _stream(self, shape: _Completion, event, events, include_usage: bool):

@@ -23,6 +23,7 @@ from duckd.chat import ChatMessage, ChatRequest, DoneEvent
 log = logging.getLogger("duckd.server")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+WATCH_MIN_INTERVAL_S = 0.05
 
 
 STATUS = {errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -95,7 +96,8 @@ class FleetServicer(rpc.FleetServicer):
         if request.interval_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"interval_s = {request.interval_s}: must be >= 0")
-        interval = min(request.interval_s or self.interval_s, self.interval_s)
+        # at least WATCH_MIN_INTERVAL_S: a watcher asking for less must not slow the chats down
+        interval = max(WATCH_MIN_INTERVAL_S, min(request.interval_s or self.interval_s, self.interval_s))
         cursor = 0 if request.with_history else self.core.events_since(1 << 62)[1]
         while True:
             snap = self.core.snapshot()

@@ -113,9 +113,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 @torch.inference_mode()
 def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
-             keep_logits: bool = False) -> GenerationResult:
+             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
     """Runs one request. on_text receives text deltas as they become final
-    (text that might begin a stop string is held back until it cannot)."""
+    (text that might begin a stop string is held back until it cannot);
+    should_stop, asked after every token, ends the request ("cancelled") when true."""
     params = params or SamplingParams()
     if not prompt_ids:
         raise ValueError("empty prompt")
@@ -169,6 +170,9 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
                 emitted = len(text) - hold
             pos = int(positions[-1]) + 1
             if len(out_ids) >= params.max_tokens or pos >= max_model_len:
+                break
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
                 break
             ids = torch.tensor([token], dtype=torch.int64, device=step_device)
             positions = torch.tensor([pos], device=step_device)

@@ -23,8 +23,9 @@ def write_config(path: Path, state_dir: Path, ducks: int = 4, model: dict | None
     """A duckd config on loopback ports picked by the system; fleet settings as keywords
     (a dict value is a [fleet.<key>] table), model settings beside max_tokens = 48."""
     lines = ["[daemon]", 'listen = "127.0.0.1:0"', 'http_listen = "127.0.0.1:0"', f'state_dir = "{state_dir}"',
-             "shutdown_grace_s = 6.0", "", "[model]", "max_tokens = 48",
-             *(f"{k} = {json.dumps(v)}" for k, v in (model or {}).items()), "", "[fleet]", f"ducks = {ducks}",
+             "shutdown_grace_s = 6.0", "", "[model]",
+             *(f"{k} = {json.dumps(v)}" for k, v in {"max_tokens": 48, **(model or {})}.items()), "", "[fleet]",
+             f"ducks = {ducks}",
              "fail_after_s = 1.0", "health_interval_s = 0.25"]
     for k, v in fleet.items():
         if isinstance(v, dict):

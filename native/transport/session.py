@@ -129,7 +129,7 @@ class Session:
             else:
                 a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
             with fleet._lock:
-                rc = lib.duck_transport_forward(fleet._t, a, res)
+                rc = lib.duck_transport_forward(fleet._open(), a, res)
             self.retransmits += res.retransmits
             if res.mtu_fallbacks:
                 self._log_fallback(layer)
