@@ -33,6 +33,10 @@ class Daemon:
         self.events = EventLog()
         from native.transport import read_key_file, write_key_file
         self.key_file = self.state_dir / "fleet.key"
+        if self.key_file.exists() and self.key_file.stat().st_mode & 0o077:
+            self.key_file.chmod(0o600)
+            log.warning("fleet key %s was readable by others: now 0600 (consider a new key: remove it)",
+                        self.key_file)
         key = read_key_file(self.key_file) if self.key_file.exists() else write_key_file(self.key_file)
         self.driver = make_driver(cfg.fleet, self.state_dir, self.key_file)
         self.key = key

@@ -45,11 +45,43 @@ def resolve_token(cfg: Config) -> tuple[str, Path]:
         return token, path
     path = state / "token"
     token = cfg.daemon.token or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(24)
+    if path.exists() and path.stat().st_mode & 0o077:
+        log.warning("token file %s was readable by others: rewritten 0600", path)
+        path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token, path
+
+
+def claim_state_dir(state: Path):
+    """The state folder, made private (0700) and held by this duckd alone: a lock on
+    <state>/duckd.lock for the process's life (returned: keep it). Another duckd on the
+    same folder, or a folder that cannot be written, is one line naming it."""
+    import fcntl
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        if state.stat().st_mode & 0o077:
+            state.chmod(0o700)
+            log.warning("state folder %s was readable by others: now 0700", state)
+        lock = open(state / "duckd.lock", "a+")
+    except OSError as e:
+        raise OSError(f"state folder {state}: {e.strerror}; duckd needs to write there (set daemon.state_dir "
+                      "to a writable folder)") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        other = lock.read().strip() or "?"
+        lock.close()
+        raise OSError(f"another duckd (pid {other}) uses the state folder {state}: stop it first, or give this "
+                      "one another daemon.state_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 async def run(cfg: Config, config_path: str | None) -> int:
@@ -58,6 +90,8 @@ async def run(cfg: Config, config_path: str | None) -> int:
     from duckd.server import ApiServer
 
     notifier = Notifier()
+    os.umask(0o077)    # what duckd and its ducks write (token, key, caches, packs, logs) is theirs alone
+    state_lock = claim_state_dir(cfg.state_path)  # noqa: F841 (held until the process exits)
     token, token_file = resolve_token(cfg)
     daemon = Daemon(cfg)
     server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s)

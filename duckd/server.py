@@ -192,16 +192,21 @@ class ApiServer:
     """The bound server; health says SERVING only while the core is ready."""
 
     def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0):
-        self.server = grpc.aio.server(interceptors=[TokenAuth(token)])
+        # no SO_REUSEPORT: a second daemon on this port is refused, not served beside this one
+        self.server = grpc.aio.server(interceptors=[TokenAuth(token)], options=[("grpc.so_reuseport", 0)])
         rpc.add_FleetServicer_to_server(FleetServicer(core, watch_interval_s), self.server)
         rpc.add_CacheServicer_to_server(CacheServicer(core), self.server)
         rpc.add_ChatServicer_to_server(ChatServicer(core), self.server)
         rpc.add_ModelServicer_to_server(ModelServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        try:
+            self.port = self.server.add_insecure_port(listen)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind the gRPC server to {listen}")
+            raise OSError(f"cannot bind the gRPC API to {listen}: the address is in use (another duckd?) or not "
+                          "this host's; set daemon.listen")
         self.address = f"{listen.rpartition(':')[0]}:{self.port}"
 
     async def start(self) -> None:
