@@ -154,7 +154,8 @@ class ChatService:
         if r.prompt is not None:
             return tok.encode(r.prompt, add_special_tokens=True)
         try:
-            return tok.encode_chat([{"role": m.role, "content": m.content} for m in r.messages])
+            return tok.encode_chat([{"role": m.role, "content": m.content} for m in r.messages],
+                                   special_in_content=self.daemon.cfg.model.special_tokens_in_content)
         except Exception as e:
             raise InvalidArgument("messages", f"cannot render the chat template: {e}") from None
 

@@ -65,6 +65,7 @@ class ModelConfig:
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
+    special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
     temperature: float | None = None
     top_p: float | None = None
