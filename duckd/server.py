@@ -52,7 +52,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if hmac.compare_digest(metadata.get("authorization", "").encode(), self._expected.encode()):
-            return await continuation(details)
+            return _checked(await continuation(details), details.method)
         handler = await continuation(details)
         log.warning("refused %s: missing or wrong bearer token", details.method)
         return _denied(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
@@ -74,6 +74,50 @@ def _denied(handler, message: str):
                                      response_serializer=handler.response_serializer)
     return kinds["unary_unary"](unary, request_deserializer=handler.request_deserializer,
                                 response_serializer=handler.response_serializer)
+
+
+class _Malformed:
+    """What a request that does not parse deserializes to: the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _checked(handler, method: str):
+    """handler with a deserializer that cannot fail: a malformed request is INVALID_ARGUMENT
+    naming the method (gRPC itself would answer UNKNOWN or INTERNAL)."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:    # a protobuf DecodeError, whatever its type in this build
+            return _Malformed(e)
+
+    def refuse(request, context):
+        return context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{method}: the request is not a valid protobuf message ({request.error})")
+
+    if handler.response_streaming:
+        inner = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            async for item in inner(request, context):
+                yield item
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=deserialize,
+                                                    response_serializer=handler.response_serializer)
+    inner = handler.unary_unary
+
+    async def unary(request, context):
+        if isinstance(request, _Malformed):
+            await refuse(request, context)
+        return await inner(request, context)
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserialize,
+                                               response_serializer=handler.response_serializer)
 
 
 async def _abort(context, e: Exception):

@@ -102,6 +102,20 @@ def test_bad_requests_get_invalid_argument_naming_the_field(duckd_daemon):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "duck 99" in e.value.details()
 
 
+def test_a_malformed_request_is_invalid_argument(duckd_daemon):
+    """Bytes that are not a protobuf message (sent with the channel's raw codec)."""
+    ch = duckd_daemon.channel()
+    for method, stream in (("/duck.v1.Chat/Chat", True), ("/duck.v1.Fleet/Restart", False)):
+        call = (ch.unary_stream if stream else ch.unary_unary)(method, request_serializer=None,
+                                                              response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(b"\xff\xff\xff\xff not protobuf", timeout=10)
+            if stream:
+                list(result)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+        assert method in e.value.details() and "not a valid protobuf message" in e.value.details()
+
+
 def test_cache_lists_every_ducks_slices_and_model_info(duckd_daemon):
     cache = rpc.CacheStub(duckd_daemon.channel()).List(pb.CacheListRequest(all_ducks=True), timeout=30)
     info = rpc.ModelStub(duckd_daemon.channel()).Info(pb.ModelInfoRequest(), timeout=10)
