@@ -65,9 +65,13 @@ class Daemon:
 
     # -- start / stop ---------------------------------------------------------
     async def start(self) -> None:
-        self.events.add("boot", f"booting {self.cfg.fleet.ducks} ducks ({self.cfg.fleet.driver} driver)")
-        await asyncio.to_thread(self._measure_roofline)
-        await self.fleet.start()
+        if self.cfg.model.backend == "fleet":
+            self.events.add("boot", f"booting {self.cfg.fleet.ducks} ducks ({self.cfg.fleet.driver} driver)")
+            await asyncio.to_thread(self._measure_roofline)
+            await self.fleet.start()
+        else:
+            self.events.add("boot", f"the model's FFNs run on this host (backend {self.cfg.model.backend}): "
+                            "no ducks started")
         if self.cfg.model.backend == "fleet":
             from native.transport import Fleet
             from native._native import lib

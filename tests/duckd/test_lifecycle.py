@@ -145,3 +145,17 @@ def test_an_unwritable_state_folder_is_one_line(tmp_path):
                        timeout=60)
     assert r.returncode == 1 and f"state folder {blocker / 'duck'}" in r.stderr and "Traceback" not in r.stderr, \
         r.stderr
+
+
+def test_a_host_backend_starts_no_ducks(tmp_path):
+    state = tmp_path / "duck"
+    before = _duckfw_pids()
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"backend": "torch"}),
+                           state).start()
+    try:
+        assert _duckfw_pids() - before == set(), "ducks started for a model that runs on the host"
+        assert all(d.state == pb.OFFLINE for d in daemon.ducks())
+        text, stats = daemon.chat("Which city is the capital of France?", max_tokens=8)
+        assert "Paris" in text and stats.output_len > 0
+    finally:
+        daemon.stop()
