@@ -12,18 +12,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from duck_proto.client import default_state_dir
+
 SYSTEM_CONFIG = Path("/etc/duckd/duckd.toml")
 
 
 class ConfigError(ValueError):
     """A config field with a bad value; the message names both."""
-
-
-def default_state_dir() -> Path:
-    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # under systemd
-        return Path("/var/lib/duckd")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "duck"
 
 
 @dataclass(slots=True)
