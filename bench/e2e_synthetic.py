@@ -77,6 +77,18 @@ class TimedFfn(FfnBackend):
     def bytes_streamed(self) -> int:
         return self.backend.bytes_streamed
 
+    def step_session(self):
+        """The fleet's session when the backend is one (a step driven from C), else None."""
+        inner = getattr(self.backend, "step_session", None)
+        return inner() if inner is not None else None
+
+    def record_native_step(self, step, times) -> None:
+        """A step driven from C: its calls and routes, as forward() records them."""
+        for (layer, k), ffn, kernel, ids in zip(step._calls, times.ffn, times.kernel, times.ids):
+            self.calls.append((layer, ffn, kernel))
+            if k > 1:
+                self.routes.append((layer, ids))
+
     def forward(self, layer, x, ids, weights, out=None):
         k0 = self.kernel_us_total
         t0 = time.perf_counter()
@@ -149,7 +161,7 @@ class Runner:
         ttft = time.perf_counter() - t0
         return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft, "cache": cache}
 
-    def _lanes(self, cache, mode: str, tokens: int):
+    def _lanes(self, cache, mode: str, tokens: int, drive_from_c: bool = True):
         """What runs the steps: None (the model's forward), a lane, or (lane, lane, worker)."""
         if mode == "lanes":
             if self.use_graphs:
@@ -160,17 +172,22 @@ class Runner:
             return (a, b, FfnWorker(self.timed))
         if self.use_graphs:
             from engine.gpu.graphs import GraphLane
-            return GraphLane(self.model, cache, tokens, name=f"decode-{tokens}")
+            return GraphLane(self.model, cache, tokens, name=f"decode-{tokens}", drive_from_c=drive_from_c)
         return None
 
     @torch.inference_mode()
-    def decode(self, cache, start: int, steps: int, tokens: int = 1, mode: str = "forward") -> dict:
+    def decode(self, cache, start: int, steps: int, tokens: int = 1, mode: str = "forward",
+               python_driver: bool = False) -> dict:
         """steps decode steps of `tokens` tokens from position start; mode "forward" (one
         forward per step: CUDA graphs on the GPU) or "lanes" (the dual lane, 2 tokens).
-        Medians per step."""
-        runner = self._lanes(cache, mode, tokens)
+        A graph lane over the fleet is driven from C (engine.gpu.graphs.GraphLane.native_step)
+        unless python_driver. Medians per step."""
+        runner = self._lanes(cache, mode, tokens, drive_from_c=not python_driver)
         try:
-            return self._decode(runner, cache, start, steps, tokens, mode)
+            out = self._decode(runner, cache, start, steps, tokens, mode)
+            native = runner is not None and not isinstance(runner, tuple) and getattr(runner, "driven_from_c", False)
+            out["driver"] = "c" if native else "python"
+            return out
         finally:
             for part in (runner if isinstance(runner, tuple) else (runner,)):
                 if part is not None:
@@ -292,7 +309,10 @@ def run_config(args, kind: str, device, dtype) -> dict:
             pre = runner.prefill(p, 5 * args.steps + 4)
             cache = pre.pop("cache")
             single = runner.decode(cache, p, args.steps)
-            out["prompts"].append({**pre, "decode": single})
+            entry = {**pre, "decode": single}
+            if single.get("driver") == "c" and p == args.prompts[0]:   # the same steps driven from Python, beside
+                entry["decode_python_driver"] = runner.decode(cache, p, args.steps, python_driver=True)
+            out["prompts"].append(entry)
             if p == args.prompts[0] and args.pairs:
                 pair = runner.decode(cache, p + args.steps, args.steps, tokens=2)
                 dual = runner.decode(cache, p + 3 * args.steps, args.steps, tokens=2, mode="lanes")

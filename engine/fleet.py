@@ -97,6 +97,10 @@ class FleetFfn(HostFfn):
     def run(self, layer, x, ids, weights, out):
         self.session.forward(layer, x, ids, weights, out=out)   # partials in out's dtype, summed in fp32
 
+    def step_session(self):
+        """The open session, for a decode step driven from C (engine.gpu.graphs.GraphLane.native_step)."""
+        return self.session
+
     @property
     def kernel_us_total(self) -> int:
         """The slowest duck's kernel microseconds, summed over every forward so far."""

@@ -171,6 +171,10 @@ def _kernel_us(backend: FfnBackend) -> float:
 def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tensor,
              trace: StepTrace | None = None) -> torch.Tensor:
     """One lane to completion, FFN calls made on this thread; returns lane.hidden."""
+    native = getattr(lane, "native_step", None)
+    step = native(backend) if native is not None else None
+    if step is not None:
+        return _run_native(lane, step, backend, ids, positions, trace)
     t_start = time.perf_counter()
     t = t_start
     req = lane.start(ids, positions)
@@ -192,6 +196,25 @@ def run_lane(lane, backend: FfnBackend, ids: torch.Tensor, positions: torch.Tens
         trace.host += time.perf_counter() - t
         trace.wall += time.perf_counter() - t_start
     return lane.hidden
+
+
+def _run_native(lane, step, backend, ids, positions, trace: StepTrace | None) -> torch.Tensor:
+    """run_lane's step when the lane is driven from C (engine.gpu.graphs.GraphLane.native_step)."""
+    t0 = time.perf_counter()
+    hidden, times = lane.run_native(step, ids, positions)
+    wall = time.perf_counter() - t0
+    record = getattr(backend, "record_native_step", None)
+    if record is not None:
+        record(step, times)
+    if trace is not None:
+        ffn = sum(times.ffn)
+        trace.wall += wall
+        trace.host += wall - ffn
+        trace.ffn += ffn
+        trace.ffn_wait += ffn
+        trace.kernel += sum(times.kernel)
+        trace.calls += len(times.ffn)
+    return hidden
 
 
 def run_two_lanes(lane_a, lane_b, worker: FfnWorker, ids: torch.Tensor, positions: torch.Tensor,

@@ -113,7 +113,7 @@ ffibuilder.set_source(
     sources=sources.EXTENSION,
     include_dirs=sources.INCLUDE_DIRS,
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],
-    libraries=["pthread", "m"],
+    libraries=["pthread", "m", "dl"],
 )
 
 if __name__ == "__main__":

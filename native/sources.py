@@ -7,7 +7,8 @@ it is read before anything is installed.
     kernels/    GEMV/GEMM kernels, the worker pool, the MoE/MLP slice forward;
                 the read-bandwidth probe and int8 peer the kernel benchmark uses
     wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b MAC)
-    transport/  the host side of the wire: scatter, gather, retransmit, sum
+    transport/  the host side of the wire: scatter, gather, retransmit, sum; a decode
+                step of CUDA graphs and forwards driven from C (step.c)
     host/       the CPU host path: fp32 kernels, ops and a Llama-family decode step
 """
 INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport", "native/host"]
@@ -19,7 +20,7 @@ KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "nat
 KERNEL_PROBES = ["native/kernels/bench.c"]
 WIRE = ["native/wire/wire.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
-             "native/transport/transport_forward.c"]
+             "native/transport/transport_forward.c", "native/transport/step.c"]
 HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",
         "native/host/host_kernels.c", "native/host/host_ops.c", "native/host/host_decoder.c"]
 C_TESTS = ["native/kernels/test_native.c"]

@@ -10,7 +10,8 @@
 #   qwen35     bench e2e --synthetic qwen3.5-35b-a3b (all 40 layers)
 #   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
 #              both MoE shapes, pool wake-up) and the standalone C test of the kernels
-# The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback). Environment:
+# The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback), each duck pinned to
+# 4 CPUs of its own as 4 boxes would be (PIN=0: unpinned). Environment:
 #   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
 #   --backends fleet --duck-spin-us 300"), TAG (suffix of the e2e file names), KTHREADS (1,4,16)
 set -uo pipefail
@@ -23,6 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD
 GRAPHS=""
 STEPS=${STEPS:-8}
 E2E_ARGS=${E2E_ARGS:-}
+[ "${PIN:-1}" = 1 ] && E2E_ARGS="--pin-ducks $E2E_ARGS"
 TAG=${TAG:-}
 for step in "$@"; do
     echo "=== $step $(date +%T)"
@@ -33,7 +35,7 @@ for step in "$@"; do
         [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
     gpuquick)
         timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_cuda_path.py \
-            -k "fp9_backend or host_backend_called or pair_graph" >"$OUT/gpuquick.log" 2>&1
+            -k "fp9_backend or host_backend_called or pair_graph or driven_from_c" >"$OUT/gpuquick.log" 2>&1
         rc=$?; tail -8 "$OUT/gpuquick.log"
         [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
     fp8tests)

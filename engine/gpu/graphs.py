@@ -28,10 +28,14 @@ engine.host_ffn holds: each segment's graph ends by copying x / ids / weights, i
 the wire's types, into the lane's pinned FfnIO, the request hands out those host
 views with out = the pinned y buffer, and the next segment's graph begins by
 copying y back to the device: per layer one replay, one event wait, one C call.
+With the fleet (a backend with step_session()), the whole step is one C call
+instead (native_step, run_native; native/transport/step.h): the C loop launches
+each graph, polls the stream, forwards, launches the next; run_lane picks it.
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -194,7 +198,7 @@ class GraphLane:
     weights in the wire's types, made inside the graphs, and its result goes back the same way."""
 
     def __init__(self, model, cache, tokens: int = 1, *, name: str = "graph", backend=None,
-                 warmup: int = WARMUP_FORWARDS):
+                 warmup: int = WARMUP_FORWARDS, drive_from_c: bool = True):
         device = model.model.embed_tokens.weight.device
         if device.type != "cuda":
             raise ValueError(f"GraphLane needs the model on a CUDA device, it is on {device}; "
@@ -214,6 +218,8 @@ class GraphLane:
         self.timing: list | None = None   # a list: (segment, start event, end event) of every replay go there
         self.hidden: torch.Tensor | None = None
         self._next: int | None = None     # the segment resume() replays; None: no step in progress
+        self._native = None               # (backend id, NativeStep or None): native_step's answer
+        self.drive_from_c = drive_from_c  # False: run_lane drives every step from Python (comparisons)
         with torch.inference_mode():
             self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
             # warm-up and capture positions: the last slots (the warm-up's writes are put back)
@@ -260,6 +266,13 @@ class GraphLane:
     # -- the lane protocol ----------------------------------------------------------------
     @torch.inference_mode()
     def start(self, ids: torch.Tensor, positions: torch.Tensor) -> FfnRequest | None:
+        self.start_inputs(ids, positions)
+        self._next = 0
+        return self._replay()
+
+    def start_inputs(self, ids: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Checks a step's inputs and queues them into the static buffers on the lane's stream.
+        Returns whether a step was in progress (abandoned: its graphs replay from the start)."""
         if self.closed:
             raise RuntimeError(f"{self.name} is closed: its graphs were freed")
         pos = positions.tolist()   # a host tensor is the fast path; a device one costs a sync here
@@ -273,8 +286,55 @@ class GraphLane:
         with torch.cuda.stream(self.stream):
             self._to_static(self.ids, ids, 0)
             self._to_static(self.positions, positions, 1)
-        self._next = 0
-        return self._replay()
+        return bool(self._next)
+
+    # -- the whole step from C ---------------------------------------------------------------
+    def native_step(self, backend):
+        """The step as one C call (native/transport/step.py: graph, forward, graph, ...) when
+        the backend is a fleet session reached through host io and the CUDA driver is
+        usable here; else None (run_lane then drives the lane from Python). Set
+        DUCK_NATIVE_STEP=0 to keep the Python driver (comparisons)."""
+        session = getattr(backend, "step_session", lambda: None)()
+        key = (id(backend), id(session))
+        if self._native is not None and self._native[0] == key:
+            return self._native[1]
+        step = self._make_native_step(session)
+        self._native = (key, step)
+        return step
+
+    @property
+    def driven_from_c(self) -> bool:
+        """Whether the last native_step() answered with a C driver."""
+        return self._native is not None and self._native[1] is not None
+
+    def _make_native_step(self, session):
+        if (session is None or not self.host_io or not self.drive_from_c
+                or os.environ.get("DUCK_NATIVE_STEP", "1") == "0"):
+            return None
+        from native.transport.step import NativeStep, cuda_driver_problem
+
+        problem = cuda_driver_problem()
+        if problem or not hasattr(self.segments[0].graph, "raw_cuda_graph_exec"):
+            log.info("%s: decode steps driven from Python (%s)", self.name,
+                     problem or "this torch has no CUDAGraph.raw_cuda_graph_exec")
+            return None
+        calls = [(seg.call.layer, seg.call.ids.shape[1]) for seg in self.segments[:-1]]
+        step = NativeStep(session, self.stream.cuda_stream, [seg.graph.raw_cuda_graph_exec() for seg in self.segments],
+                          calls, self.io, self.tokens)
+        log.info("%s: decode steps driven from C (%d graphs, %d forwards per step)", self.name, len(self.segments),
+                 len(calls))
+        return step
+
+    @torch.inference_mode()
+    def run_native(self, step, ids: torch.Tensor, positions: torch.Tensor):
+        """One step through native_step's C driver; returns (hidden, native.transport.step.StepTimes)."""
+        self.start_inputs(ids, positions)
+        try:
+            times = step.run()
+        finally:
+            self._next = None
+        self.hidden = self._hidden
+        return self.hidden, times
 
     @torch.inference_mode()
     def resume(self, y: torch.Tensor) -> FfnRequest | None:
@@ -296,7 +356,7 @@ class GraphLane:
 
     def close(self) -> None:
         """Frees the graphs and their memory pool."""
-        self.segments, self._hidden, self.hidden, self._next = [], None, None, None
+        self.segments, self._hidden, self.hidden, self._next, self._native = [], None, None, None, None
 
     @property
     def closed(self) -> bool:

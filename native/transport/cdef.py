@@ -3,7 +3,7 @@ native/build_ffi.py. Constants are declared with `...` so their values come
 from the C headers at build time: Python never holds a second copy of the
 wire format. Struct layouts end in `...;` so cffi checks them against C."""
 
-INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n'
+INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n#include "step.h"\n'
 
 _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
@@ -11,7 +11,7 @@ WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM W
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16
-DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK
+DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 """.split()
 
 CDEF = "\n".join(f"#define {name} ..." for name in _CONSTANTS) + """
@@ -105,4 +105,16 @@ typedef struct duck_forward_result {
 } duck_forward_result;
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
+
+typedef struct duck_step {
+    uint64_t stream; uint32_t n_segments; const uint64_t *graphs; const uint32_t *layers; const uint32_t *topks;
+    duck_forward_args args; uint32_t spin_yield; int32_t *ids_log; uint32_t ids_log_stride; uint64_t *gpu_ns;
+    uint64_t *ffn_ns; uint32_t *kernel_us; ...;
+} duck_step;
+typedef struct duck_step_result {
+    int32_t failed_call; int32_t cuda_error; uint64_t kernel_us_sum; uint64_t bytes_streamed; uint32_t retransmits;
+    uint32_t wake_ns_max; uint32_t mtu_fallbacks; duck_forward_result call; char message[...]; ...;
+} duck_step_result;
+int duck_step_cuda_available(char *err, uint32_t errlen);
+int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res);
 """

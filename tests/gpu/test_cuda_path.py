@@ -245,3 +245,30 @@ def test_the_automatic_choice_is_cuda(checkpoint, monkeypatch):
     assert lm.model.lm_head.weight.is_cuda
     monkeypatch.setenv("DUCK_GPU", "0")
     assert not load_model(checkpoint("llama")).model.lm_head.weight.is_cuda
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3_mtp"])
+def test_step_driven_from_c_equals_the_python_driver(kind, checkpoint):
+    """The fleet's decode step as one C call (graph, forward, graph, ...: native/transport/step.c)
+    gives the same bits as run_lane driving the same graphs from Python, step after step."""
+    from engine.fleet import FleetFfn
+
+    lm = _load(checkpoint(kind), dtype="bfloat16", backend=FleetFfn(local_ducks=2))
+    model, backend = lm.model, lm.model.ffn_backend()
+    prompt = _tokens(lm.config.vocab_size, PROMPT, seed=3)
+    cache_c, cache_py = _prefilled(model, prompt, PROMPT + STEPS + 3, 2)
+    lane_c = GraphLane(model, cache_c, tokens=1, name="c")
+    lane_py = GraphLane(model, cache_py, tokens=1, name="py", drive_from_c=False)
+    token = prompt[-1]
+    try:
+        for i in range(STEPS):
+            ids, positions = torch.tensor([token]), torch.tensor([PROMPT + i])
+            got = run_lane(lane_c, backend, ids, positions).clone()
+            want = run_lane(lane_py, backend, ids, positions)
+            assert lane_c.driven_from_c and not lane_py.driven_from_c
+            assert torch.equal(got, want), f"step {i}"
+            token = int(model.compute_logits(want)[0].argmax())
+    finally:
+        lane_c.close()
+        lane_py.close()
+        backend.close()

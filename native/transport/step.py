@@ -1,0 +1,87 @@
+"""A decode step of CUDA graphs and fleet forwards in one C call (step.h).
+
+    step = NativeStep(session, stream, graphs, calls, io)   # once per captured lane
+    times = step.run()                                      # per step: every graph, every forward
+
+`graphs` are the lane's cudaGraphExec_t handles in replay order, `calls` the
+(layer, topk) of the FFN call that ends each graph but the last, `io` the
+pinned buffers (x, ids, weights, y) the graphs copy into and out of
+(engine.host_ffn.FfnIO). The caller has queued the step's inputs on `stream`
+before run(); when it returns, the last graph is done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from native._native import ffi, lib
+from native.transport.session import Session, _wire_view
+
+
+def cuda_driver_problem() -> str | None:
+    """None when the C step can drive CUDA here, else why not."""
+    err = ffi.new("char[]", 200)
+    return None if lib.duck_step_cuda_available(err, 200) == 0 else ffi.string(err).decode(errors="replace")
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """One step, from C (seconds): the graphs' launch-to-done, the forwards' wall times and the
+    slowest duck's kernel time per call, and every call's expert ids ([calls][ntok * topk])."""
+    gpu: list[float]
+    ffn: list[float]
+    kernel: list[float]
+    ids: list[list[int]]
+
+
+class NativeStep:
+    def __init__(self, session: Session, stream: int, graphs: list[int], calls: list[tuple[int, int]], io,
+                 ntok: int, *, yield_cpu: bool = False):
+        if len(graphs) != len(calls) + 1:
+            raise ValueError(f"a step of {len(graphs)} graphs has {len(graphs) - 1} FFN calls, got {len(calls)}")
+        x, y = _wire_view(io.x, writable=False), _wire_view(io.y, writable=True)
+        if x is None or y is None or io.ids.dtype.itemsize != 4 or not io.x.is_pinned():
+            raise ValueError("the step's buffers must be pinned host tensors in the wire's types (engine.host_ffn)")
+        self.session, self.n_calls, self.ntok = session, len(calls), ntok
+        self.topk = max((k for _, k in calls), default=1)
+        n = len(graphs)
+        self._keep = [ffi.new("uint64_t[]", graphs), ffi.new("uint32_t[]", [layer for layer, _ in calls] or [0]),
+                      ffi.new("uint32_t[]", [k for _, k in calls] or [0])]
+        self._gpu_ns, self._ffn_ns = ffi.new("uint64_t[]", n), ffi.new("uint64_t[]", max(1, n - 1))
+        self._kernel_us = ffi.new("uint32_t[]", max(1, n - 1))
+        self._ids = ffi.new("int32_t[]", max(1, n - 1) * ntok * self.topk)
+        s = self._step = ffi.new("duck_step *")
+        s.stream, s.n_segments = stream, n
+        s.graphs, s.layers, s.topks = self._keep
+        a = s.args
+        a.session, a.hidden, a.ntok = session.id, session.hidden, ntok
+        a.x, a.x_dtype = x[0], x[1]
+        a.y, a.y_dtype = y[0], y[1]
+        a.expert_ids = ffi.cast("int32_t *", io.ids.data_ptr())
+        a.expert_weights = ffi.cast("float *", io.weights.data_ptr())
+        s.spin_yield = int(yield_cpu)
+        s.ids_log, s.ids_log_stride = self._ids, ntok * self.topk
+        s.gpu_ns, s.ffn_ns, s.kernel_us = self._gpu_ns, self._ffn_ns, self._kernel_us
+        self._io = io   # the buffers live as long as the step
+        self._res = ffi.new("duck_step_result *")
+        self._calls = calls
+
+    def run(self) -> StepTimes:
+        session, res = self.session, self._res
+        fleet = session.fleet
+        with fleet._lock:
+            rc = lib.duck_step_run(fleet._open(), self._step, res)
+        session.retransmits += res.retransmits
+        if rc == lib.DUCK_STEP_ENOCUDA or rc == lib.DUCK_STEP_ECUDA or rc == lib.DUCK_T_EARG and res.failed_call < 0:
+            raise RuntimeError("native decode step: " + ffi.string(res.message).decode(errors="replace"))
+        if rc:
+            session._raise(rc, res.call)
+        session.bytes_streamed += res.bytes_streamed
+        session.kernel_us_total += res.kernel_us_sum
+        session.wake_ns_max = res.wake_ns_max
+        n, per = self.n_calls, self.ntok * self.topk
+        kernel = [self._kernel_us[i] * 1e-6 for i in range(n)]
+        if kernel and max(kernel) * 1e6 > session.kernel_us_max:
+            session.kernel_us_max = int(max(kernel) * 1e6)
+        return StepTimes(gpu=[self._gpu_ns[i] * 1e-9 for i in range(n + 1)],
+                         ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel,
+                         ids=[list(self._ids[i * per:i * per + self.ntok * k]) for i, (_, k) in enumerate(self._calls)])
