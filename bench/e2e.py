@@ -15,11 +15,55 @@ from duck_proto import duck_pb2_grpc as rpc
 PROMPT = "Write a short story about a duck who learns to compute."
 
 
+def concurrent(chat, fleet, n: int, tokens: int) -> dict:
+    """n greedy chats at once, each its own prompt: wall time, tokens out, TTFT quantiles, and the
+    slowest answer to a status call (ListDucks) made every 0.2 s meanwhile."""
+    import threading
+    import time
+
+    ttfts, outs, errors = [], [], []
+
+    def one(i: int) -> None:
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=f"{PROMPT} Call the duck number {i}.")],
+                             max_tokens=tokens, temperature=0.0)
+        t0, first = time.perf_counter(), True
+        try:
+            for ev in chat.Chat(req, timeout=600):
+                kind = ev.WhichOneof("event")
+                if kind == "stats":
+                    outs.append(ev.stats.output_len)
+                elif first:
+                    first = False
+                    ttfts.append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - counted and reported
+            errors.append(str(e)[:200])
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    status = []
+    while any(t.is_alive() for t in threads):
+        s0 = time.perf_counter()
+        fleet.List(pb.ListDucksRequest(), timeout=30)
+        status.append(time.perf_counter() - s0)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    q = lambda p: ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else 0.0  # noqa: E731
+    return {"streams": n, "wall_s": wall, "tokens_out": sum(outs), "aggregate_tok_s": sum(outs) / wall,
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "errors": len(errors), "error_examples": errors[:3],
+            "status_max_s": max(status, default=0.0)}
+
+
 def main(argv: list[str], channel) -> int:
     ap = argparse.ArgumentParser(prog="duckctl bench e2e")
     ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--streams", type=int, default=0,
+                    help="also run this many concurrent chats (different prompts): aggregate tok/s, TTFT p50/p99")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     chat, model = rpc.ChatStub(channel), rpc.ModelStub(channel)
@@ -40,6 +84,14 @@ def main(argv: list[str], channel) -> int:
               "output_len": med("output_len")}
     if info.ffn_bytes_per_token:
         result["fleet_gbps_at_decode"] = result["decode_tok_s"] * info.ffn_bytes_per_token / 1e9
+    if args.streams:
+        result["concurrent"] = concurrent(chat, rpc.FleetStub(channel), args.streams, args.tokens)
+        c = result["concurrent"]
+        c["aggregate_over_one_stream"] = c["aggregate_tok_s"] / result["decode_tok_s"]
+        print(f"{args.streams} concurrent streams: {c['aggregate_tok_s']:.1f} tok/s in all "
+              f"({c['aggregate_over_one_stream']:.2f}x one stream), TTFT p50 {c['ttft_p50_s']:.2f} s, "
+              f"p99 {c['ttft_p99_s']:.2f} s, {c['errors']} errors; status answered in {c['status_max_s']:.3f} s "
+              f"at most", file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -3,9 +3,13 @@ the model's template, or a raw prompt) and yields TokenEvents as text becomes fi
 then one DoneEvent with the generation's stats. Errors are duckd.errors; the gRPC
 (duckd.server) and OpenAI HTTP (duckd.http_api) adapters translate both ways.
 
-Requests wait in a bounded queue on the event loop (one generation at a time
-today, in a thread of the service's own, so waiting requests hold no thread); a
-full queue is Busy. A waiting request whose caller goes away leaves the queue at
+Where the model runs on the CPU host's native decoder, requests are decoded
+together (engine.batch: continuous batching, model.max_seqs at once, one forward
+per step for all of them, on a thread of the service's own); a request waits
+for a free slot in FIFO order. Elsewhere (CUDA, MTP, other families) requests
+wait in a queue on the event loop and generate one at a time, in a thread of
+the service's own, so waiting requests hold no thread. More than
+model.max_queued waiting is Busy. A waiting request whose caller goes away leaves the queue at
 once; one whose turn comes while the fleet cannot serve fails then (Unavailable);
 a running one ends at its next token when its caller goes away or the daemon
 stops, held-back text (a stop string's prefix) or not."""
@@ -87,6 +91,29 @@ class ActiveRequest:
         return (self.generated - 1) / dt if self.generated > 1 and dt > 0 else 0.0
 
 
+class _Call:
+    """One request's plumbing between the generation thread and the event loop: the event
+    queue, cancel, the text counters and its ActiveRequest record."""
+
+    def __init__(self, service: "ChatService", prompt: list[int]):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
+        self.record = ActiveRequest(next(service._ids), len(prompt), time.monotonic())
+
+    def text(self, text: str) -> None:
+        """A text delta (on the generation thread)."""
+        emitted = self.emitted
+        if not emitted["n"]:
+            emitted["ttft"] = time.perf_counter() - emitted["t0"]
+            self.record.first_token = time.monotonic()
+        emitted["n"] += 1
+        self.record.generated = emitted["n"]
+        self.put(("token", text))
+
+
 def validate(r: ChatRequest) -> None:
     """Raises InvalidArgument naming the first field that is wrong."""
     if r.prompt is None:
@@ -131,6 +158,8 @@ class ChatService:
         self._turn = asyncio.Lock()       # FIFO: the waiting requests, in order of arrival
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duck-generate")
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
+        self._batch = None               # engine.batch.BatchRunner, made at the first request where it applies
+        self._batch_checked = False
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
         with self._count:
@@ -180,39 +209,115 @@ class ChatService:
                 if getattr(cfg, k) is not None}
         return {**self.daemon.model.loaded.sampling, **mine}
 
+    def batch_runner(self):
+        """The continuous-batching runner when it applies (model.max_seqs > 1, the model on the
+        CPU host's native decoder, no MTP); None: one generation at a time."""
+        if self._batch_checked:
+            return self._batch
+        self._batch_checked = True
+        cfg, loaded = self.daemon.cfg.model, self.daemon.model.loaded
+        if cfg.max_seqs <= 1 or (cfg.mtp and getattr(loaded.model, "mtp_layers", None)):
+            return None
+        from engine.batch import BatchRunner, batch_decoder
+        batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens)
+        if batch is not None:
+            self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
+            log.info("continuous batching: up to %d sequences per step", cfg.max_seqs)
+        return self._batch
+
+    def _admit(self, job) -> None:
+        """A batched request's turn: refused (Unavailable) when the fleet cannot serve now."""
+        if self.daemon.stopping.is_set():
+            raise Unavailable("duckd is stopping")
+        self._check_ready()
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+
     async def stream(self, r: ChatRequest):
         """Async iterator of TokenEvent ... DoneEvent; raises duckd.errors."""
-        from engine.generate import GenerationStats, generate
+        validate(r)
+        self._check_ready()
+        runner = self.batch_runner()
+        free = runner.free_slots if runner is not None else 0   # taken at the runner's next step: not waiting
+        if self.queued - free >= self.max_queued:
+            raise Busy(f"{self.queued - free} requests are queued (model.max_queued = {self.max_queued}); "
+                       f"retry shortly")
+        prompt = self._prompt_ids(r)
+        params = self._params(r, len(prompt))
+        events = self._batched(runner, prompt, params) if runner is not None else self._one_at_a_time(prompt, params)
+        async for event in events:
+            yield event
+
+    async def _batched(self, runner, prompt: list[int], params):
+        """A request on the batch runner: queued until it gets a slot, then one of the batch."""
+        from engine.batch import Job
+        from native.transport import DuckError
+
+        call = _Call(self, prompt)
+        queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
+        stopping = self.daemon.stopping
+        state = {"queued": True}
+
+        def on_start() -> None:   # the runner's thread; the caller may be leaving at this moment
+            with self._count:
+                if state["queued"]:
+                    state["queued"] = False
+                    self.queued, self.running = self.queued - 1, self.running + 1
+                    record.state = "running"
+
+        def on_error(e: BaseException) -> None:
+            if isinstance(e, DuckError):
+                put(("unavailable", str(e)))
+            elif isinstance(e, Unavailable):
+                put(("refused", e))
+            else:
+                log.error("generation failed: %s: %s", type(e).__name__, e)
+                put(("error", f"{type(e).__name__}: {e}"))
+
+        def on_done(result) -> None:
+            put(("cancelled", None) if result.finish_reason == "cancelled" else ("done", result))
+
+        job = Job(prompt, params, call.text, lambda: cancel.is_set() or stopping.is_set(), on_start, on_done, on_error)
+        self._add(queued=1)
+        self.active[record.id] = record
+        self.daemon.active_chats += 1
+        try:
+            runner.submit(job)
+            async for event in self._events(queue, prompt, emitted, stopping):
+                yield event
+        finally:
+            cancel.set()
+            with self._count:
+                if state["queued"]:
+                    state["queued"] = False
+                    self.queued -= 1
+                elif record.state == "running":
+                    self.running -= 1
+                    record.state = "done"
+            self.active.pop(record.id, None)
+            self.daemon.active_chats -= 1
+
+    async def _one_at_a_time(self, prompt: list[int], params):
+        """A request alone on the model (no batching here): FIFO, one generation at a time."""
+        from engine.generate import generate
         from engine.mtp import generate_mtp
         from native.transport import DuckError
 
-        validate(r)
-        self._check_ready()
-        if self.queued >= self.max_queued:
-            raise Busy(f"{self.queued} requests are queued (model.max_queued = {self.max_queued}); retry shortly")
         loaded = self.daemon.model.loaded
-        prompt = self._prompt_ids(r)
-        params = self._params(r, len(prompt))
         mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
         run = generate_mtp if mtp and params.repetition_penalty == 1.0 else generate   # MTP1 drafts know no penalty
 
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
-        emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
+        call = _Call(self, prompt)
+        queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
-        record = ActiveRequest(next(self._ids), len(prompt), time.monotonic())
+        loop = asyncio.get_running_loop()
 
         def on_text(text: str) -> None:
             if cancel.is_set() or stopping.is_set():
                 raise Cancelled()
-            if not emitted["n"]:
-                emitted["ttft"] = time.perf_counter() - emitted["t0"]
-                record.first_token = time.monotonic()
-            emitted["n"] += 1
-            record.generated = emitted["n"]
-            put(("token", text))
+            call.text(text)
 
         def work() -> None:
             with self.daemon.model.lock:
@@ -279,6 +384,8 @@ class ChatService:
                 return
             elif kind == "unavailable":
                 raise Unavailable(f"the fleet failed during the chat: {value}")
+            elif kind == "refused":
+                raise value
             else:
                 raise RuntimeError(f"generation failed: {value}")
 

@@ -59,6 +59,8 @@ class ModelConfig:
     max_model_len: int = 2048
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
+    max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
+    step_tokens: int = 64              # tokens per batched step: every sequence's next token, then prompt chunks
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
@@ -76,6 +78,10 @@ class ModelConfig:
         _positive("model.max_model_len", self.max_model_len)
         _positive("model.max_tokens", self.max_tokens)
         _positive("model.max_queued", self.max_queued)
+        _positive("model.max_seqs", self.max_seqs)
+        if not self.max_seqs <= self.step_tokens <= 64:
+            raise ConfigError(f"model.step_tokens = {self.step_tokens!r}: expected max_seqs ({self.max_seqs}) .. 64 "
+                              f"(every sequence's next token fits one step; the native decoder takes 64)")
         if self.temperature is not None and not 0 <= self.temperature <= 10:
             raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -132,6 +132,7 @@ class Daemon:
     async def stop(self) -> None:
         self.stopping.set()
         self.ready = False
+        await asyncio.to_thread(self.chat.close)    # the batch runner ends its sequences at the next step
         await asyncio.to_thread(self.model.close)
         if self.transport is not None:
             self.transport.close()

@@ -110,6 +110,65 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
+class TokenStream:
+    """What happens to each new token of one request, whoever computed its logits (generate()
+    one request at a time, engine.batch many at once): the repetition penalty, sampling with
+    the request's own generator, EOS, stop strings (text that might begin one held back),
+    text deltas to on_text, and the final text."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, device,
+                 on_text: Callable[[str], None] | None = None, keep_logits: bool = False):
+        self.tokenizer, self.prompt_ids, self.params, self.on_text = tokenizer, prompt_ids, params, on_text
+        self.generator = None
+        if params.temperature > 0 and device is not None:   # None: the caller samples (engine.mtp)
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.stream = StreamDecoder(tokenizer)
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.out_ids: list[int] = []
+        self.logits_kept: list[torch.Tensor] = []
+        self.keep_logits = keep_logits
+        self.text, self.emitted, self.finish = "", 0, "length"
+
+    def push(self, logits: torch.Tensor) -> bool:
+        """logits [V] of the next token -> whether the request is done (eos, stop or max_tokens);
+        self.out_ids[-1] is the token."""
+        params = self.params
+        logits = penalize(logits, self.prompt_ids + self.out_ids, params.repetition_penalty)
+        if self.keep_logits:
+            self.logits_kept.append(logits.float().cpu())
+        return self.add(sample(logits, params, self.generator))
+
+    def add(self, token: int) -> bool:
+        """A token chosen by the caller -> whether the request is done (eos, stop or max_tokens)."""
+        params = self.params
+        self.out_ids.append(token)
+        if token in self.eos:
+            self.finish = "eos"
+            return True
+        self.text += self.stream.push(token)
+        cut = min((i for i in (self.text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return True
+        if self.on_text and len(self.text) - self.hold > self.emitted:
+            self.on_text(self.text[self.emitted:len(self.text) - self.hold])
+            self.emitted = len(self.text) - self.hold
+        return len(self.out_ids) >= params.max_tokens
+
+    def close(self, finish: str | None = None) -> str:
+        """The request's final text (the last deltas go to on_text); finish overrides the reason."""
+        self.finish = finish or self.finish
+        if self.finish != "stop":
+            body = self.out_ids[:-1] if self.finish == "eos" else self.out_ids
+            self.text = self.tokenizer.decode(body, skip_special_tokens=True)
+        if self.on_text and len(self.text) > self.emitted:
+            self.on_text(self.text[self.emitted:])
+            self.emitted = len(self.text)
+        return self.text
+
+
 @torch.inference_mode()
 def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
@@ -124,19 +183,11 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     if len(prompt_ids) >= max_model_len:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len={max_model_len}")
     device = model.model.embed_tokens.weight.device
-    generator = None
-    if params.temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-    eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+    out = TokenStream(tokenizer, prompt_ids, params, device, on_text, keep_logits)
     decoder = cuda_decoder(model, max_model_len)   # None on the CPU: a cache of this request, eager steps
     cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
     native = cpu_decoder(model, cache) if decoder is None else None   # decode steps in C on the CPU
-    stream = StreamDecoder(tokenizer)
-    hold = max((len(s) for s in params.stop), default=1) - 1
-    out_ids: list[int] = []
-    logits_kept: list[torch.Tensor] = []
-    text, emitted, finish = "", 0, "length"
+    finish = None
 
     start = time.perf_counter()
     step_device = "cpu" if decoder is not None else device   # the decoder takes host ids and positions
@@ -145,49 +196,32 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     ttft = 0.0
     try:
         while True:
-            if native is not None and out_ids:              # a decode step; the prefill stays in torch
+            if native is not None and out.out_ids:          # a decode step; the prefill stays in torch
                 logits = native(ids, positions)[-1]             # [V]
             else:
                 hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
                 logits = model.compute_logits(hidden[-1:])[0]   # [V]
-            logits = penalize(logits, prompt_ids + out_ids, params.repetition_penalty)
-            if keep_logits:
-                logits_kept.append(logits.float().cpu())
-            token = sample(logits, params, generator)
-            if not out_ids:
+            done = out.push(logits)
+            if len(out.out_ids) == 1:
                 ttft = time.perf_counter() - start
-            out_ids.append(token)
-            if token in eos:
-                finish = "eos"
+            if done:
                 break
-            text += stream.push(token)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                break
-            if on_text and len(text) - hold > emitted:
-                on_text(text[emitted:len(text) - hold])
-                emitted = len(text) - hold
             pos = int(positions[-1]) + 1
-            if len(out_ids) >= params.max_tokens or pos >= max_model_len:
+            if pos >= max_model_len:
                 break
             if should_stop is not None and should_stop():
                 finish = "cancelled"
                 break
-            ids = torch.tensor([token], dtype=torch.int64, device=step_device)
+            ids = torch.tensor([out.out_ids[-1]], dtype=torch.int64, device=step_device)
             positions = torch.tensor([pos], device=step_device)
     finally:
         if decoder is not None:
             decoder.release()
     elapsed = time.perf_counter() - start
-    if finish != "stop":
-        body = out_ids[:-1] if finish == "eos" else out_ids
-        text = tokenizer.decode(body, skip_special_tokens=True)
-    if on_text and len(text) > emitted:
-        on_text(text[emitted:])
-    stats = GenerationStats(len(prompt_ids), len(out_ids), elapsed, ttft)
+    text = out.close(finish)
+    stats = GenerationStats(len(prompt_ids), len(out.out_ids), elapsed, ttft)
     log.info("%s", stats)
-    return GenerationResult(out_ids, text, finish, stats, logits_kept)
+    return GenerationResult(out.out_ids, text, out.finish, stats, out.logits_kept)
 
 
 def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):

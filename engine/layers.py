@@ -109,6 +109,35 @@ class KVCache:
         return self.k.shape[1]
 
 
+@dataclass(slots=True)
+class SlotKVCache:
+    """Static caches of several sequences at once (a batch: engine.batch): k, v [layers,
+    slots, max_model_len, kv_heads, head_dim]. slot(s) is sequence s's KVCache, a view:
+    what the torch forward writes there lands in the batch's cache."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, slots: int, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "SlotKVCache":
+        if slots <= 0 or max_model_len <= 0:
+            raise ValueError(f"slots and max_model_len must be positive, got {slots} and {max_model_len}")
+        shape = (config.num_hidden_layers, slots, max_model_len, config.num_key_value_heads, config.head_dim)
+        # not zeroed: a sequence writes each position before it reads it, so memory is touched as slots fill
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.k.shape[2]
+
+    def slot(self, s: int) -> KVCache:
+        return KVCache(self.k[:, s], self.v[:, s])
+
+
 def attention_end(cache: KVCache, positions: torch.Tensor) -> int:
     """The cache slots attention reads: all of them under static_decode (no host sync), else
     up to the last position, checked to be within the cache before anything is written."""

@@ -28,6 +28,7 @@ from engine.generate import (
     GenerationResult,
     GenerationStats,
     SamplingParams,
+    TokenStream,
     cuda_decoder,
     sampling_probs,
 )
@@ -37,51 +38,33 @@ from engine.lanes import (
     StepTrace,
     run_two_lanes,
 )
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class _Output:
-    """Token bookkeeping of one request: EOS, stop strings, max_tokens, streamed text."""
+class _Output(TokenStream):
+    """Token bookkeeping of one request (engine.generate.TokenStream: EOS, stop strings,
+    max_tokens, streamed text), the tokens chosen here; push() says whether to go on."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, on_text, should_stop=None):
-        self.tokenizer, self.params, self.on_text, self.should_stop = tokenizer, params, on_text, should_stop
-        self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
-        self.stream = StreamDecoder(tokenizer)
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text, self.emitted, self.finish = "", 0, None
+        super().__init__(tokenizer, [], params, None, on_text)
+        self.should_stop = should_stop
+        self.finish = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.out_ids
 
     def push(self, token: int) -> bool:
         """Adds a token; False once the request is finished."""
-        self.ids.append(token)
-        if token in self.eos:
-            self.finish = "eos"
-            return False
-        self.text += self.stream.push(token)
-        cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.finish = self.text[:cut], "stop"
-            return False
-        if self.on_text and len(self.text) - self.hold > self.emitted:
-            self.on_text(self.text[self.emitted:len(self.text) - self.hold])
-            self.emitted = len(self.text) - self.hold
-        if len(self.ids) >= self.params.max_tokens:
-            self.finish = "length"
+        if self.add(token):
+            self.finish = self.finish or "length"
             return False
         if self.should_stop is not None and self.should_stop():
             self.finish = "cancelled"
             return False
         return True
-
-    def close(self) -> str:
-        if self.finish != "stop":
-            body = self.ids[:-1] if self.finish == "eos" else self.ids
-            self.text = self.tokenizer.decode(body, skip_special_tokens=True)
-        if self.on_text and len(self.text) > self.emitted:
-            self.on_text(self.text[self.emitted:])
-        return self.text
 
 
 @torch.inference_mode()

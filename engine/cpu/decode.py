@@ -86,19 +86,26 @@ class CpuDecoder:
         return rc
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """ids, positions [T] (CPU) -> logits [T, V]; the step's keys and values go into the cache."""
-        return self.logits(self.layers(ids, positions))
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions [T] (CPU) -> logits [T, V]; the step's keys and values go into the cache
+        (a SlotKVCache: token t into slot slots[t], attending to that slot only)."""
+        return self.logits(self.layers(ids, positions, slots))
 
-    def layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer of a step: returns the last layer's FFN output [T, H] (for logits)."""
         ids = ids.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         if ids.dim() != 1 or ids.shape != positions.shape:
             raise ValueError(f"ids {tuple(ids.shape)} and positions {tuple(positions.shape)} must be one [T] each")
         ntok = ids.shape[0]
-        self._check(lib.duck_host_begin(self._d, ntok, ffi.cast("const int64_t *", ids.data_ptr()),
-                                        ffi.cast("const int64_t *", positions.data_ptr())))
+        slot_ptr = ffi.NULL
+        if slots is not None:
+            slots = slots.to(torch.int32).contiguous()
+            if slots.shape != ids.shape or (ntok and int(slots.min()) < 0):
+                raise ValueError(f"slots {tuple(slots.shape)} must be one non-negative slot per token ({ntok})")
+            slot_ptr = ffi.cast("const uint32_t *", slots.data_ptr())
+        self._check(lib.duck_host_begin_slots(self._d, ntok, ffi.cast("const int64_t *", ids.data_ptr()),
+                                              ffi.cast("const int64_t *", positions.data_ptr()), slot_ptr))
         y = None
         for layer in range(len(self.host.ffn)):
             routed = self._check(lib.duck_host_layer_step(self._d, layer, self._out_ptr(y)))
@@ -119,10 +126,17 @@ class CpuDecoder:
                                     f"{tuple(y.shape)}, expected {(ntok, self.hidden)}")
         return y
 
-    def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head after the last layer's FFN output y [T, H] -> logits [T, V]."""
-        out = torch.empty(y.shape[0], self.vocab, dtype=torch.float32)
-        self._check(lib.duck_host_finish(self._d, self._out_ptr(y), ffi.cast("float *", out.data_ptr())))
+    def logits(self, y: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Final norm + lm_head after the last layer's FFN output y [T, H] -> logits [T, V],
+        or [len(rows), V] of the tokens rows (increasing indices) only."""
+        if rows is None:
+            out = torch.empty(y.shape[0], self.vocab, dtype=torch.float32)
+            self._check(lib.duck_host_finish(self._d, self._out_ptr(y), ffi.cast("float *", out.data_ptr())))
+            return out
+        out = torch.empty(len(rows), self.vocab, dtype=torch.float32)
+        picked = ffi.new("uint32_t[]", rows) if rows else ffi.NULL
+        self._check(lib.duck_host_finish_rows(self._d, self._out_ptr(y), picked, len(rows),
+                                              ffi.cast("float *", out.data_ptr())))
         return out
 
     @staticmethod

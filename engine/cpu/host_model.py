@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import KVCache, rope_inv_freq
+from engine.layers import KVCache, SlotKVCache, rope_inv_freq
 from engine.models.base import GatedMLP
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -57,18 +57,23 @@ class HostModel:
         m.hidden, m.heads, m.kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         m.head_dim, m.layers, m.vocab = config.head_dim, config.num_hidden_layers, config.vocab_size
         m.max_len, m.max_tokens, m.eps = cache.max_model_len, max_tokens, config.rms_norm_eps
+        if isinstance(cache, SlotKVCache):   # a batch: layer i's cache is [slots, max_len, kv, D]
+            m.slots, m.slot_stride = cache.slots, cache.k.stride(1)
         if any(self.routed):
             m.n_experts, m.topk, m.norm_topk = config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
         m.layer = self.layers
 
     # -- checks -----------------------------------------------------------------------------
-    def _check_cache(self, cache: KVCache) -> None:
+    def _check_cache(self, cache: KVCache | SlotKVCache) -> None:
         c = self.config
         want = (c.num_hidden_layers, cache.max_model_len, c.num_key_value_heads, c.head_dim)
+        names = "(layers, max_model_len, kv_heads, head_dim)"
+        if isinstance(cache, SlotKVCache):
+            want, names = want[:1] + (cache.slots,) + want[1:], names.replace("layers,", "layers, slots,")
         for name, t in (("k", cache.k), ("v", cache.v)):
             if tuple(t.shape) != want:
                 raise UnsupportedModel(f"KV cache {name} has shape {tuple(t.shape)}; this model needs {want} "
-                                       f"(layers, max_model_len, kv_heads, head_dim)")
+                                       f"{names}")
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                 raise UnsupportedModel(f"KV cache {name} is {t.dtype} on {t.device}"
                                        f"{'' if t.is_contiguous() else ', not contiguous'}: the native CPU decoder "

@@ -44,8 +44,8 @@ typedef struct duck_host_layer {
     ...;
 } duck_host_layer;
 typedef struct duck_host_model {
-    uint32_t hidden, heads, kv_heads, head_dim, layers, vocab, max_len, max_tokens, n_experts, topk;
-    int32_t norm_topk; float eps;
+    uint32_t hidden, heads, kv_heads, head_dim, layers, vocab, max_len, slots, max_tokens, n_experts, topk;
+    uint64_t slot_stride; int32_t norm_topk; float eps;
     const float *inv_freq; const float *embed; const float *final_norm; const float *lm_head;
     const duck_host_layer *layer;
     ...;
@@ -58,6 +58,10 @@ duck_host_decoder *duck_host_decoder_create(const duck_host_model *m, const duck
 void duck_host_decoder_destroy(duck_host_decoder *d);
 const char *duck_host_decoder_error(const duck_host_decoder *d);
 int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions);
+int duck_host_begin_slots(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions,
+                          const uint32_t *slots);
 int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out);
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
+int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                          float *logits);
 """

@@ -23,9 +23,11 @@ struct duck_host_decoder {
     uint32_t ntok, next_layer;   /* next_layer: the layer step expected next; layers + 1: none begun */
     const duck_host_layer *cur;
     const float *ffn_out;        /* the previous FFN's output [ntok, hidden], or NULL */
+    const uint32_t *rows;        /* finish: the tokens that get logits (NULL: all) */
     duck_host_phase phases[8];
     duck_host_gemm_job gemm_o, gemm_router, gemm_lm_head;
     int64_t positions[DUCK_HOST_MAX_TOKENS];
+    uint64_t slot_offset[DUCK_HOST_MAX_TOKENS];   /* floats into a layer's cache where the token's slot begins */
     /* scratch, one allocation */
     float *mem;
     float *cos, *sin;            /* [max_tokens, head_dim / 2] */
@@ -62,6 +64,8 @@ static const char *check_model(const duck_host_model *m, const duck_host_io *io)
         return "inv_freq, embed, final_norm, lm_head, the layer table and io.ffn_in are required";
     if (!(m->eps > 0.0f))
         return "eps must be positive";
+    if (m->slots > 1 && m->slot_stride < (uint64_t)m->max_len * m->kv_heads * m->head_dim)
+        return "slot_stride is less than one slot's cache (max_len * kv_heads * head_dim)";
     int routed = 0;
     for (uint32_t i = 0; i < m->layers; i++) {
         const duck_host_layer *l = &m->layer[i];
@@ -139,7 +143,14 @@ const char *duck_host_decoder_error(const duck_host_decoder *d) { return d->err;
 
 int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions)
 {
+    return duck_host_begin_slots(d, ntok, ids, positions, NULL);
+}
+
+int duck_host_begin_slots(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions,
+                          const uint32_t *slots)
+{
     const duck_host_model *m = &d->m;
+    const uint32_t n_slots = m->slots > 1 ? m->slots : 1;
     d->next_layer = m->layers + 1;
     if (ntok == 0 || ntok > m->max_tokens)
         return fail(d, "%u tokens in one step: this decoder takes 1 to %u", ntok, m->max_tokens);
@@ -150,6 +161,9 @@ int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, con
         if (positions[t] < 0 || positions[t] >= m->max_len)
             return fail(d, "position %lld is beyond the KV cache (max_model_len=%u): make a longer cache",
                         (long long)positions[t], m->max_len);
+        if (slots && slots[t] >= n_slots)
+            return fail(d, "slot %u: the cache holds %u sequences", slots[t], n_slots);
+        d->slot_offset[t] = slots ? (uint64_t)slots[t] * m->slot_stride : 0;
         memcpy(d->x + (size_t)t * m->hidden, m->embed + (size_t)ids[t] * m->hidden, sizeof(float) * m->hidden);
         duck_host_rope_table(positions[t], m->inv_freq, half, d->cos + (size_t)t * half, d->sin + (size_t)t * half);
         d->positions[t] = positions[t];
@@ -196,19 +210,19 @@ static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
         add_bias(v, b ? b + (size_t)j * D : NULL, D);
         if (is_key)
             duck_host_rope(d->k, v, 1, D, d->cos + t * half, d->sin + t * half, l->k_norm, m->eps);
-        memcpy(cache + (size_t)d->positions[t] * kvd + (size_t)j * D, v, sizeof(float) * D);
+        memcpy(cache + d->slot_offset[t] + (size_t)d->positions[t] * kvd + (size_t)j * D, v, sizeof(float) * D);
     }
 }
 
-/* Item i: token i / heads, query head i % heads, over positions 0..its own. */
+/* Item i: token i / heads, query head i % heads, over positions 0..its own of its slot. */
 static void attention_item(void *ctx, uint32_t i, unsigned worker)
 {
     duck_host_decoder *d = ctx;
     const duck_host_model *m = &d->m;
     const uint32_t D = m->head_dim, t = i / m->heads, h = i % m->heads, kvh = h / (m->heads / m->kv_heads);
     const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
-    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, d->cur->k_cache + (size_t)kvh * D,
-                     d->cur->v_cache + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D, d->scale,
+    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, d->cur->k_cache + d->slot_offset[t] + (size_t)kvh * D,
+                     d->cur->v_cache + d->slot_offset[t] + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D, d->scale,
                      d->scores + (size_t)worker * m->max_len, d->attn + t * qd + (size_t)h * D);
 }
 
@@ -245,12 +259,13 @@ static void topk_item(void *ctx, uint32_t t, unsigned worker)
                            d->io.expert_ids + t * m->topk, d->io.expert_weights + t * m->topk);
 }
 
-static void final_norm_item(void *ctx, uint32_t t, unsigned worker)
+/* Item i: the i-th token that gets logits (rows[i], or i), normed into row i of h. */
+static void final_norm_item(void *ctx, uint32_t i, unsigned worker)
 {
     (void)worker;
     duck_host_decoder *d = ctx;
-    const uint32_t H = d->m.hidden;
-    duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out + t * H, d->m.final_norm, H, d->m.eps, d->h + t * H);
+    const uint32_t H = d->m.hidden, t = d->rows ? d->rows[i] : i;
+    duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out + t * H, d->m.final_norm, H, d->m.eps, d->h + i * H);
 }
 
 static duck_host_phase *add_phase(duck_host_phase *p, uint32_t n, duck_host_body_fn body, void *ctx)
@@ -292,14 +307,27 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
 
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits)
 {
+    return duck_host_finish_rows(d, ffn_out, NULL, d->ntok, logits);
+}
+
+int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                          float *logits)
+{
     const duck_host_model *m = &d->m;
     if (d->next_layer != m->layers)
         return fail(d, "finish before the last layer step (layer %u comes next of %u)", d->next_layer, m->layers);
     if (!ffn_out || !logits)
         return fail(d, "finish needs the last layer's FFN output and a logits buffer");
+    if (nrows > d->ntok)
+        return fail(d, "logits of %u tokens asked of a step of %u", nrows, d->ntok);
+    for (uint32_t i = 0; rows && i < nrows; i++)
+        if (rows[i] >= d->ntok || (i && rows[i] <= rows[i - 1]))
+            return fail(d, "logit rows must be increasing token indices below %u (row %u is %u)", d->ntok, i,
+                        rows[i]);
     d->ffn_out = ffn_out;
-    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, d->ntok, 0};
-    duck_host_phase *p = add_phase(d->phases, d->ntok, final_norm_item, d);
+    d->rows = rows;
+    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, nrows, 0};
+    duck_host_phase *p = add_phase(d->phases, nrows, final_norm_item, d);
     duck_host_gemm_phase(&d->gemm_lm_head, p++);
     duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));
     d->next_layer = m->layers + 1;

@@ -5,7 +5,8 @@
  * FFN's input (and for a routed layer the router's choice) in the caller's
  * buffers, and the next step adds the FFN's output into the residual.
  *
- *   duck_host_begin(d, ntok, ids, positions)      embeddings, rotary tables
+ *   duck_host_begin(d, ntok, ids, positions)      embeddings, rotary tables (_slots: tokens of several
+ *                                                  sequences, each in its slot of a batched cache)
  *   for layer: duck_host_layer_step(d, layer, y)   y: the previous layer's FFN output (NULL at layer 0)
  *              ... caller runs the FFN on io.ffn_in -> y
  *   duck_host_finish(d, y, logits)                 final norm + lm_head: logits [ntok, vocab]
@@ -29,12 +30,14 @@ typedef struct duck_host_layer {
     const float *bq, *bk, *bv, *bo;           /* the biases, or NULL (attention_bias) */
     const float *q_norm, *k_norm;             /* [head_dim] per-head RMSNorm (Qwen3), or NULL */
     const float *router;                      /* [n_experts, hidden] softmax router, or NULL: a dense FFN */
-    float *k_cache, *v_cache;                 /* this layer's [max_len, kv_heads, head_dim] */
+    float *k_cache, *v_cache;                 /* this layer's [slots][max_len, kv_heads, head_dim] */
 } duck_host_layer;
 
 typedef struct duck_host_model {
     uint32_t hidden, heads, kv_heads, head_dim, layers, vocab;
-    uint32_t max_len;                         /* the KV cache's positions */
+    uint32_t max_len;                         /* the KV cache's positions (per slot) */
+    uint32_t slots;                           /* sequences the cache holds (0 or 1: one) */
+    uint64_t slot_stride;                     /* floats from one slot's [max_len, kv_heads, head_dim] to the next's */
     uint32_t max_tokens;                      /* most tokens per step, <= DUCK_HOST_MAX_TOKENS */
     uint32_t n_experts, topk;                 /* routed layers: experts, experts per token */
     int32_t norm_topk;                        /* norm_topk_prob */
@@ -66,12 +69,22 @@ const char *duck_host_decoder_error(const duck_host_decoder *d);
 
 /* Each returns 0, or -1 with a message in duck_host_decoder_error. */
 int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions);
+/* The same for tokens of several sequences: token t belongs to slot slots[t]
+ * (NULL: all slot 0), is written at its position there and attends to that
+ * slot's positions 0..its own. A batch of decode steps, prefill chunks, or both. */
+int duck_host_begin_slots(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions,
+                          const uint32_t *slots);
 /* Attention part of layer `layer` (steps go 0, 1, ... in order); ffn_out is
  * the previous layer's FFN output [ntok, hidden] (NULL at layer 0). Returns 1
  * when the layer is routed (io's expert ids / weights filled), 0 when dense. */
 int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out);
 /* After the last layer: final norm and lm_head into logits [ntok, vocab]. */
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
+/* The same for some tokens only: rows [nrows], increasing token indices of the
+ * step (NULL: the first nrows); logits [nrows, vocab]. A batch needs the logits
+ * of each sequence's last token, a prefill chunk of its last one or none. */
+int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                          float *logits);
 
 #ifdef __cplusplus
 }

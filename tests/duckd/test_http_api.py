@@ -133,14 +133,14 @@ def test_metrics_parse_and_carry_every_duck(duckd_daemon, client, model):
 
 
 def test_a_full_queue_answers_429_and_the_rest_complete(tmp_path):
-    """max_queued = 1: of six concurrent streams, the ones beyond the running one and the
-    one queued get 429 with OpenAI's error shape; every accepted one completes."""
+    """max_queued = 1, one sequence at a time: of six concurrent streams, the ones beyond the
+    running one and the one queued get 429 with OpenAI's error shape; every accepted one completes."""
     import asyncio
 
     from tests.duckd_fixture import RunningDaemon, write_config
 
     state = tmp_path / "duck"
-    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_queued": 1}), state,
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_queued": 1, "max_seqs": 1}), state,
                            env={"XDG_STATE_HOME": str(tmp_path)}).start()
     try:
         client = openai.AsyncOpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token,

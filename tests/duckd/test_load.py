@@ -1,4 +1,5 @@
-"""duckd under load, real daemon and ducks: waiting chats hold no thread, so the health
+"""duckd under load, real daemon and ducks, one sequence at a time (model.max_seqs = 1;
+tests/duckd/test_batching.py has the batch): waiting chats hold no thread, so the health
 monitor sees a killed duck within 2 s while 32 chats are queued, and the queued ones
 then fail fast; a queued request whose client goes away leaves the queue at once and
 runs no prefill; a chat whose stop string holds all text back still ends on cancel."""
@@ -21,7 +22,7 @@ LONG = "Write a very long story about a duck who learns to compute."
 def daemon(tmp_path):
     state = tmp_path / "duck"
     d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, restart=False,
-                                   model={"max_tokens": 200}), state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+                                   model={"max_tokens": 200, "max_seqs": 1}), state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
     yield d
     d.stop()
 

@@ -1,0 +1,301 @@
+"""Many requests at once on the CPU host: continuous batching over the native
+decoder (engine.cpu.decode) and a cache with one slot per sequence.
+
+    batch = BatchDecoder(model, tokenizer, slots=32, max_model_len=2048)
+    seq = batch.add(prompt_ids, params, on_text=...)   # None: no free slot
+    while batch.active:
+        for seq in batch.step():                        # one forward for every sequence
+            seq.result                                  # a finished one: engine.generate.GenerationResult
+
+Every step is one forward of the model over the tokens of all sequences: the
+next token of each decoding sequence, then prefill chunks of sequences still
+reading their prompt, oldest first, up to step_tokens in all. Each token is
+written into its sequence's slot and attends to that slot only
+(duck_host_begin_slots), so the linear layers, and above all the FFNs on the
+ducks, run once per step for the whole batch: a duck streams each expert (or
+dense MLP) once for the union of the sequences' tokens. The logits are made
+only for the tokens that need them (each sequence's last token of the step).
+
+Each sequence keeps its own sampling generator, stop strings and text stream
+(engine.generate.TokenStream), so its output is the one it would get alone as
+long as the per-token arithmetic does not depend on the batch (tests hold that).
+A sequence ends at EOS, a stop string, max_tokens, its slot's max_model_len, or
+when its should_stop says so (cancel); its slot is free for the next step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.generate import GenerationResult, GenerationStats, SamplingParams, TokenStream
+from engine.layers import SlotKVCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEP_TOKENS = 64   # tokens per step: decode tokens first, prefill chunks fill the rest
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the batch."""
+    prompt: list[int]
+    params: SamplingParams
+    slot: int
+    out: TokenStream
+    should_stop: Callable[[], bool] | None = None
+    prefilled: int = 0                  # prompt tokens in the cache
+    start: float = field(default_factory=time.perf_counter)
+    ttft: float = 0.0
+    result: GenerationResult | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+    @property
+    def position(self) -> int:
+        """The position of the next token this sequence feeds."""
+        return self.prefilled if not self.decoding else len(self.prompt) + len(self.out.out_ids) - 1
+
+
+class BatchDecoder:
+    """Continuous batching on the CPU host (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS):
+        from engine.cpu.decode import CpuDecoder
+
+        if slots < 1 or max_model_len < 2:
+            raise ValueError(f"a batch needs slots >= 1 and max_model_len >= 2, got {slots} and {max_model_len}")
+        if not 1 <= step_tokens:
+            raise ValueError(f"step_tokens must be positive, got {step_tokens}")
+        device = model.model.embed_tokens.weight.device
+        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, torch.float32, device)
+        self.decoder = CpuDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
+        self.step_tokens = min(step_tokens, self.decoder.max_tokens)
+        if self.step_tokens < slots:
+            raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "
+                             f"{self.step_tokens}")
+        self.free = list(range(slots - 1, -1, -1))   # popped from the end: slot 0 first
+        self.active: list[Sequence] = []             # in order of arrival
+        self.steps = 0
+        log.info("batch decoder: %d slots of %d positions (%.0f MB of KV cache), steps of up to %d tokens",
+                 slots, max_model_len, 2 * self.cache.k.numel() * 4 / 1e6, self.step_tokens)
+
+    @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    def add(self, prompt: list[int], params: SamplingParams, on_text: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Sequence | None:
+        """A new sequence, prefilled by the next steps; None when every slot is taken."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len}")
+        if not self.free:
+            return None
+        device = self.model.model.embed_tokens.weight.device
+        emit = (lambda text: _report(on_text, text)) if on_text is not None else None   # one caller's error stays its own
+        seq = Sequence(prompt, params, self.free.pop(), TokenStream(self.tokenizer, prompt, params, device, emit),
+                       should_stop)
+        self.active.append(seq)
+        return seq
+
+    def _plan(self) -> tuple[list[int], list[int], list[int], list[tuple[Sequence, int]]]:
+        """The step's ids, positions, slots, and (sequence, row) of the rows that get logits."""
+        ids, positions, slots, wants = [], [], [], []
+        for seq in self.active:
+            if seq.decoding:
+                wants.append((seq, len(ids)))
+                ids.append(seq.out.out_ids[-1])
+                positions.append(seq.position)
+                slots.append(seq.slot)
+        budget = self.step_tokens - len(ids)
+        for seq in self.active:
+            if budget <= 0:
+                break
+            if seq.decoding:
+                continue
+            n = min(budget, len(seq.prompt) - seq.prefilled)
+            ids += seq.prompt[seq.prefilled:seq.prefilled + n]
+            positions += range(seq.prefilled, seq.prefilled + n)
+            slots += [seq.slot] * n
+            seq.prefilled += n
+            budget -= n
+            if seq.decoding:   # the prompt is in: its last token's logits give the first new token
+                wants.append((seq, len(ids) - 1))
+        return ids, positions, slots, wants
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One forward for every active sequence; returns those that finished (result set)."""
+        finished = [s for s in self.active if s.should_stop is not None and s.should_stop()]
+        for seq in finished:
+            self._end(seq, "cancelled")
+        if not self.active:
+            return finished
+        ids, positions, slots, wants = self._plan()
+        wants.sort(key=lambda w: w[1])
+        y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
+        logits = self.decoder.logits(y, [row for _, row in wants]) if wants else None
+        self.steps += 1
+        now = time.perf_counter()
+        for i, (seq, _) in enumerate(wants):
+            done = seq.out.push(logits[i])
+            if len(seq.out.out_ids) == 1:
+                seq.ttft = now - seq.start
+            if done or seq.position >= self.max_model_len:
+                self._end(seq)
+                finished.append(seq)
+        return finished
+
+    def _end(self, seq: Sequence, finish: str | None = None) -> None:
+        text = seq.out.close(finish)
+        stats = GenerationStats(len(seq.prompt), len(seq.out.out_ids), time.perf_counter() - seq.start, seq.ttft)
+        seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats)
+        self.active.remove(seq)
+        self.free.append(seq.slot)
+
+    def fail_all(self) -> list[Sequence]:
+        """Ends every active sequence (the step failed); returns them, their slots free."""
+        ended = list(self.active)
+        for seq in ended:
+            self._end(seq, "error")
+        return ended
+
+
+def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS):
+    """A BatchDecoder when the model runs on the CPU host with the native decoder; None
+    otherwise (CUDA, an unsupported family, DUCK_CPU_NATIVE=0), with why at info level."""
+    from engine.cpu.decode import native_mode
+    from engine.cpu.host_model import UnsupportedModel
+
+    if model.model.embed_tokens.weight.device.type != "cpu" or native_mode() == "off":
+        log.info("no continuous batching: the model is not on the CPU host's native decoder")
+        return None
+    try:
+        return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens)
+    except UnsupportedModel as e:
+        log.info("no continuous batching: %s", e)
+        return None
+
+
+@dataclass(eq=False)
+class Job:
+    """A request handed to a BatchRunner, and how it reports back (called on the runner's thread)."""
+    prompt: list[int]
+    params: SamplingParams
+    on_text: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None    # true: the caller is gone (queued: dropped unread)
+    on_start: Callable[[], None] | None = None        # it got a slot
+    on_done: Callable[[GenerationResult], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None   # the step failed, or admission refused it
+
+
+class BatchRunner:
+    """A BatchDecoder on a thread of its own: jobs queue (FIFO) until a slot is free, then
+    ride every step until they end. admit(job) may raise to refuse a job when its turn
+    comes (e.g. the fleet is down); lock, when given, is held during each step."""
+
+    def __init__(self, batch: BatchDecoder, lock=None, admit: Callable[[Job], None] | None = None,
+                 name: str = "duck-batch"):
+        import threading
+        from collections import deque
+
+        self.batch, self.lock, self.admit = batch, lock, admit
+        self.waiting: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}             # id(sequence) -> its job
+        self._wake = threading.Condition()
+        self._stop = False
+        self.failures = 0
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            self.waiting.append(job)
+            self._wake.notify()
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.active)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots the next step gives to waiting jobs (read from another thread: an estimate)."""
+        return len(self.batch.free)
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _take(self) -> list[Job]:
+        """Waits for work; returns the jobs that get a slot now (and drops abandoned ones)."""
+        with self._wake:
+            while not self._stop and not self.waiting and not self.batch.active:
+                self._wake.wait()
+            taken = []
+            while self.waiting and len(taken) < len(self.batch.free):
+                taken.append(self.waiting.popleft())
+            return taken
+
+    def _main(self) -> None:
+        while True:
+            taken = self._take()
+            if self._stop:
+                break
+            for job in taken:
+                self._start(job)
+            if self.batch.active:
+                self._step()
+        for job in list(self.waiting) + list(self._jobs.values()):
+            _report(job.on_error, RuntimeError("the batch runner stopped"))
+
+    def _start(self, job: Job) -> None:
+        if job.should_stop is not None and job.should_stop():
+            return                                   # the caller left while it waited: no prefill
+        try:
+            if self.admit is not None:
+                self.admit(job)
+            seq = self.batch.add(job.prompt, job.params, job.on_text, job.should_stop)
+        except BaseException as e:  # noqa: BLE001 - the job's caller gets it
+            _report(job.on_error, e)
+            return
+        self._jobs[id(seq)] = job
+        _report(job.on_start)
+
+    def _step(self) -> None:
+        try:
+            if self.lock is not None:
+                with self.lock:
+                    finished = self.batch.step()
+            else:
+                finished = self.batch.step()
+        except BaseException as e:  # noqa: BLE001 - every sequence of the step fails with it
+            self.failures += 1
+            log.warning("a batch step failed (%s): %d sequences end with the error", e, len(self.batch.active))
+            for seq in self.batch.fail_all():
+                job = self._jobs.pop(id(seq), None)
+                if job is not None:
+                    _report(job.on_error, e)
+            return
+        for seq in finished:
+            job = self._jobs.pop(id(seq), None)
+            if job is not None:
+                _report(job.on_done, seq.result)
+
+
+def _report(fn, *args) -> None:
+    if fn is None:
+        return
+    try:
+        fn(*args)
+    except Exception:   # a caller's callback must not stop the runner
+        log.exception("a batch job's callback failed")

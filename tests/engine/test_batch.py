@@ -1,0 +1,106 @@
+"""Continuous batching on the CPU host (engine.batch): many requests in one forward
+per step, each token in its own sequence's cache slot. Every request's tokens must be
+those it gets alone (a batch of one), bit for bit, and those of generate(); through
+the local fp9 kernels and through a fleet of real ducks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import BatchDecoder
+from engine.generate import SamplingParams, generate
+from engine.loader import load_model
+from tests.engine.conftest import TINY
+
+KINDS = ["llama", "qwen3", "qwen3_moe"]
+REQUESTS = 7      # more than the slots: some wait for a slot to free
+SLOTS = 3
+
+
+def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(REQUESTS):
+        prompt = torch.randint(2, vocab, (3 + 5 * i,), generator=g).tolist()   # 3 .. 33 tokens: chunked prefills
+        params = SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True)
+        if i == 2:
+            params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+        if i == 4:
+            params = SamplingParams(max_tokens=12, repetition_penalty=1.3, ignore_eos=True)
+        out.append((prompt, params))
+    return out
+
+
+def _run_batch(lm, requests, slots: int, step_tokens: int = 16) -> list[list[int]]:
+    batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=64, step_tokens=step_tokens)
+    waiting, seqs = list(enumerate(requests)), {}
+    while waiting or batch.active:
+        while waiting:
+            seq = batch.add(*waiting[0][1])
+            if seq is None:
+                break
+            seqs[waiting.pop(0)[0]] = seq
+        batch.step()
+    assert len(batch.free) == slots and batch.steps > 0
+    return [seqs[i].result.token_ids for i in range(len(requests))]
+
+
+@pytest.fixture(scope="module", params=["fp9", "fleet"])
+def backend(request):
+    if request.param == "fp9":
+        yield lambda: "fp9"
+        return
+    from engine.fleet import FleetFfn
+    made = []
+
+    def make():
+        made.append(FleetFfn(local_ducks=2))
+        return made[-1]
+    yield make
+    for f in made:
+        f.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_gives_each_request_what_it_gets_alone(kind, tiny_checkpoint, backend):
+    folder, _ = tiny_checkpoint(kind)
+    lm = load_model(folder, device="cpu", backend=backend())
+    requests = _requests(TINY[kind]["vocab_size"])
+    together = _run_batch(lm, requests, SLOTS)
+    alone = [_run_batch(lm, [r], 1)[0] for r in requests]
+    assert together == alone
+    for (prompt, params), got in zip(requests, together):
+        assert len(got) == params.max_tokens
+        if params.temperature == 0:   # generate(): prefill in torch, then native steps
+            assert generate(lm.model, lm.tokenizer, prompt, params).token_ids == got
+
+
+def test_stop_cancel_and_length_end_a_sequence_and_free_its_slot(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama")
+    lm = load_model(folder, device="cpu", backend="fp9")
+    vocab = TINY["llama"]["vocab_size"]
+    batch = BatchDecoder(lm.model, lm.tokenizer, slots=2, max_model_len=20, step_tokens=8)
+    prompt = list(range(2, 12))
+    alone = generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    stop_word = lm.tokenizer.decode(alone.token_ids[2:3])
+    stopped = batch.add(prompt, SamplingParams(max_tokens=8, stop=(stop_word,), ignore_eos=True))
+    cancel = {"now": False}
+    cancelled = batch.add(prompt[:4], SamplingParams(max_tokens=30, ignore_eos=True),
+                          should_stop=lambda: cancel["now"])
+    assert batch.add(prompt, SamplingParams()) is None          # both slots taken
+    with pytest.raises(ValueError, match="max_model_len"):
+        batch.add(list(range(2, 22)), SamplingParams())
+    while stopped.result is None:
+        batch.step()
+    assert stopped.result.finish_reason == "stop" and stop_word not in stopped.result.text
+    cancel["now"] = True
+    assert cancelled in batch.step() and cancelled.result.finish_reason == "cancelled"
+    assert sorted(batch.free) == [0, 1] and not batch.active
+    long = batch.add(list(range(2, 2 + 15)), SamplingParams(max_tokens=100, ignore_eos=True))
+    while long.result is None:
+        batch.step()
+    # as generate() in a cache of 20: the positions 15..19 are fed, 6 tokens come out
+    assert long.result.finish_reason == "length" and len(long.result.token_ids) == 20 - 15 + 1
+    assert long.result.token_ids == generate(lm.model, lm.tokenizer, list(range(2, 17)),
+                                             SamplingParams(max_tokens=100, ignore_eos=True), max_model_len=20).token_ids
+    assert all(0 <= t < vocab for t in long.result.token_ids)
