@@ -15,7 +15,11 @@ width (int8 weights widened to fp32 against the same fp32 activations; the
 case names the peer's instruction set). The MoE slice forward runs with the
 best set at what one duck holds of a DeepSeek-V3 layer (256 experts, H 7168,
 S 64) and of a Qwen3-30B-A3B layer on four ducks (128 experts, H 2048, S 192;
-1 token and an MTP pair). pool_wake is the worker pool's wake-up. All
+1 token and an MTP pair). fp9_gemm is what prefill does with one expert of
+that Qwen3 slice: gate/up and down over 8, 32 and 128 tokens, in GFLOP/s
+and as a share of fma_peak, the FMA peak of the same instruction set and
+thread count measured in the same run (per core: divided by the threads).
+pool_wake is the worker pool's wake-up. All
 weights, the int8 ones too, sit in huge pages where the kernel allows
 (native.fp9.memory; machine.huge_pages says; DUCK_HUGE_PAGES=0 turns them off).
 """
@@ -76,11 +80,13 @@ def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 
 class Case:
-    """One measured thing: a callable doing `work_bytes` of streaming per call."""
+    """One measured thing: a callable doing `work_bytes` of streaming per call
+    (and `flops` floating-point operations, where that is the figure of merit)."""
 
-    def __init__(self, name: str, fn, work_bytes: int, params: int, **info):
-        self.name, self.fn, self.work_bytes, self.params, self.info = name, fn, work_bytes, params, info
-        self.gbps: list[float] = []
+    def __init__(self, name: str, fn, work_bytes: int, params: int, flops: int = 0, **info):
+        self.name, self.fn, self.work_bytes, self.params, self.flops, self.info = \
+            name, fn, work_bytes, params, flops, info
+        self.seconds: list[float] = []
 
     @property
     def key(self) -> tuple:
@@ -88,7 +94,7 @@ class Case:
                 self.info.get("tokens"))
 
     def run(self, min_seconds: float) -> None:
-        self.gbps.append(self.work_bytes / timed_call(self.fn, min_seconds) / 1e9)
+        self.seconds.append(timed_call(self.fn, min_seconds))
 
 
 def _rotating(items):
@@ -199,6 +205,52 @@ def _moe_case(layer: MoeSlice, model: str, ntok: int, pool, ws, threads: int, rn
     return case
 
 
+# Tokens per expert of the prefill GEMM case: a chunk of 64 .. 1024 tokens
+# over 128 experts, top-8, gives about 4 .. 64 per expert.
+GEMM_TOKENS = (8, 32, 128)
+GEMM_LAYER = MOE_SHAPES[1]   # the experts of the Qwen3-30B-A3B slice
+GEMM_EXPERTS = 8             # experts per pool run
+FMA_ROUNDS = 1 << 20
+
+
+def _fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
+    """The FMA peak of every instruction set the compared kernel sets use."""
+    cases = []
+    for isa in sorted({lib.duck_bench_isa(ISA_OF_KERNELS[k]) for k in sets}, reverse=True):
+        flops = lib.duck_bench_fma(pool.ptr, isa, 1)   # per round, on every thread
+        cases.append(Case("fma_peak", lambda isa=isa: lib.duck_bench_fma(pool.ptr, isa, FMA_ROUNDS), 0, 0,
+                          flops=flops * FMA_ROUNDS, threads=threads, isa=ISA_NAMES[isa]))
+    return cases
+
+
+def _gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng) -> list[Case]:
+    """What prefill does with the experts of a chunk: each one's gate/up and
+    down slices streamed once over all of its tokens, rows split over the
+    pool (duck_bench_gemm: GEMMs only, one pool run per GEMM_EXPERTS
+    experts), rotating over the layer so that the weights come from memory."""
+    hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
+    groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
+    cases = []
+    for ntok in GEMM_TOKENS:
+        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats
+        x = (rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32)
+        h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
+        gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
+        rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
+                                      for t in range(ntok)]) for a in (x, h, gu, y)]
+        for name in sets:
+            k = kernels(name)
+            calls = [(lambda g=g, k=k, n=ntok: lib.duck_bench_gemm(pool.ptr, k, g, GEMM_EXPERTS, n, *rows))
+                     for g in groups]
+            per_call = GEMM_EXPERTS * layer.experts[0].weight_bytes
+            case = Case("fp9_gemm", _rotating(calls), per_call, GEMM_EXPERTS * 3 * width * hidden,
+                        flops=GEMM_EXPERTS * 2 * ntok * 3 * width * hidden, model=model,
+                        shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name)
+            case.keep = (x, h, gu, y, rows)
+            cases.append(case)
+    return cases
+
+
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
                 read_buf: np.ndarray, shared: dict, sets: list[str]) -> list[Case]:
     pool = Pool(threads)
@@ -210,6 +262,9 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
     for model, n_experts, hidden, width, ntok in MOE_SHAPES:
         layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
         cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
+    model, n_experts, hidden, width, _ = GEMM_LAYER
+    cases += _fma_peak_cases(pool, threads, sets)
+    cases += _gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads, sets, rng)
     return cases
 
 
@@ -249,18 +304,30 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
               "kernels": kernels_name(kernels()), "kernel_sets": sets, "rounds": rounds, "read_gbps": {},
               "cases": [], "pool_wake": [pool_wake(t) for t in threads_list if t > 1]}
     for t in threads_list:
-        med = {c.key: statistics.median(c.gbps) for c in by_threads[t]}
-        read = med[("read", "None", None, None)]
+        med = {c.key: statistics.median(c.seconds) for c in by_threads[t]}
+        gbps_of = {c.key: c.work_bytes / med[c.key] / 1e9 for c in by_threads[t]}
+        read = gbps_of[("read", "None", None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            gbps = med[c.key]
+            if c.name == "fma_peak":
+                gflops = c.flops / med[c.key] / 1e9
+                result["cases"].append({"name": c.name, **c.info, "gflops": round(gflops, 2),
+                                        "gflops_per_core": round(gflops / t, 2)})
+                continue
+            gbps = gbps_of[c.key]
             entry = {"name": c.name, **c.info, "gbps": round(gbps, 3),
                      "gparams": round(gbps * c.params / c.work_bytes, 3), "ratio_to_read": round(gbps / read, 3)}
+            if c.name == "fp9_gemm":
+                isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
+                peak = next(p for p in by_threads[t] if p.name == "fma_peak" and p.info["isa"] == isa)
+                gflops, peak_gflops = c.flops / med[c.key] / 1e9, peak.flops / med[peak.key] / 1e9
+                entry.update(gflops=round(gflops, 2), gflops_per_core=round(gflops / t, 2), fma_peak_isa=isa,
+                             ratio_to_fma_peak=round(gflops / peak_gflops, 3))
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
-                peer = med[("int8_gemv", str(c.info["shape"]), isa, None)]
+                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None)]
                 entry["int8_peer_isa"] = isa
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
@@ -316,6 +383,15 @@ def format_table(result: dict) -> str:
              f"read GB/s by threads: {result['read_gbps']}"]
     for c in result["cases"]:
         label = c.get("kernels") or c.get("isa")
+        if c["name"] == "fma_peak":
+            lines.append(f"{c['name']:10s} {'':22s} {label:28s} threads {c['threads']:2d}  "
+                         f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
+            continue
+        if c["name"] == "fp9_gemm":
+            lines.append(f"{c['name']:10s} {str(c['shape']):22s} {c['model'] + ' T' + str(c['tokens']) + ' ' + label:28s} "
+                         f"threads {c['threads']:2d}  {c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  "
+                         f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s")
+            continue
         if c["name"] == "moe_slice":
             label = f"{c['model']} T{c['tokens']} {label}"
         extra = f"  ratio_to_int8 {c['ratio_to_int8']:.3f} (int8 {c['int8_peer_isa']})" if "ratio_to_int8" in c else ""
