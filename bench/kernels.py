@@ -18,7 +18,8 @@ S 64) and of a Qwen3-30B-A3B layer on four ducks (128 experts, H 2048, S 192;
 1 token and an MTP pair). fp9_gemm is what prefill does with one expert of
 that Qwen3 slice: gate/up and down over 8, 32 and 128 tokens, in GFLOP/s
 and as a share of fma_peak, the FMA peak of the same instruction set and
-thread count measured in the same run (per core: divided by the threads).
+thread count measured in the same run (per core: divided by the threads;
+the share is the median of the rounds' shares).
 pool_wake is the worker pool's wake-up. All
 weights, the int8 ones too, sit in huge pages where the kernel allows
 (native.fp9.memory; machine.huge_pages says; DUCK_HUGE_PAGES=0 turns them off).
@@ -322,9 +323,12 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
             if c.name == "fp9_gemm":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
                 peak = next(p for p in by_threads[t] if p.name == "fma_peak" and p.info["isa"] == isa)
-                gflops, peak_gflops = c.flops / med[c.key] / 1e9, peak.flops / med[peak.key] / 1e9
+                gflops = c.flops / med[c.key] / 1e9
+                # round by round (the peak measured just before), so that a slow spell of a shared
+                # machine moves both sides of a ratio
+                ratios = [(c.flops / s) / (peak.flops / p) for s, p in zip(c.seconds, peak.seconds)]
                 entry.update(gflops=round(gflops, 2), gflops_per_core=round(gflops / t, 2), fma_peak_isa=isa,
-                             ratio_to_fma_peak=round(gflops / peak_gflops, 3))
+                             ratio_to_fma_peak=round(statistics.median(ratios), 3))
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
                 peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None)]
