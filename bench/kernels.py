@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from bench import kernels_gemm
+from bench.kernel_cases import ISA_NAMES, ISA_OF_KERNELS, Case, rotating
 from native._native import ffi, lib
 from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
 from native.fp9.memory import huge_pages_mode
@@ -80,39 +82,6 @@ def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return w
 
 
-class Case:
-    """One measured thing: a callable doing `work_bytes` of streaming per call
-    (and `flops` floating-point operations, where that is the figure of merit)."""
-
-    def __init__(self, name: str, fn, work_bytes: int, params: int, flops: int = 0, **info):
-        self.name, self.fn, self.work_bytes, self.params, self.flops, self.info = \
-            name, fn, work_bytes, params, flops, info
-        self.seconds: list[float] = []
-
-    @property
-    def key(self) -> tuple:
-        return (self.name, str(self.info.get("shape")), self.info.get("kernels") or self.info.get("isa"),
-                self.info.get("tokens"))
-
-    def run(self, min_seconds: float) -> None:
-        self.seconds.append(timed_call(self.fn, min_seconds))
-
-
-def _rotating(items):
-    """A callable cycling over items, calling each with no arguments."""
-    state = {"i": 0}
-
-    def call():
-        items[state["i"] % len(items)]()
-        state["i"] += 1
-    return call
-
-
-# The int8 peer runs on the vector width of the fp9 kernel set it is compared with.
-ISA_OF_KERNELS = {"ref": lib.DUCK_BENCH_SCALAR, "avx2-xor": lib.DUCK_BENCH_AVX2, "avx2-blend": lib.DUCK_BENCH_AVX2,
-                  "avx512": lib.DUCK_BENCH_AVX512}
-ISA_NAMES = {lib.DUCK_BENCH_SCALAR: "scalar", lib.DUCK_BENCH_AVX2: "avx2", lib.DUCK_BENCH_AVX512: "avx512"}
-
 # What one duck holds of a layer: (name, experts, hidden, slice width S, tokens)
 MOE_SHAPES = (("deepseek-v3", None, 7168, 64, 1),       # 256 experts of 2048 over tp 32
               ("qwen3-30b-a3b", 128, 2048, 192, 1),     # 128 experts of 768 over 4 ducks
@@ -147,12 +116,12 @@ def _gemv_cases(pool, ws, rows: int, cols: int, threads: int, sets: list[str], s
         ptrs = [ffi.cast("const int8_t *", ffi.from_buffer(w)) for w in int8s]
         calls = [(lambda p=p, isa=isa: lib.duck_bench_int8_gemv(pool.ptr, isa, p, rows, cols, xptr, yptr))
                  for p in ptrs]
-        cases.append(Case("int8_gemv", _rotating(calls), rows * cols, rows * cols, shape=[rows, cols],
+        cases.append(Case("int8_gemv", rotating(calls), rows * cols, rows * cols, shape=[rows, cols],
                           threads=threads, isa=ISA_NAMES[isa]))
     for name in sets:
         k = kernels(name)
         calls = [(lambda m=w.matrix, k=k: lib.duck_fp9_matmul(pool.ptr, k, ws.ptr, m, 1, xptr, yptr)) for w in fp9s]
-        cases.append(Case("fp9_gemv", _rotating(calls), fp9s[0].weight_bytes, rows * cols, shape=[rows, cols],
+        cases.append(Case("fp9_gemv", rotating(calls), fp9s[0].weight_bytes, rows * cols, shape=[rows, cols],
                           threads=threads, kernels=name))
     return cases
 
@@ -206,50 +175,7 @@ def _moe_case(layer: MoeSlice, model: str, ntok: int, pool, ws, threads: int, rn
     return case
 
 
-# Tokens per expert of the prefill GEMM case: a chunk of 64 .. 1024 tokens
-# over 128 experts, top-8, gives about 4 .. 64 per expert.
-GEMM_TOKENS = (8, 32, 128)
-GEMM_LAYER = MOE_SHAPES[1]   # the experts of the Qwen3-30B-A3B slice
-GEMM_EXPERTS = 8             # experts per pool run
-FMA_ROUNDS = 1 << 20
-
-
-def _fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
-    """The FMA peak of every instruction set the compared kernel sets use."""
-    cases = []
-    for isa in sorted({lib.duck_bench_isa(ISA_OF_KERNELS[k]) for k in sets}, reverse=True):
-        flops = lib.duck_bench_fma(pool.ptr, isa, 1)   # per round, on every thread
-        cases.append(Case("fma_peak", lambda isa=isa: lib.duck_bench_fma(pool.ptr, isa, FMA_ROUNDS), 0, 0,
-                          flops=flops * FMA_ROUNDS, threads=threads, isa=ISA_NAMES[isa]))
-    return cases
-
-
-def _gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng) -> list[Case]:
-    """What prefill does with the experts of a chunk: each one's gate/up and
-    down slices streamed once over all of its tokens, rows split over the
-    pool (duck_bench_gemm: GEMMs only, one pool run per GEMM_EXPERTS
-    experts), rotating over the layer so that the weights come from memory."""
-    hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
-    groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
-    cases = []
-    for ntok in GEMM_TOKENS:
-        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats
-        x = (rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32)
-        h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
-        gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
-        rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
-                                      for t in range(ntok)]) for a in (x, h, gu, y)]
-        for name in sets:
-            k = kernels(name)
-            calls = [(lambda g=g, k=k, n=ntok: lib.duck_bench_gemm(pool.ptr, k, g, GEMM_EXPERTS, n, *rows))
-                     for g in groups]
-            per_call = GEMM_EXPERTS * layer.experts[0].weight_bytes
-            case = Case("fp9_gemm", _rotating(calls), per_call, GEMM_EXPERTS * 3 * width * hidden,
-                        flops=GEMM_EXPERTS * 2 * ntok * 3 * width * hidden, model=model,
-                        shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name)
-            case.keep = (x, h, gu, y, rows)
-            cases.append(case)
-    return cases
+GEMM_LAYER = MOE_SHAPES[1]   # the prefill GEMM runs on the experts of the Qwen3-30B-A3B slice
 
 
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
@@ -264,8 +190,9 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
         layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
         cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
     model, n_experts, hidden, width, _ = GEMM_LAYER
-    cases += _fma_peak_cases(pool, threads, sets)
-    cases += _gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads, sets, rng)
+    cases += kernels_gemm.fma_peak_cases(pool, threads, sets)
+    cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads,
+                                     sets, rng)
     return cases
 
 
@@ -309,26 +236,17 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
         gbps_of = {c.key: c.work_bytes / med[c.key] / 1e9 for c in by_threads[t]}
         read = gbps_of[("read", "None", None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
+        compute = kernels_gemm.entries(by_threads[t], med, t)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
             if c.name == "fma_peak":
-                gflops = c.flops / med[c.key] / 1e9
-                result["cases"].append({"name": c.name, **c.info, "gflops": round(gflops, 2),
-                                        "gflops_per_core": round(gflops / t, 2)})
+                result["cases"].append(compute[c.key])
                 continue
             gbps = gbps_of[c.key]
             entry = {"name": c.name, **c.info, "gbps": round(gbps, 3),
                      "gparams": round(gbps * c.params / c.work_bytes, 3), "ratio_to_read": round(gbps / read, 3)}
-            if c.name == "fp9_gemm":
-                isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
-                peak = next(p for p in by_threads[t] if p.name == "fma_peak" and p.info["isa"] == isa)
-                gflops = c.flops / med[c.key] / 1e9
-                # round by round (the peak measured just before), so that a slow spell of a shared
-                # machine moves both sides of a ratio
-                ratios = [(c.flops / s) / (peak.flops / p) for s, p in zip(c.seconds, peak.seconds)]
-                entry.update(gflops=round(gflops, 2), gflops_per_core=round(gflops / t, 2), fma_peak_isa=isa,
-                             ratio_to_fma_peak=round(statistics.median(ratios), 3))
+            entry.update(compute.get(c.key, {}))   # fp9_gemm: GFLOP/s, share of the FMA peak
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
                 peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None)]
@@ -387,14 +305,9 @@ def format_table(result: dict) -> str:
              f"read GB/s by threads: {result['read_gbps']}"]
     for c in result["cases"]:
         label = c.get("kernels") or c.get("isa")
-        if c["name"] == "fma_peak":
-            lines.append(f"{c['name']:10s} {'':22s} {label:28s} threads {c['threads']:2d}  "
-                         f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
-            continue
-        if c["name"] == "fp9_gemm":
-            lines.append(f"{c['name']:10s} {str(c['shape']):22s} {c['model'] + ' T' + str(c['tokens']) + ' ' + label:28s} "
-                         f"threads {c['threads']:2d}  {c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  "
-                         f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s")
+        compute = kernels_gemm.format_line(c)
+        if compute:
+            lines.append(compute)
             continue
         if c["name"] == "moe_slice":
             label = f"{c['model']} T{c['tokens']} {label}"
