@@ -15,7 +15,12 @@ width (int8 weights widened to fp32 against the same fp32 activations; the
 case names the peer's instruction set). The MoE slice forward runs with the
 best set at what one duck holds of a DeepSeek-V3 layer (256 experts, H 7168,
 S 64) and of a Qwen3-30B-A3B layer on four ducks (128 experts, H 2048, S 192;
-1 token and an MTP pair). pool_wake is the worker pool's wake-up. All
+1 token and an MTP pair). fp9_gemm is what prefill does with one expert of
+that Qwen3 slice: gate/up and down over 8, 32 and 128 tokens, in GFLOP/s
+and as a share of fma_peak, the FMA peak of the same instruction set and
+thread count measured in the same run (per core: divided by the threads;
+the share is the median of the rounds' shares).
+pool_wake is the worker pool's wake-up. All
 weights, the int8 ones too, sit in huge pages where the kernel allows
 (native.fp9.memory; machine.huge_pages says; DUCK_HUGE_PAGES=0 turns them off).
 """
@@ -32,6 +37,8 @@ import time
 
 import numpy as np
 
+from bench import kernels_gemm
+from bench.kernel_cases import ISA_NAMES, ISA_OF_KERNELS, Case, rotating
 from native._native import ffi, lib
 from native.fp9 import BLOCK_BYTES, GROUP, HEADER_BYTES, Fp9Tensor, SynthTensor, _aligned_bytes
 from native.fp9.memory import huge_pages_mode
@@ -75,37 +82,6 @@ def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return w
 
 
-class Case:
-    """One measured thing: a callable doing `work_bytes` of streaming per call."""
-
-    def __init__(self, name: str, fn, work_bytes: int, params: int, **info):
-        self.name, self.fn, self.work_bytes, self.params, self.info = name, fn, work_bytes, params, info
-        self.gbps: list[float] = []
-
-    @property
-    def key(self) -> tuple:
-        return (self.name, str(self.info.get("shape")), self.info.get("kernels") or self.info.get("isa"),
-                self.info.get("tokens"))
-
-    def run(self, min_seconds: float) -> None:
-        self.gbps.append(self.work_bytes / timed_call(self.fn, min_seconds) / 1e9)
-
-
-def _rotating(items):
-    """A callable cycling over items, calling each with no arguments."""
-    state = {"i": 0}
-
-    def call():
-        items[state["i"] % len(items)]()
-        state["i"] += 1
-    return call
-
-
-# The int8 peer runs on the vector width of the fp9 kernel set it is compared with.
-ISA_OF_KERNELS = {"ref": lib.DUCK_BENCH_SCALAR, "avx2-xor": lib.DUCK_BENCH_AVX2, "avx2-blend": lib.DUCK_BENCH_AVX2,
-                  "avx512": lib.DUCK_BENCH_AVX512}
-ISA_NAMES = {lib.DUCK_BENCH_SCALAR: "scalar", lib.DUCK_BENCH_AVX2: "avx2", lib.DUCK_BENCH_AVX512: "avx512"}
-
 # What one duck holds of a layer: (name, experts, hidden, slice width S, tokens)
 MOE_SHAPES = (("deepseek-v3", None, 7168, 64, 1),       # 256 experts of 2048 over tp 32
               ("qwen3-30b-a3b", 128, 2048, 192, 1),     # 128 experts of 768 over 4 ducks
@@ -140,12 +116,12 @@ def _gemv_cases(pool, ws, rows: int, cols: int, threads: int, sets: list[str], s
         ptrs = [ffi.cast("const int8_t *", ffi.from_buffer(w)) for w in int8s]
         calls = [(lambda p=p, isa=isa: lib.duck_bench_int8_gemv(pool.ptr, isa, p, rows, cols, xptr, yptr))
                  for p in ptrs]
-        cases.append(Case("int8_gemv", _rotating(calls), rows * cols, rows * cols, shape=[rows, cols],
+        cases.append(Case("int8_gemv", rotating(calls), rows * cols, rows * cols, shape=[rows, cols],
                           threads=threads, isa=ISA_NAMES[isa]))
     for name in sets:
         k = kernels(name)
         calls = [(lambda m=w.matrix, k=k: lib.duck_fp9_matmul(pool.ptr, k, ws.ptr, m, 1, xptr, yptr)) for w in fp9s]
-        cases.append(Case("fp9_gemv", _rotating(calls), fp9s[0].weight_bytes, rows * cols, shape=[rows, cols],
+        cases.append(Case("fp9_gemv", rotating(calls), fp9s[0].weight_bytes, rows * cols, shape=[rows, cols],
                           threads=threads, kernels=name))
     return cases
 
@@ -199,6 +175,9 @@ def _moe_case(layer: MoeSlice, model: str, ntok: int, pool, ws, threads: int, rn
     return case
 
 
+GEMM_LAYER = MOE_SHAPES[1]   # the prefill GEMM runs on the experts of the Qwen3-30B-A3B slice
+
+
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
                 read_buf: np.ndarray, shared: dict, sets: list[str]) -> list[Case]:
     pool = Pool(threads)
@@ -210,6 +189,10 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
     for model, n_experts, hidden, width, ntok in MOE_SHAPES:
         layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
         cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
+    model, n_experts, hidden, width, _ = GEMM_LAYER
+    cases += kernels_gemm.fma_peak_cases(pool, threads, sets)
+    cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads,
+                                     sets, rng)
     return cases
 
 
@@ -249,18 +232,24 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
               "kernels": kernels_name(kernels()), "kernel_sets": sets, "rounds": rounds, "read_gbps": {},
               "cases": [], "pool_wake": [pool_wake(t) for t in threads_list if t > 1]}
     for t in threads_list:
-        med = {c.key: statistics.median(c.gbps) for c in by_threads[t]}
-        read = med[("read", "None", None, None)]
+        med = {c.key: statistics.median(c.seconds) for c in by_threads[t]}
+        gbps_of = {c.key: c.work_bytes / med[c.key] / 1e9 for c in by_threads[t]}
+        read = gbps_of[("read", "None", None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
+        compute = kernels_gemm.entries(by_threads[t], med, t)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            gbps = med[c.key]
+            if c.name == "fma_peak":
+                result["cases"].append(compute[c.key])
+                continue
+            gbps = gbps_of[c.key]
             entry = {"name": c.name, **c.info, "gbps": round(gbps, 3),
                      "gparams": round(gbps * c.params / c.work_bytes, 3), "ratio_to_read": round(gbps / read, 3)}
+            entry.update(compute.get(c.key, {}))   # fp9_gemm: GFLOP/s, share of the FMA peak
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
-                peer = med[("int8_gemv", str(c.info["shape"]), isa, None)]
+                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None)]
                 entry["int8_peer_isa"] = isa
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
@@ -316,6 +305,10 @@ def format_table(result: dict) -> str:
              f"read GB/s by threads: {result['read_gbps']}"]
     for c in result["cases"]:
         label = c.get("kernels") or c.get("isa")
+        compute = kernels_gemm.format_line(c)
+        if compute:
+            lines.append(compute)
+            continue
         if c["name"] == "moe_slice":
             label = f"{c['model']} T{c['tokens']} {label}"
         extra = f"  ratio_to_int8 {c['ratio_to_int8']:.3f} (int8 {c['int8_peer_isa']})" if "ratio_to_int8" in c else ""

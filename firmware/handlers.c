@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-_Static_assert(WIRE_MAX_TOKENS == DUCK_MAX_TOKENS, "the wire and the kernels disagree on tokens per forward");
+_Static_assert(WIRE_MAX_TOKENS <= DUCK_MAX_TOKENS, "a wire forward may hold more tokens than the kernels take");
 _Static_assert(WIRE_MAX_TOPK == DUCK_MAX_TOPK, "the wire and the kernels disagree on experts per token");
 
 static uint64_t now_ns(void)

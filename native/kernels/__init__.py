@@ -10,8 +10,8 @@ import numpy as np
 from native._native import ffi, lib
 from native.fp9 import Fp9Error, Fp9Tensor, _aligned_bytes, _to_numpy
 
-MAX_TOKENS = 64
-MAX_TOPK = 32
+MAX_TOKENS = lib.DUCK_MAX_TOKENS   # tokens per C call; longer inputs are cut into calls of this many
+MAX_TOPK = lib.DUCK_MAX_TOPK
 
 _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out of range",
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
@@ -96,7 +96,7 @@ def gemm(w: Fp9Tensor, x, kernel_set: str = "best", accumulate_into: np.ndarray 
 
 def matmul(w: Fp9Tensor, x, pool: Pool | None = None, ws: Workspace | None = None,
            kernel_set: str = "best") -> np.ndarray:
-    """y = x W^T over the pool, up to 64 tokens per call (more are chunked)."""
+    """y = x W^T over the pool, up to MAX_TOKENS tokens per C call (more are chunked)."""
     rows, cols = w.shape
     x = _f32_rows(x, cols, w.name)
     ws = ws or Workspace()

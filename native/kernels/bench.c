@@ -13,6 +13,26 @@ typedef struct read_task {
     uint64_t out[256];
 } read_task;
 
+typedef struct fma_task {
+    int isa;
+    uint64_t rounds;
+    float out[256];   /* one per thread, so that no chain is dead code */
+} fma_task;
+
+/* Independent FMA chains per round: the FMA latency (4 cycles on current
+ * cores) times the FMA ports (2), plus room; all in registers. */
+#define FMA_CHAINS_AVX2 12
+#define FMA_CHAINS_AVX512 16
+#define FMA_CHAINS_SCALAR 8
+
+typedef struct gemm_task {
+    const duck_kernels *k;
+    const duck_expert_slice *experts;
+    uint32_t n, ntok;
+    const float *const *x, *const *h;
+    float *const *gu, *const *y;
+} gemm_task;
+
 typedef struct int8_task {
     const int8_t *w;
     uint32_t n, k;
@@ -29,6 +49,20 @@ static uint64_t read_scalar(const uint8_t *p, const uint8_t *e)
     for (; p < e; p += 8)
         acc ^= *(const uint64_t *)p;
     return acc;
+}
+
+static float fma_scalar(uint64_t rounds)
+{
+    float a[FMA_CHAINS_SCALAR], m = 0.999f, b = 1e-3f;
+    for (int i = 0; i < FMA_CHAINS_SCALAR; i++)
+        a[i] = (float)i;
+    for (uint64_t r = 0; r < rounds; r++)
+        for (int i = 0; i < FMA_CHAINS_SCALAR; i++)
+            a[i] = a[i] * m + b;
+    float s = 0.0f;
+    for (int i = 0; i < FMA_CHAINS_SCALAR; i++)
+        s += a[i];
+    return s;
 }
 
 static float dot_int8_scalar(const int8_t *row, const float *x, uint32_t k)
@@ -57,6 +91,25 @@ static uint64_t read_avx2(const uint8_t *p, const uint8_t *e)
     return (uint64_t)_mm256_extract_epi64(a[0], 0) ^ (uint64_t)_mm256_extract_epi64(a[0], 3);
 }
 
+/* FMA_CHAINS chains of a[i] = a[i] * m + b in registers of type V (the
+ * multiplier below 1 keeps every chain finite); returns their sum's lane 0. */
+#define FMA_PEAK_FN(name, V, CHAINS, set1, fmadd, add, first)    \
+    static float name(uint64_t rounds)                            \
+    {                                                             \
+        V a[CHAINS];                                              \
+        const V m = set1(0.999f), b = set1(1e-3f);                \
+        for (int i = 0; i < CHAINS; i++)                          \
+            a[i] = set1((float)i);                                \
+        for (uint64_t r = 0; r < rounds; r++)                     \
+            _Pragma("GCC unroll 16") for (int i = 0; i < CHAINS; i++) \
+                a[i] = fmadd(a[i], m, b);                         \
+        for (int i = 1; i < CHAINS; i++)                          \
+            a[0] = add(a[0], a[i]);                               \
+        return first(a[0]);                                       \
+    }
+
+FMA_PEAK_FN(fma_avx2, __m256, FMA_CHAINS_AVX2, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_cvtss_f32)
+
 #define WIDEN_FMA(acc, off) \
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c + off)))), \
                           _mm256_loadu_ps(x + c + off), acc)
@@ -83,6 +136,9 @@ static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k)
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+FMA_PEAK_FN(fma_avx512, __m512, FMA_CHAINS_AVX512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps,
+            _mm512_cvtss_f32)
+
 #define WIDEN_FMA16(acc, off) \
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c + off)))), \
                           _mm512_loadu_ps(x + c + off), acc)
@@ -115,6 +171,8 @@ static int isa_supported(int isa)
 }
 #else
 static uint64_t read_avx2(const uint8_t *p, const uint8_t *e) { return read_scalar(p, e); }
+static float fma_avx2(uint64_t rounds) { return fma_scalar(rounds); }
+static float fma_avx512(uint64_t rounds) { return fma_scalar(rounds); }
 static float dot_int8_avx2(const int8_t *row, const float *x, uint32_t k) { return dot_int8_scalar(row, x, k); }
 static float dot_int8_avx512(const int8_t *row, const float *x, uint32_t k) { return dot_int8_scalar(row, x, k); }
 static int isa_supported(int isa) { return isa == DUCK_BENCH_SCALAR; }
@@ -145,6 +203,49 @@ uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes)
     for (int i = 0; i < 256; i++)
         r ^= t.out[i];
     return r;
+}
+
+static void fma_part(void *arg, unsigned w, unsigned nw)
+{
+    fma_task *t = arg;
+    (void)nw;
+    t->out[w % 256] = t->isa == DUCK_BENCH_AVX512 ? fma_avx512(t->rounds)
+                      : t->isa == DUCK_BENCH_AVX2 ? fma_avx2(t->rounds)
+                                                  : fma_scalar(t->rounds);
+}
+
+uint64_t duck_bench_fma(duck_pool *pool, int isa, uint64_t rounds)
+{
+    fma_task t = {duck_bench_isa(isa), rounds, {0}};
+    duck_pool_run(pool, fma_part, &t);
+    volatile float sink = 0.0f;
+    for (int i = 0; i < 256; i++)
+        sink += t.out[i];
+    (void)sink;
+    uint64_t per_round = t.isa == DUCK_BENCH_AVX512 ? FMA_CHAINS_AVX512 * 16
+                         : t.isa == DUCK_BENCH_AVX2 ? FMA_CHAINS_AVX2 * 8
+                                                    : FMA_CHAINS_SCALAR;
+    return 2 * per_round * rounds * duck_pool_size(pool);
+}
+
+static void gemm_part(void *arg, unsigned w, unsigned nw)
+{
+    const gemm_task *t = arg;
+    for (uint32_t i = 0; i < t->n; i++) {
+        const duck_expert_slice *e = &t->experts[i];
+        unsigned long begin, end;
+        duck_split_aligned(e->gate_up.row_pairs, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
+        t->k->gemm(&e->gate_up, (uint32_t)begin, (uint32_t)end, t->ntok, t->x, t->gu, 0);
+        duck_split_aligned(e->down.row_pairs, w, nw, DUCK_ROW_PAIR_ALIGN, &begin, &end);
+        t->k->gemm(&e->down, (uint32_t)begin, (uint32_t)end, t->ntok, t->h, t->y, 0);
+    }
+}
+
+void duck_bench_gemm(duck_pool *pool, const duck_kernels *k, const duck_expert_slice *experts, uint32_t n,
+                     uint32_t ntok, const float *const *x, const float *const *h, float *const *gu, float *const *y)
+{
+    gemm_task t = {k, experts, n, ntok, x, h, gu, y};
+    duck_pool_run(pool, gemm_part, &t);
 }
 
 /* The matrix is stored in panels of 2048 columns, row-major inside a panel,

@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ffn.h"
 #include "pool.h"
 
 #ifdef __cplusplus
@@ -33,6 +34,20 @@ int duck_bench_isa(int want);
  * kernels (a VNNI int8 x int8 dot would quantize the activations too). */
 int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,
                          const float *x, float *y);
+
+/* The FMA peak: every thread of the pool runs rounds of independent
+ * chains of fused multiply-adds on registers (no memory), on the
+ * instruction set duck_bench_isa(isa); returns the floating-point
+ * operations done by all of them together (2 per lane and FMA). Timed by
+ * the caller: the GEMM's figure of merit is its share of this. */
+uint64_t duck_bench_fma(duck_pool *pool, int isa, uint64_t rounds);
+
+/* Prefill's GEMMs without the rest of the forward: for each of n experts,
+ * gate_up x[t] -> gu[t] and down h[t] -> y[t] for ntok tokens (prepared
+ * activations), the rows of both split over the pool's threads as the MoE
+ * forward splits them; one pool run for all n. */
+void duck_bench_gemm(duck_pool *pool, const duck_kernels *k, const duck_expert_slice *experts, uint32_t n,
+                     uint32_t ntok, const float *const *x, const float *const *h, float *const *gu, float *const *y);
 
 /* The pool's wake-up: runs empty tasks, each gap_us after the last (long
  * enough, and workers of a pool with spin_us 0 are asleep), and gives the

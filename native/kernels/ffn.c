@@ -17,9 +17,16 @@ typedef struct moe_job {
     uint32_t first, count;          /* range in the assignment arrays */
 } moe_job;
 
-struct duck_ffn_workspace {
+/* Grown on demand, kept between calls: a forward of DUCK_MAX_TOKENS tokens
+ * needs more than a thread's stack should hold. */
+typedef struct ws_buffer {
     void *mem;
     size_t cap;
+} ws_buffer;
+
+struct duck_ffn_workspace {
+    ws_buffer main;     /* prepared x, per-assignment rows, pieces, counters */
+    ws_buffer routes;   /* the (expert, token) assignments, sorted */
 };
 
 duck_ffn_workspace *duck_ffn_workspace_create(void) { return calloc(1, sizeof(duck_ffn_workspace)); }
@@ -27,22 +34,23 @@ duck_ffn_workspace *duck_ffn_workspace_create(void) { return calloc(1, sizeof(du
 void duck_ffn_workspace_destroy(duck_ffn_workspace *ws)
 {
     if (ws) {
-        free(ws->mem);
+        free(ws->main.mem);
+        free(ws->routes.mem);
         free(ws);
     }
 }
 
-static void *ws_reserve(duck_ffn_workspace *ws, size_t bytes)
+static void *ws_reserve(ws_buffer *b, size_t bytes)
 {
-    if (bytes > ws->cap) {
+    if (bytes > b->cap) {
         void *p = NULL;
         if (posix_memalign(&p, 64, bytes) != 0)
             return NULL;
-        free(ws->mem);
-        ws->mem = p;
-        ws->cap = bytes;
+        free(b->mem);
+        b->mem = p;
+        b->cap = bytes;
     }
-    return ws->mem;
+    return b->mem;
 }
 
 int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden)
@@ -199,7 +207,9 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights || !a->experts)))))
         return DUCK_FFN_EINVAL;
     uint32_t hp = (a->hidden + FP9_GROUP - 1) / FP9_GROUP * FP9_GROUP;
-    assignment list[DUCK_MAX_TOKENS * DUCK_MAX_TOPK];
+    assignment *list = ws_reserve(&ws->routes, ((size_t)a->ntok * a->topk + 1) * sizeof(assignment));
+    if (!list)
+        return DUCK_FFN_ENOMEM;
     uint32_t nassign = 0, max_gu = 0, max_act = 0;
     for (uint32_t t = 0; t < a->ntok; t++) {
         for (uint32_t s = 0; s < a->topk; s++) {
@@ -261,7 +271,7 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
                   align64(5 * nassign * sizeof(void *)) + align64(njobs * sizeof(moe_job)) +
                   align64(npieces * sizeof(moe_piece)) + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)) +
                   align64((njobs + a->ntok + 1 + (size_t)nassign) * sizeof(uint32_t));
-    uint8_t *mem = ws_reserve(ws, need);
+    uint8_t *mem = ws_reserve(&ws->main, need);
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;
@@ -312,8 +322,13 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
     }
     for (uint32_t t = 0; t < a->ntok; t++)
         tok_start[t + 1] += tok_start[t];
-    for (uint32_t i = 0, seen[DUCK_MAX_TOKENS] = {0}; i < nassign; i++)   /* ascending per token */
-        tok_list[tok_start[list[i].token] + seen[list[i].token]++] = i;
+    /* a counting sort, ascending per token: tok_start[t] serves as token t's
+     * cursor (ending at the start of t + 1), then moves back one token */
+    for (uint32_t i = 0; i < nassign; i++)
+        tok_list[tok_start[list[i].token]++] = i;
+    for (uint32_t t = a->ntok; t > 0; t--)
+        tok_start[t] = tok_start[t - 1];
+    tok_start[0] = 0;
     uint32_t pairs = (a->hidden + 1) / 2;
     for (uint32_t j = 0; j < njobs; j++)
         for (uint32_t b = 0; b < nblocks; b++)
@@ -358,7 +373,7 @@ int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *
     if (!k || !ws || !m || !m->blocks || !x || !y || ntok > DUCK_MAX_TOKENS)
         return DUCK_FFN_EINVAL;
     size_t kp = (size_t)m->groups * FP9_GROUP;
-    uint8_t *mem = ws_reserve(ws, align64(ntok * kp * sizeof(float)) + 2 * ntok * sizeof(void *));
+    uint8_t *mem = ws_reserve(&ws->main, align64(ntok * kp * sizeof(float)) + 2 * ntok * sizeof(void *));
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;

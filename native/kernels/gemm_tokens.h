@@ -1,54 +1,96 @@
-/* The many-token GEMM of the vector kernel sets: decode a chunk of a row
- * pair once into L1 and reuse it for every token, panel by panel like the
- * GEMV, so the weights stream. Included by kernels_avx2.c and
- * kernels_avx512.c inside their target regions, after they define
- *   TOKENS_TILE    tokens per register tile;
- *   decode_pair(m, p, g0, ng, w0, w1)  groups [g0, g0 + ng) of row pair p
- *                  into two fp32 rows, block scales folded in;
- *   tile(w0, w1, n, x, k0, T, ys0, ys1)  adds the dots of n decoded columns
- *                  with x[i] + k0 for T (1 .. TOKENS_TILE) tokens to ys0/ys1;
- *   store_out(y, row, rows, v, accumulate). */
-#ifndef TOKENS_TILE
-#error "define TOKENS_TILE, decode_pair, tile and store_out before including gemm_tokens.h"
+/* The many-token GEMM of the vector kernel sets. The weights of a
+ * micro-panel (GEMM_PAIRS row pairs) are decoded once per 128 columns into
+ * an L1 buffer, transposed: column k is 2 * GEMM_PAIRS consecutive floats,
+ * one per row. A register tile then computes those rows for up to
+ * GEMM_TOKENS tokens: per column, the rows are vector loads, each token's
+ * activation a broadcast, each pair of them one FMA; the rows sit in vector
+ * lanes, so the outputs need no horizontal sums. Every 128 columns (one
+ * block-scale block) the tile adds its partial dots, times the rows' scales
+ * (prescale * 2^48, and the block scale where there is one), to y: per
+ * 128-column block, like _ref (within a block the order of the sums
+ * differs). A row is one lane of the tile whatever its place in it, so
+ * the row split never changes a bit; a kernel set may sum a block in a
+ * different order for tiles of few tokens (more FMA chains), so a token's
+ * bits may depend on how many tokens share the call.
+ *
+ * Included by kernels_avx2.c and kernels_avx512.c inside their target
+ * regions, after they define
+ *   GEMM_PAIRS, GEMM_TOKENS;
+ *   decode_panel(m, p, np, g, ng, wt, ahead, ahead_end)   groups [g, g + ng)
+ *       of row pairs [p, p + np) (np <= GEMM_PAIRS) into wt[k][2 * GEMM_PAIRS],
+ *       rows past np pairs zero; prefetching one line of [*ahead, ahead_end)
+ *       per row it decodes (*ahead advances);
+ *   tile(wt, n, x, k0, T, y, row, live, scale, load)   y[t][row + i] for
+ *       i < live (= or, if load, +=) scale[i] times the dots of n decoded
+ *       columns with x[t] + k0, for T (1 .. GEMM_TOKENS) tokens. */
+#ifndef GEMM_PAIRS
+#error "define GEMM_PAIRS, GEMM_TOKENS, decode_panel and tile before including gemm_tokens.h"
 #endif
 
-#define TOKENS_CHUNK 1024   /* columns decoded per pass: 2 rows x 4 KiB stay in L1 */
+#define GEMM_COLS FP9_SCALE_BLOCK   /* columns decoded per pass */
 
-/* T tokens with a tile of at most TOKENS_TILE, T known at compile time in each case. */
-#define TOKENS_TAIL(T) \
-    case T: tile(w0, w1, n, x + t, k0, (T) < TOKENS_TILE ? (T) : TOKENS_TILE, ys0 + t, ys1 + t); break;
+#define GEMM_TILE(T) \
+    case T: tile(wt, n, x + t, k0, T, y + t, row, live, scale, load); break;
+
+/* The weights of row pairs [p, p + np) in the panel at g0: one run of
+ * *bytes (blocks are pair-major within a panel). */
+static inline const char *pairs_run(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g0, size_t *bytes)
+{
+    *bytes = (size_t)np * fp9_panel_groups(m->groups, g0) * sizeof(fp9_block);
+    return (const char *)fp9_pair_run(m, p, g0);
+}
 
 static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                         const float *const *x, float *const *y, int accumulate)
 {
-    float w0[TOKENS_CHUNK] __attribute__((aligned(64))), w1[TOKENS_CHUNK] __attribute__((aligned(64)));
-    float ys0[DUCK_MAX_TOKENS], ys1[DUCK_MAX_TOKENS];
+    float wt[GEMM_COLS * 2 * GEMM_PAIRS] __attribute__((aligned(64)));
+    float scale[2 * GEMM_PAIRS] __attribute__((aligned(64)));
     const float out_scale = m->prescale * 0x1p48f;
+    const uint32_t sc = fp9_scale_cols(m);
+    /* tiles of balanced sizes: 16 tokens run as 8 + 8, not 12 + 4 */
+    const uint32_t ntiles = (ntok + GEMM_TOKENS - 1) / GEMM_TOKENS;
     for (uint32_t p0 = 0; p0 < m->groups; p0 += FP9_PANEL_GROUPS) {
         const uint32_t p1 = p0 + fp9_panel_groups(m->groups, p0);
-        for (uint32_t p = pair_begin; p < pair_end; p++) {
-            for (uint32_t t = 0; t < ntok; t++)
-                ys0[t] = ys1[t] = 0.0f;
-            for (uint32_t g0 = p0; g0 < p1; g0 += TOKENS_CHUNK / FP9_GROUP) {
-                uint32_t ng = p1 - g0 < TOKENS_CHUNK / FP9_GROUP ? p1 - g0 : TOKENS_CHUNK / FP9_GROUP;
-                uint32_t n = ng * FP9_GROUP, k0 = g0 * FP9_GROUP;
-                decode_pair(m, p, g0, ng, w0, w1);
-                uint32_t t = 0;
-                for (; t + TOKENS_TILE <= ntok; t += TOKENS_TILE)
-                    tile(w0, w1, n, x + t, k0, TOKENS_TILE, ys0 + t, ys1 + t);
-                switch (ntok - t) {   /* fewer than TOKENS_TILE (at most 8) left */
-                    TOKENS_TAIL(1) TOKENS_TAIL(2) TOKENS_TAIL(3) TOKENS_TAIL(4) TOKENS_TAIL(5) TOKENS_TAIL(6)
-                    TOKENS_TAIL(7)
-                default: break;
+        const uint32_t nchunks = (p1 - p0 + GEMM_COLS / FP9_GROUP - 1) / (GEMM_COLS / FP9_GROUP);
+        for (uint32_t p = pair_begin; p < pair_end; p += GEMM_PAIRS) {
+            const uint32_t np = pair_end - p < GEMM_PAIRS ? pair_end - p : GEMM_PAIRS;
+            const uint32_t row = 2 * p, live = m->rows - row < 2 * np ? m->rows - row : 2 * np;
+            /* the weights of the next micro-panel, a share of them per chunk, prefetched
+             * line by line among the decode's loads (bursts measured slower): the strided
+             * reads of a micro-panel defeat the hardware prefetchers */
+            size_t ahead = 0;
+            const char *next = NULL, *cursor;
+            if (p + GEMM_PAIRS < pair_end)
+                next = pairs_run(m, p + GEMM_PAIRS, pair_end - p - GEMM_PAIRS < GEMM_PAIRS ?
+                                 pair_end - p - GEMM_PAIRS : GEMM_PAIRS, p0, &ahead);
+            else if (p1 < m->groups)
+                next = pairs_run(m, pair_begin, pair_end - pair_begin < GEMM_PAIRS ? pair_end - pair_begin : GEMM_PAIRS,
+                                 p1, &ahead);
+            cursor = next;
+            for (uint32_t i = 0; i < 2 * GEMM_PAIRS; i++)
+                scale[i] = out_scale;
+            for (uint32_t g = p0, c = 0; g < p1; g += GEMM_COLS / FP9_GROUP, c++) {
+                const uint32_t ng = p1 - g < GEMM_COLS / FP9_GROUP ? p1 - g : GEMM_COLS / FP9_GROUP;
+                const uint32_t n = ng * FP9_GROUP, k0 = g * FP9_GROUP;
+                const int load = accumulate || g > 0;
+                if (m->block_scales)
+                    for (uint32_t i = 0; i < 2 * np; i++)
+                        scale[i] = m->block_scales[(size_t)(row + i) * sc + g / 2] * out_scale;
+                decode_panel(m, p, np, g, ng, wt, &cursor, next ? next + ahead * (c + 1) / nchunks : NULL);
+                for (uint32_t j = 0, t = 0; j < ntiles; j++) {
+                    const uint32_t nt = ntok / ntiles + (j < ntok % ntiles);
+                    switch (nt) {
+                        GEMM_TILE(1) GEMM_TILE(2) GEMM_TILE(3) GEMM_TILE(4) GEMM_TILE(5) GEMM_TILE(6)
+#if GEMM_TOKENS > 6
+                        GEMM_TILE(7) GEMM_TILE(8) GEMM_TILE(9) GEMM_TILE(10) GEMM_TILE(11) GEMM_TILE(12)
+#endif
+                    default: break;
+                    }
+                    t += nt;
                 }
-            }
-            const int add = accumulate || p0 > 0;
-            for (uint32_t t = 0; t < ntok; t++) {
-                store_out(y[t], 2 * p, m->rows, ys0[t] * out_scale, add);
-                store_out(y[t], 2 * p + 1, m->rows, ys1[t] * out_scale, add);
             }
         }
     }
 }
 
-#undef TOKENS_TAIL
+#undef GEMM_TILE

@@ -22,8 +22,10 @@ extern "C" {
  * rounds). The int8 peer of the benchmark prefetches the same way. */
 #define DUCK_PREFETCH_BYTES 8192
 
-/* Most tokens one kernel call, one wire forward or one prefill batch holds. */
-#define DUCK_MAX_TOKENS 64
+/* Most tokens one MoE forward or matmul call holds (the kernels' gemm takes
+ * any count): a prefill chunk. A wire forward holds at most WIRE_MAX_TOKENS
+ * of them (the firmware checks WIRE_MAX_TOKENS <= DUCK_MAX_TOKENS). */
+#define DUCK_MAX_TOKENS 1024
 
 /* y[t][row] (= or +=) prescale * sum_k W[row, k] * x[t][k], for the rows of
  * row pairs [pair_begin, pair_end) and tokens t < ntok (any count). Each x[t]

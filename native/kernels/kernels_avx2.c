@@ -179,54 +179,111 @@ static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *
         gemv_avx2(m, p, pair_end, x, y, accumulate, blend);
 }
 
-#define TOKENS_TILE 6   /* tokens per register tile: 2 x 6 accumulators */
+#define GEMM_PAIRS 8    /* rows per tile: 16, two vectors */
+#define GEMM_TOKENS 6   /* tokens per tile: 12 accumulators, 15 of the 16 registers in use */
 
-/* Decode groups [g0, g0 + ng) of a row pair into two fp32 rows, block
- * scales folded in. */
-static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t ng,
-                        float *w0, float *w1)
+/* r[i] lane j <-> r[j] lane i, 8 x 8 floats. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8])
 {
-    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
-    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
-    const uint32_t sc = fp9_scale_cols(m);
-    for (uint32_t g = 0; g < ng; g++) {
-        const fp9_block *bg = &m->blocks[fp9_block_index(m->row_pairs, m->groups, p, g0 + g)];
-        __m256i h0[2] = {_mm256_set1_epi32((int)(uint32_t)bg->sign[0]),
-                         _mm256_set1_epi32((int)(uint32_t)(bg->sign[0] >> 32))};
-        __m256i h1[2] = {_mm256_set1_epi32((int)(uint32_t)bg->sign[1]),
-                         _mm256_set1_epi32((int)(uint32_t)(bg->sign[1] >> 32))};
-        __m256 k0 = _mm256_set1_ps(1.0f), k1 = k0;
-        if (m->block_scales) {
-            k0 = _mm256_set1_ps(m->block_scales[(size_t)(2 * p) * sc + (g0 + g) / 2]);
-            k1 = _mm256_set1_ps(m->block_scales[(size_t)(2 * p + 1) * sc + (g0 + g) / 2]);
-        }
-        for (int j = 0; j < 8; j++) {
-            _mm256_store_ps(w0 + g * 64 + 8 * j,
-                            _mm256_mul_ps(decode8(bg->mag[0] + 8 * j, h0[j >> 2], c[j & 3], sign_bit), k0));
-            _mm256_store_ps(w1 + g * 64 + 8 * j,
-                            _mm256_mul_ps(decode8(bg->mag[1] + 8 * j, h1[j >> 2], c[j & 3], sign_bit), k1));
-        }
+    __m256 t[8];
+    for (int i = 0; i < 4; i++) {   /* rows 2i, 2i + 1 interleaved per 128-bit lane */
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     }
+    for (int i = 0; i < 2; i++) {   /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+        t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = t[i];
 }
 
-static inline __attribute__((always_inline)) void tile(const float *w0, const float *w1, uint32_t n,
-                                                       const float *const *x, uint32_t k0, int T,
-                                                       float *ys0, float *ys1)
+/* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][16]: eight rows
+ * of eight columns at a time, decoded, transposed. */
+static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
+                         const char **ahead, const char *ahead_end)
 {
-    __m256 a0[TOKENS_TILE], a1[TOKENS_TILE];
-    for (int i = 0; i < T; i++)
-        a0[i] = a1[i] = _mm256_setzero_ps();
-    for (uint32_t k = 0; k < n; k += 8) {
-        __m256 v0 = _mm256_load_ps(w0 + k), v1 = _mm256_load_ps(w1 + k);
-        for (int i = 0; i < T; i++) {
-            __m256 xv = _mm256_loadu_ps(x[i] + k0 + k);
-            a0[i] = _mm256_fmadd_ps(v0, xv, a0[i]);
-            a1[i] = _mm256_fmadd_ps(v1, xv, a1[i]);
-        }
+    const char *pf = *ahead;
+    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
+    for (uint32_t half = 0; half < 2; half++) {
+        const uint32_t live = np > 4 * half ? (np - 4 * half < 4 ? np - 4 * half : 4) : 0;
+        const fp9_block *run[4];
+        for (uint32_t i = 0; i < 4; i++)
+            run[i] = i < live ? fp9_pair_run(m, p + 4 * half + i, g0) + (g - g0) : NULL;
+        for (uint32_t gi = 0; gi < ng; gi++)
+            for (int j = 0; j < 8; j++) {
+                __m256 w[8];
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    if (pf < ahead_end) {
+                        _mm_prefetch(pf, _MM_HINT_T0);
+                        pf += 64;
+                    }
+                    const fp9_block *b = run[r >> 1] ? &run[r >> 1][gi] : NULL;
+                    w[r] = b ? decode8(b->mag[r & 1] + 8 * j,
+                                       _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2)))),
+                                       c[j & 3], sign_bit)
+                             : _mm256_setzero_ps();
+                }
+                transpose8(w);
+                float *out = wt + (size_t)(gi * FP9_GROUP + 8 * j) * 16 + 8 * half;
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++)
+                    _mm256_store_ps(out + 16 * k, w[k]);
+            }
     }
+    *ahead = pf;
+}
+
+static inline __attribute__((always_inline)) void tile(const float *wt, uint32_t n, const float *const *x,
+                                                       uint32_t k0, const int T, float *const *y, uint32_t row,
+                                                       uint32_t live, const float *scale, int load)
+{
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)live), lanes);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)live - 8), lanes);
+    /* FMA chains: at least 8 in flight (latency 4, two ports); a tile of
+     * few tokens takes the even and the odd columns in separate chains */
+    const int S = T <= GEMM_TOKENS / 2 ? 2 : 1;
+    __m256 c0[2][GEMM_TOKENS], c1[2][GEMM_TOKENS];
+    const float *xs[GEMM_TOKENS];
+#pragma GCC unroll 6
     for (int i = 0; i < T; i++) {
-        ys0[i] += hsum(a0[i]);
-        ys1[i] += hsum(a1[i]);
+        xs[i] = x[i] + k0;
+        c0[0][i] = c1[0][i] = c0[1][i] = c1[1][i] = _mm256_setzero_ps();
+    }
+    for (uint32_t k = 0; k < n; k += S)
+#pragma GCC unroll 2
+        for (int s = 0; s < S; s++) {
+            __m256 w0 = _mm256_load_ps(wt + 16 * (k + s)), w1 = _mm256_load_ps(wt + 16 * (k + s) + 8);
+#pragma GCC unroll 6
+            for (int i = 0; i < T; i++) {
+                __m256 b = _mm256_broadcast_ss(xs[i] + k + s);
+                c0[s][i] = _mm256_fmadd_ps(w0, b, c0[s][i]);
+                c1[s][i] = _mm256_fmadd_ps(w1, b, c1[s][i]);
+            }
+        }
+    if (S == 2)
+#pragma GCC unroll 6
+        for (int i = 0; i < T; i++) {
+            c0[0][i] = _mm256_add_ps(c0[0][i], c0[1][i]);
+            c1[0][i] = _mm256_add_ps(c1[0][i], c1[1][i]);
+        }
+    const __m256 s0 = _mm256_load_ps(scale), s1 = _mm256_load_ps(scale + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < T; i++) {
+        __m256 y0 = load ? _mm256_maskload_ps(y[i] + row, m0) : _mm256_setzero_ps();
+        __m256 y1 = load ? _mm256_maskload_ps(y[i] + row + 8, m1) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(y[i] + row, m0, _mm256_fmadd_ps(c0[0][i], s0, y0));
+        _mm256_maskstore_ps(y[i] + row + 8, m1, _mm256_fmadd_ps(c1[0][i], s1, y1));
     }
 }
 
@@ -243,10 +300,7 @@ static inline __attribute__((always_inline)) void gemm_variant(
             gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
         return;
     }
-    for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {
-        uint32_t n = ntok - t < DUCK_MAX_TOKENS ? ntok - t : DUCK_MAX_TOKENS;
-        gemm_tokens(m, pair_begin, pair_end, n, x + t, y + t, accumulate);
-    }
+    gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
 }
 
 static void gemm_avx2_xor(const fp9_matrix *m, uint32_t pb, uint32_t pe, uint32_t ntok,

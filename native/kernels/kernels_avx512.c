@@ -21,28 +21,22 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 #include <immintrin.h>
 
-/* Sixteen weights in column order: columns 16j .. 16j + 15 of one row of a
- * block (the multi-token path, which decodes into L1 once per chunk). */
-static inline __attribute__((always_inline)) __m512 decode16(const uint8_t *mag, const uint64_t *sign, int j)
-{
-    __m512i u = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mag + 16 * j))),
-                                  FP9_DECODE_SHIFT);
-    uint16_t bits;
-    memcpy(&bits, (const uint8_t *)sign + 2 * j, 2);   /* little-endian: bits 16j .. 16j + 15 */
-    return _mm512_castsi512_ps(_mm512_mask_xor_epi32(u, _cvtu32_mask16(bits), u,
-                                                     _mm512_set1_epi32((int)0x80000000u)));
-}
-
-/* Thirty-two weights, columns 32h .. 32h + 31 of one row of a block: the
- * even columns in *even, the odd ones in *odd. */
-static inline __attribute__((always_inline)) void decode32(const uint8_t *mag, const uint64_t *sign, int h,
-                                                           __m512 *even, __m512 *odd)
+/* Thirty-two weights, columns 32h .. 32h + 31 of one row of a block, as
+ * words: each the weight's bf16 bit pattern (value * 2^-112). */
+static inline __attribute__((always_inline)) __m512i decode32_words(const uint8_t *mag, const uint64_t *sign, int h)
 {
     __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mag + 32 * h))),
                                   FP9_DECODE_SHIFT - 16);
     uint32_t bits;
     memcpy(&bits, (const uint8_t *)sign + 4 * h, 4);
-    w = _mm512_mask_add_epi16(w, _cvtu32_mask32(bits), w, _mm512_set1_epi16((short)0x8000));
+    return _mm512_mask_add_epi16(w, _cvtu32_mask32(bits), w, _mm512_set1_epi16((short)0x8000));
+}
+
+/* The same weights as fp32: the even columns in *even, the odd ones in *odd. */
+static inline __attribute__((always_inline)) void decode32(const uint8_t *mag, const uint64_t *sign, int h,
+                                                           __m512 *even, __m512 *odd)
+{
+    __m512i w = decode32_words(mag, sign, h);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
@@ -226,45 +220,105 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     }
 }
 
-#define TOKENS_TILE 8   /* tokens per register tile: 2 x 8 accumulators */
+#define GEMM_PAIRS 16   /* rows per tile: 32, two vectors */
+#define GEMM_TOKENS 12  /* tokens per tile: 24 accumulators */
 
-/* Decode groups [g0, g0 + ng) of a row pair into two fp32 rows, block
- * scales folded in. */
-static void decode_pair(const fp9_matrix *m, uint32_t p, uint32_t g0, uint32_t ng, float *w0, float *w1)
+/* r[i] lane j <-> r[j] lane i: a 16 x 16 transpose of dwords in four
+ * rounds of two-source shuffles. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
 {
-    const uint32_t sc = fp9_scale_cols(m);
-    for (uint32_t g = 0; g < ng; g++) {
-        const fp9_block *b = &m->blocks[fp9_block_index(m->row_pairs, m->groups, p, g0 + g)];
-        __m512 k0 = _mm512_set1_ps(1.0f), k1 = k0;
-        if (m->block_scales) {
-            k0 = _mm512_set1_ps(m->block_scales[(size_t)(2 * p) * sc + (g0 + g) / 2]);
-            k1 = _mm512_set1_ps(m->block_scales[(size_t)(2 * p + 1) * sc + (g0 + g) / 2]);
-        }
-        for (int j = 0; j < 4; j++) {
-            _mm512_store_ps(w0 + g * 64 + 16 * j, _mm512_mul_ps(decode16(b->mag[0], &b->sign[0], j), k0));
-            _mm512_store_ps(w1 + g * 64 + 16 * j, _mm512_mul_ps(decode16(b->mag[1], &b->sign[1], j), k1));
-        }
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {   /* rows 2i, 2i + 1 interleaved per 128-bit lane */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {   /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {   /* 4 x 4 transpose of the 128-bit lanes */
+        t[4 * j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+        t[4 * j + 1] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        t[4 * j + 2] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        t[4 * j + 3] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[4 * j], t[4 * j + 2], 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(t[4 * j], t[4 * j + 2], 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(t[4 * j + 1], t[4 * j + 3], 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(t[4 * j + 1], t[4 * j + 3], 0xDD);
     }
 }
 
-static inline __attribute__((always_inline)) void tile(const float *w0, const float *w1, uint32_t n,
-                                                       const float *const *x, uint32_t k0, int T,
-                                                       float *ys0, float *ys1)
+/* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][32]. Sixteen
+ * rows at a time: their words (two columns per dword) transposed as
+ * dwords, then split into the even and the odd column. */
+static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
+                         const char **ahead, const char *ahead_end)
 {
-    __m512 a0[TOKENS_TILE], a1[TOKENS_TILE];
-    for (int i = 0; i < T; i++)
-        a0[i] = a1[i] = _mm512_setzero_ps();
-    for (uint32_t k = 0; k < n; k += 16) {
-        __m512 v0 = _mm512_load_ps(w0 + k), v1 = _mm512_load_ps(w1 + k);
+    const char *pf = *ahead;
+    const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (uint32_t half = 0; half < 2; half++) {
+        const uint32_t live = np > 8 * half ? (np - 8 * half < 8 ? np - 8 * half : 8) : 0;
+        const fp9_block *run[8];
+        for (uint32_t i = 0; i < 8; i++)
+            run[i] = i < live ? fp9_pair_run(m, p + 8 * half + i, g0) + (g - g0) : NULL;
+        for (uint32_t gi = 0; gi < ng; gi++)
+            for (int h = 0; h < 2; h++) {
+                __m512i w[16];
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) {
+                    if (pf < ahead_end) {
+                        _mm_prefetch(pf, _MM_HINT_T0);
+                        pf += 64;
+                    }
+                    w[r] = run[r >> 1] ? decode32_words(run[r >> 1][gi].mag[r & 1], &run[r >> 1][gi].sign[r & 1], h)
+                                       : _mm512_setzero_si512();
+                }
+                transpose16(w);   /* w[d] lane r: columns 2d (low word) and 2d + 1 of row r */
+                float *out = wt + (size_t)(gi * FP9_GROUP + 32 * h) * 32 + 16 * half;
+#pragma GCC unroll 16
+                for (int d = 0; d < 16; d++) {
+                    _mm512_store_si512(out + 64 * d, _mm512_slli_epi32(w[d], 16));
+                    _mm512_store_si512(out + 64 * d + 32, _mm512_and_si512(w[d], high));
+                }
+            }
+    }
+    *ahead = pf;
+}
+
+static inline __attribute__((always_inline)) void tile(const float *wt, uint32_t n, const float *const *x,
+                                                       uint32_t k0, const int T, float *const *y, uint32_t row,
+                                                       uint32_t live, const float *scale, int load)
+{
+    const __mmask16 m0 = live >= 16 ? 0xFFFF : (__mmask16)((1u << live) - 1);
+    const __mmask16 m1 = live >= 32 ? 0xFFFF : live > 16 ? (__mmask16)((1u << (live - 16)) - 1) : 0;
+    __m512 c0[GEMM_TOKENS], c1[GEMM_TOKENS];
+    const float *xs[GEMM_TOKENS];
+#pragma GCC unroll 12
+    for (int i = 0; i < T; i++) {
+        xs[i] = x[i] + k0;
+        c0[i] = c1[i] = _mm512_setzero_ps();
+    }
+    for (uint32_t k = 0; k < n; k++) {
+        __m512 w0 = _mm512_load_ps(wt + 32 * k), w1 = _mm512_load_ps(wt + 32 * k + 16);
+#pragma GCC unroll 12
         for (int i = 0; i < T; i++) {
-            __m512 xv = _mm512_loadu_ps(x[i] + k0 + k);
-            a0[i] = _mm512_fmadd_ps(v0, xv, a0[i]);
-            a1[i] = _mm512_fmadd_ps(v1, xv, a1[i]);
+            __m512 b = _mm512_set1_ps(xs[i][k]);
+            c0[i] = _mm512_fmadd_ps(w0, b, c0[i]);
+            c1[i] = _mm512_fmadd_ps(w1, b, c1[i]);
         }
     }
+    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
+#pragma GCC unroll 12
     for (int i = 0; i < T; i++) {
-        ys0[i] += hsum16(a0[i]);
-        ys1[i] += hsum16(a1[i]);
+        __m512 y0 = load ? _mm512_maskz_loadu_ps(m0, y[i] + row) : _mm512_setzero_ps();
+        __m512 y1 = load ? _mm512_maskz_loadu_ps(m1, y[i] + row + 16) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(y[i] + row, m0, _mm512_fmadd_ps(c0[i], s0, y0));
+        _mm512_mask_storeu_ps(y[i] + row + 16, m1, _mm512_fmadd_ps(c1[i], s1, y1));
     }
 }
 
@@ -286,10 +340,7 @@ static void gemm_avx512(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     case 4: gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 4); return;
     default: break;
     }
-    for (uint32_t t = 0; t < ntok; t += DUCK_MAX_TOKENS) {
-        uint32_t n = ntok - t < DUCK_MAX_TOKENS ? ntok - t : DUCK_MAX_TOKENS;
-        gemm_tokens(m, pair_begin, pair_end, n, x + t, y + t, accumulate);
-    }
+    gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
 }
 
 #pragma GCC pop_options

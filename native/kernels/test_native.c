@@ -42,7 +42,7 @@ static float *random_tokens(const fp9_matrix *m, uint32_t ntok, const float **xr
 static double worst_vs_ref(const duck_kernels *fast, const fp9_matrix *m, uint32_t ntok, const float *const *xr,
                            float *y0, float *y1)
 {
-    float *yr0[DUCK_MAX_TOKENS + 3], *yr1[DUCK_MAX_TOKENS + 3];
+    float **yr0 = malloc(sizeof(float *) * ntok), **yr1 = malloc(sizeof(float *) * ntok);
     for (uint32_t t = 0; t < ntok; t++)
         yr0[t] = y0 + t * m->rows, yr1[t] = y1 + t * m->rows;
     duck_kernels_ref()->gemm(m, 0, m->row_pairs, ntok, xr, yr0, 0);
@@ -51,6 +51,19 @@ static double worst_vs_ref(const duck_kernels *fast, const fp9_matrix *m, uint32
     for (uint32_t i = 0; i < ntok * m->rows; i++) {
         double d = fabs((double)y0[i] - y1[i]) / (fabs(y0[i]) + sqrt((double)m->cols) * 0.1);
         worst = d > worst ? d : worst;
+    }
+    free(yr0), free(yr1);
+    return worst;
+}
+
+/* The largest |a[i] - b[i]| over n values, and the largest |b[i]| in *top. */
+static double worst_diff(const float *a, const float *b, size_t n, double *top)
+{
+    double worst = 0;
+    *top = 0;
+    for (size_t i = 0; i < n; i++) {
+        worst = fmax(worst, fabs((double)a[i] - b[i]));
+        *top = fmax(*top, fabs((double)b[i]));
     }
     return worst;
 }
@@ -102,26 +115,26 @@ static void *pack_fp8_scaled(uint32_t rows, uint32_t cols, fp9_matrix *m)
 }
 
 /* The brief's odd shapes: every token count path (registers, decode into
- * L1, more than DUCK_MAX_TOKENS), with and without block scales, against
- * ref; and the same bits whatever row-pair split a pool would make. */
+ * L1 with full and partial token tiles), with and without block scales,
+ * against ref; and the same bits whatever row-pair split a pool would make. */
 static void test_odd_shapes(const duck_kernels *fast)
 {
     static const uint32_t rows_list[] = {1, 3, 17, 33}, cols_list[] = {64, 128, 192, 2048 + 64};
-    static const uint32_t tokens[] = {1, 2, 5, DUCK_MAX_TOKENS + 3};
-    enum { TMAX = DUCK_MAX_TOKENS + 3 };
+    static const uint32_t tokens[] = {1, 2, 5, 13, 67};
+    enum { NT = sizeof tokens / sizeof *tokens, TMAX = 67 };
     for (int scaled = 0; scaled < 2; scaled++)
         for (size_t a = 0; a < 4; a++)
             for (size_t b = 0; b < 4; b++) {
                 uint32_t rows = rows_list[a], cols = cols_list[b];
                 fp9_matrix m;
                 void *buf = scaled ? pack_fp8_scaled(rows, cols, &m) : pack_random(rows, cols, &m);
-                const float *xr[TMAX];
+                const float **xr = malloc(sizeof(float *) * TMAX);
                 float *x = random_tokens(&m, TMAX, xr), *y0 = malloc(sizeof(float) * TMAX * rows),
                       *y1 = malloc(sizeof(float) * TMAX * rows), *y2 = malloc(sizeof(float) * TMAX * rows);
-                float *yr2[TMAX];
+                float **yr2 = malloc(sizeof(float *) * TMAX);
                 for (uint32_t t = 0; t < TMAX; t++)
                     yr2[t] = y2 + t * rows;
-                for (size_t n = 0; n < 4; n++) {
+                for (size_t n = 0; n < NT; n++) {
                     uint32_t nt = tokens[n];
                     double worst = worst_vs_ref(fast, &m, nt, xr, y0, y1);
                     CHECK(worst < 1e-5, "%s vs ref %ux%u%s ntok %u: %.3g", fast->name, rows, cols,
@@ -133,7 +146,7 @@ static void test_odd_shapes(const duck_kernels *fast)
                               "%s %ux%u ntok %u: split at pair %u changed bits", fast->name, rows, cols, nt, cut);
                     }
                 }
-                free(x), free(y0), free(y1), free(y2), free(buf);
+                free(x), free(y0), free(y1), free(y2), free(buf), free(xr), free(yr2);
             }
 }
 
@@ -223,11 +236,7 @@ static void test_moe_pool(const duck_kernels *k)
     a.y = y2;
     a.y_dtype = DUCK_DT_F32;
     CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: bf16 in", k->name);
-    double worst = 0, top = 0;
-    for (int i = 0; i < T * H; i++) {
-        worst = fmax(worst, fabs((double)y2[i] - y1[i]));
-        top = fmax(top, fabs((double)y1[i]));
-    }
+    double top, worst = worst_diff(y2, y1, (size_t)T * H, &top);
     CHECK(worst <= top * 0.02, "%s: bf16 input moved the result by %g of %g", k->name, worst, top);
     a.x_dtype = 2;
     CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EINVAL, "unknown x dtype accepted");
@@ -265,6 +274,50 @@ static void test_moe_pool(const duck_kernels *k)
     duck_ffn_workspace_destroy(ws);
     for (int i = 0; i < 2 * EB; i++)
         free(bufs[i]);
+}
+
+/* A prefill chunk of DUCK_MAX_TOKENS tokens: most experts get many tokens
+ * (the GEMM path), one gets a single token (the GEMV path); against the
+ * reference set, the same bits on a pool; one token more is refused. */
+static void test_moe_prefill(const duck_kernels *k)
+{
+    enum { H = 200, S = 64, E = 6, K = 2, T = DUCK_MAX_TOKENS };
+    duck_expert_slice ex[E];
+    void *bufs[2 * E];
+    for (int e = 0; e < E; e++) {
+        bufs[2 * e] = pack_random(2 * S, H, &ex[e].gate_up);
+        bufs[2 * e + 1] = pack_random(H, S, &ex[e].down);
+    }
+    float *x = malloc(sizeof(float) * (T + 1) * H), *w = malloc(sizeof(float) * (T + 1) * K);
+    float *y0 = malloc(sizeof(float) * T * H), *y1 = malloc(sizeof(float) * T * H), *y2 = malloc(sizeof(float) * T * H);
+    int32_t *ids = malloc(sizeof(int32_t) * (T + 1) * K);
+    for (int i = 0; i < (T + 1) * H; i++)
+        x[i] = frand();
+    for (int t = 0; t <= T; t++) {
+        ids[t * K] = t == 5 ? E - 1 : t % (E - 1);   /* expert E - 1: token 5 alone */
+        ids[t * K + 1] = t % 7 == 3 ? -1 : (t * 3 + 1) % (E - 1);
+        w[t * K] = 0.5f + frand() * 0.25f;
+        w[t * K + 1] = 0.25f;
+    }
+    duck_moe_args a = {ex, E, T, K, H, ids, w, x, DUCK_DT_F32, DUCK_DT_F32, y0};
+    duck_ffn_workspace *ws = duck_ffn_workspace_create();
+    uint64_t bytes = 0;
+    CHECK(duck_moe_forward(NULL, duck_kernels_ref(), ws, &a, &bytes) == DUCK_FFN_OK, "prefill, ref");
+    a.y = y1;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: prefill", k->name);
+    double top, worst = worst_diff(y1, y0, (size_t)T * H, &top);
+    CHECK(worst <= top * 1e-5, "%s: prefill of %d tokens off ref by %g of %g", k->name, T, worst, top);
+    duck_pool *pool = duck_pool_create(3, 0, 0);
+    a.y = y2;
+    CHECK(duck_moe_forward(pool, k, ws, &a, &bytes) == DUCK_FFN_OK, "%s: prefill, pool", k->name);
+    CHECK(memcmp(y1, y2, sizeof(float) * T * H) == 0, "%s: prefill, 3 threads changed the result", k->name);
+    duck_pool_destroy(pool);
+    a.ntok = T + 1;
+    CHECK(duck_moe_forward(NULL, k, ws, &a, &bytes) == DUCK_FFN_EINVAL, "%d tokens accepted", T + 1);
+    duck_ffn_workspace_destroy(ws);
+    for (int i = 0; i < 2 * E; i++)
+        free(bufs[i]);
+    free(x), free(w), free(y0), free(y1), free(y2), free(ids);
 }
 
 static void test_synth(void)
@@ -339,8 +392,10 @@ int main(void)
     test_bf16_rounding();
     const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512()};
     for (int i = 0; i < 3; i++)
-        if (sets[i])
+        if (sets[i]) {
             test_moe_pool(sets[i]);
+            test_moe_prefill(sets[i]);
+        }
     printf("%d passed, %d failed\n", checks - failures, failures);
     return failures;
 }

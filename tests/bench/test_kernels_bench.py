@@ -1,6 +1,6 @@
 """duckctl bench kernels on tiny sizes: every figure present, each fp9 kernel set
-beside an int8 peer of its own instruction set, both MoE shapes, the pool's
-wake-up; --kernels refuses a set this CPU lacks."""
+beside an int8 peer of its own instruction set, both MoE shapes, the prefill
+GEMM beside the FMA peak of its instruction set, the pool's wake-up; --kernels refuses a set this CPU lacks."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,15 @@ def test_bench_kernels_reports_every_case_with_its_peer(capsys):
                    for n in (1, 2)}
     qwen = next(c for c in r["cases"] if c["name"] == "moe_slice" and c["model"] == "qwen3-30b-a3b")
     assert qwen["shape"] == [128, 3, 192, 2048] and qwen["experts_per_call"] == 8
+    peaks = {(c["isa"], c["threads"]): c for c in r["cases"] if c["name"] == "fma_peak"}
+    gemm = [c for c in r["cases"] if c["name"] == "fp9_gemm"]
+    assert {(c["kernels"], c["tokens"], c["threads"]) for c in gemm} == \
+        {(k, t, n) for k in r["kernel_sets"] for t in (8, 32, 128) for n in (1, 2)}
+    for c in gemm:   # measured against the FMA peak of its own instruction set and thread count
+        peak = peaks[(c["fma_peak_isa"], c["threads"])]
+        assert peak["gflops"] > 0 and peak["gflops_per_core"] == pytest.approx(peak["gflops"] / c["threads"], rel=1e-3)
+        assert c["ratio_to_fma_peak"] == pytest.approx(c["gflops"] / peak["gflops"], rel=1e-2)   # one round
+        assert c["gflops_per_core"] == pytest.approx(c["gflops"] / c["threads"], rel=1e-3)
     (wake,) = r["pool_wake"]
     assert wake["threads"] == 2 and wake["blocked"]["wake_us"] > 0 and wake["shared_blocked"]["run_us"] > 0
 

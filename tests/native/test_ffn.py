@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from native.fp9 import Fp9Error, Fp9Tensor, pack_gate_up
-from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
+from native.kernels import MAX_TOKENS, ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
 
 # Relative to the output's scale (max |y| of the float64 result): the fp32
 # kernels and the fp32 silu stay well inside this.
@@ -53,7 +53,7 @@ def _assert_close(y, ref, what):
     assert err <= FFN_REL_TOL, f"{what}: relative error {err:.3g} > {FFN_REL_TOL}"
 
 
-@pytest.mark.parametrize("ntok", [1, 64])
+@pytest.mark.parametrize("ntok", [1, 64, 320])   # 320: a prefill chunk, ~64 tokens per expert (the GEMM)
 @pytest.mark.parametrize("shape", [("deepseek_v3", 7168, 64, 24), ("qwen3_30b_a3b", 2048, 64, 40)])
 def test_moe_slice_matches_torch(shape, ntok):
     name, hidden, width, n_experts = shape
@@ -166,9 +166,10 @@ def test_bf16_output_of_many_tokens_is_chunked_into_the_same_array():
     rng = np.random.default_rng(28)
     experts, _ = make_experts(3, 128, 64, rng)
     layer = MoeSlice(experts, 128)
-    x = rng.standard_normal((70, 128)).astype(np.float32)
-    ids, w = rng.integers(0, 3, size=(70, 2)), rng.uniform(size=(70, 2)).astype(np.float32)
-    out = torch.empty((70, 128), dtype=torch.bfloat16)
+    n = MAX_TOKENS + 6
+    x = rng.standard_normal((n, 128)).astype(np.float32)
+    ids, w = rng.integers(0, 3, size=(n, 2)), rng.uniform(size=(n, 2)).astype(np.float32)
+    out = torch.empty((n, 128), dtype=torch.bfloat16)
     layer.forward(x, ids, w, out=out)
     assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), _bf16_bits(layer.forward(x, ids, w)))
 

@@ -73,7 +73,7 @@ def _fp8_with_block_scales(rows: int, cols: int, rng: np.random.Generator) -> Fp
 @pytest.mark.parametrize("cols", [64, 128, 192, 2048 + 64])
 @pytest.mark.parametrize("rows", [1, 3, 17, 33])
 def test_every_set_matches_ref_on_odd_shapes(kernel_set, rows, cols, block_scales):
-    """Tokens 1 and 2 (registers), 5 and 64 + 3 (the decode-into-L1 path, chunked)."""
+    """Tokens 1 and 2 (registers), 5 and 64 + 3 (the decode-into-L1 path: full and partial token tiles)."""
     rng = np.random.default_rng(rows * 1000 + cols + block_scales)
     t = (_fp8_with_block_scales(rows, cols, rng) if block_scales
          else Fp9Tensor.from_float(rng.standard_normal((rows, cols)).astype(np.float32) * 0.03, "w"))

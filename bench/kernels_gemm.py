@@ -1,0 +1,90 @@
+"""The compute side of the kernel benchmark: the FMA peak of each instruction
+set and the prefill GEMM (fp9_gemm) at 8, 32 and 128 tokens per expert, in
+GFLOP/s and as a share of that peak, both measured in the run of
+bench/kernels.py, round by round beside its other cases."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from bench.kernel_cases import ISA_NAMES, ISA_OF_KERNELS, Case, rotating
+from native._native import ffi, lib
+from native.kernels import MoeSlice, kernels
+
+# Tokens per expert of the prefill GEMM case: a chunk of 64 .. 1024 tokens
+# over 128 experts, top-8, gives about 4 .. 64 per expert.
+GEMM_TOKENS = (8, 32, 128)
+GEMM_EXPERTS = 8             # experts per pool run
+FMA_ROUNDS = 1 << 20
+
+
+def fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
+    """The FMA peak of every instruction set the compared kernel sets use."""
+    cases = []
+    for isa in sorted({lib.duck_bench_isa(ISA_OF_KERNELS[k]) for k in sets}, reverse=True):
+        flops = lib.duck_bench_fma(pool.ptr, isa, 1)   # per round, on every thread
+        cases.append(Case("fma_peak", lambda isa=isa: lib.duck_bench_fma(pool.ptr, isa, FMA_ROUNDS), 0, 0,
+                          flops=flops * FMA_ROUNDS, threads=threads, isa=ISA_NAMES[isa]))
+    return cases
+
+
+def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng) -> list[Case]:
+    """What prefill does with the experts of a chunk: each one's gate/up and
+    down slices streamed once over all of its tokens, rows split over the
+    pool (duck_bench_gemm: GEMMs only, one pool run per GEMM_EXPERTS
+    experts), rotating over the layer so that the weights come from memory."""
+    hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
+    groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
+    cases = []
+    for ntok in GEMM_TOKENS:
+        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats
+        x = (rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32)
+        h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
+        gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
+        rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
+                                      for t in range(ntok)]) for a in (x, h, gu, y)]
+        for name in sets:
+            k = kernels(name)
+            calls = [(lambda g=g, k=k, n=ntok: lib.duck_bench_gemm(pool.ptr, k, g, GEMM_EXPERTS, n, *rows))
+                     for g in groups]
+            per_call = GEMM_EXPERTS * layer.experts[0].weight_bytes
+            case = Case("fp9_gemm", rotating(calls), per_call, GEMM_EXPERTS * 3 * width * hidden,
+                        flops=GEMM_EXPERTS * 2 * ntok * 3 * width * hidden, model=model,
+                        shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name)
+            case.keep = (x, h, gu, y, rows)
+            cases.append(case)
+    return cases
+
+
+def entries(cases: list[Case], med: dict, threads: int) -> dict:
+    """The result entries of the FMA peaks and of the GEMMs (with their share
+    of the peak of their own instruction set), by case key."""
+    out = {}
+    for c in cases:
+        gflops = c.flops / med[c.key] / 1e9
+        if c.name == "fma_peak":
+            out[c.key] = {"name": c.name, **c.info, "gflops": round(gflops, 2),
+                          "gflops_per_core": round(gflops / threads, 2)}
+        elif c.name == "fp9_gemm":
+            isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
+            peak = next(p for p in cases if p.name == "fma_peak" and p.info["isa"] == isa)
+            # round by round (the peak measured just before), so that a slow spell of a shared
+            # machine moves both sides of a ratio
+            ratios = [(c.flops / s) / (peak.flops / p) for s, p in zip(c.seconds, peak.seconds)]
+            out[c.key] = {"gflops": round(gflops, 2), "gflops_per_core": round(gflops / threads, 2),
+                          "fma_peak_isa": isa, "ratio_to_fma_peak": round(statistics.median(ratios), 3)}
+    return out
+
+
+def format_line(c: dict) -> str | None:
+    """The table line of an FMA peak or a GEMM entry (None for the other cases)."""
+    if c["name"] == "fma_peak":
+        return (f"{c['name']:10s} {'':22s} {c['isa']:28s} threads {c['threads']:2d}  "
+                f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
+    if c["name"] == "fp9_gemm":
+        label = f"{c['model']} T{c['tokens']} {c['kernels']}"
+        return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "
+                f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  "
+                f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s")
+    return None
