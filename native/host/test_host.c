@@ -139,8 +139,10 @@ static void test_decoder(void)
     for (int i = 0; i < HD / 2; i++)
         inv_freq[i] = powf(10000.0f, -2.0f * i / HD);
     float *embed = random_floats(VOCAB * HIDDEN, 0), *final_norm = random_floats(HIDDEN, 1.0f);
-    duck_host_model m = {HIDDEN, HEADS, KV, HD, LAYERS, VOCAB, LEN, 3, EXPERTS, TOPK, 1, 1e-6f,
-                         inv_freq, embed, final_norm, embed, layers};
+    duck_host_model m = {.hidden = HIDDEN, .heads = HEADS, .kv_heads = KV, .head_dim = HD, .layers = LAYERS,
+                         .vocab = VOCAB, .max_len = LEN, .max_tokens = 3, .n_experts = EXPERTS, .topk = TOPK,
+                         .norm_topk = 1, .eps = 1e-6f, .inv_freq = inv_freq, .embed = embed,
+                         .final_norm = final_norm, .lm_head = embed, .layer = layers};
     static float want[3 * 3 * VOCAB], got[3 * 3 * VOCAB];
     int32_t want_ids[3 * TOPK], got_ids[3 * TOPK];
     decode(duck_host_kernels_ref(), NULL, &m, want, want_ids);
