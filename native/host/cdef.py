@@ -60,4 +60,5 @@ const char *duck_host_decoder_error(const duck_host_decoder *d);
 int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, const int64_t *positions);
 int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out);
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
+int duck_host_finish_from(duck_host_decoder *d, const float *ffn_out, uint32_t first, float *logits);
 """

@@ -21,6 +21,7 @@ struct duck_host_decoder {
     float scale;                 /* head_dim ** -0.5 */
     /* the step in progress */
     uint32_t ntok, next_layer;   /* next_layer: the layer step expected next; layers + 1: none begun */
+    uint32_t first;              /* finish: the first token whose logits are made */
     const duck_host_layer *cur;
     const float *ffn_out;        /* the previous FFN's output [ntok, hidden], or NULL */
     duck_host_phase phases[8];
@@ -245,11 +246,11 @@ static void topk_item(void *ctx, uint32_t t, unsigned worker)
                            d->io.expert_ids + t * m->topk, d->io.expert_weights + t * m->topk);
 }
 
-static void final_norm_item(void *ctx, uint32_t t, unsigned worker)
+static void final_norm_item(void *ctx, uint32_t i, unsigned worker)
 {
     (void)worker;
     duck_host_decoder *d = ctx;
-    const uint32_t H = d->m.hidden;
+    const uint32_t H = d->m.hidden, t = d->first + i;
     duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out + t * H, d->m.final_norm, H, d->m.eps, d->h + t * H);
 }
 
@@ -292,14 +293,23 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
 
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits)
 {
+    return duck_host_finish_from(d, ffn_out, 0, logits);
+}
+
+int duck_host_finish_from(duck_host_decoder *d, const float *ffn_out, uint32_t first, float *logits)
+{
     const duck_host_model *m = &d->m;
     if (d->next_layer != m->layers)
         return fail(d, "finish before the last layer step (layer %u comes next of %u)", d->next_layer, m->layers);
     if (!ffn_out || !logits)
         return fail(d, "finish needs the last layer's FFN output and a logits buffer");
+    if (first >= d->ntok)
+        return fail(d, "logits from token %u of a step of %u", first, d->ntok);
     d->ffn_out = ffn_out;
-    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, d->ntok, 0};
-    duck_host_phase *p = add_phase(d->phases, d->ntok, final_norm_item, d);
+    d->first = first;
+    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h + (size_t)first * m->hidden, logits, m->vocab,
+                                           m->hidden, d->ntok - first, 0};
+    duck_host_phase *p = add_phase(d->phases, d->ntok - first, final_norm_item, d);
     duck_host_gemm_phase(&d->gemm_lm_head, p++);
     duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));
     d->next_layer = m->layers + 1;

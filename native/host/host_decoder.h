@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define DUCK_HOST_MAX_TOKENS 64   /* tokens in one step (decode and short verification steps) */
+#define DUCK_HOST_MAX_TOKENS 1024 /* tokens in one step: decode steps, verification steps, prefill chunks */
 #define DUCK_HOST_MAX_TOPK 32     /* the wire's limit on experts per token */
 
 /* One decoder layer's tensors, row-major [out, in] as torch nn.Linear keeps them. */
@@ -72,6 +72,9 @@ int duck_host_begin(duck_host_decoder *d, uint32_t ntok, const int64_t *ids, con
 int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_out);
 /* After the last layer: final norm and lm_head into logits [ntok, vocab]. */
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
+/* The same for tokens first..ntok-1 only: logits [ntok - first, vocab] (a
+ * prefill chunk needs its last token's). */
+int duck_host_finish_from(duck_host_decoder *d, const float *ffn_out, uint32_t first, float *logits);
 
 #ifdef __cplusplus
 }

@@ -203,3 +203,61 @@ def test_the_sum_has_the_same_bits_whatever_the_arrival_order(tmp_path, delays_m
         in_order = np.empty((2, hidden), np.uint16)
         session.forward(0, x, ids, w, out=in_order)
     assert np.array_equal(bits, in_order)
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_many_requests_in_flight_give_the_bits_of_one_at_a_time(tmp_path, out_dtype):
+    """A forward of 200 tokens cut into requests of 16 (13 of them, the last 8): with 1, 2
+    and 4 in flight per duck the sum has the same bits (each token's partials are added in
+    duck order), equal to the local reference; each request streams each expert once."""
+    rng = np.random.default_rng(5)
+    hidden, n, n_experts = 128, 3, 6
+    per_duck = split_experts(make_layer(rng, n_experts, 64 * n, hidden), tp=n)
+    x = (rng.standard_normal((200, hidden)) * 0.5).astype(np.float32)
+    ids, w = routing(rng, 200, 2, n_experts)
+    with Ducks(n, tmp_path) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden, request_tokens=16)
+        outs = {}
+        for pipeline in (1, 2, 4):
+            session.pipeline = pipeline
+            outs[pipeline] = session.forward(0, x, ids, w, out=np.empty((200, hidden), out_dtype))
+            assert (session.last_requests, session.last_request_tokens, session.last_pipeline) == (13, 16, pipeline)
+        assert np.array_equal(outs[1], outs[2]) and np.array_equal(outs[1], outs[4])
+        session.request_tokens = 0                                   # as many as the ducks take: 64
+        whole = session.forward(0, x, ids, w, out=np.empty((200, hidden), out_dtype))
+        assert (session.last_requests, session.last_request_tokens) == (4, 50)
+        assert np.array_equal(whole, outs[1])
+        stats = ducks.fleet.stats()
+        assert all(s["forwards"] == 3 * 13 + 4 and s["resends"] == 0 for s in stats)
+    if out_dtype == np.float32:
+        assert_close(outs[1], local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, "pipelined")
+
+
+def test_a_forward_longer_than_the_deadline_is_neither_resent_nor_failed(tmp_path):
+    """A duck that computes a request for longer than the host's failure deadline: the
+    host expects it (the duck's measured time per token times the request's tokens), so
+    it neither retransmits nor gives up; a RESEND that arrives while the duck computes
+    would be answered by the reply the duck sends anyway."""
+    from native.transport import Fleet
+    from native.transport.session import Session
+
+    rng = np.random.default_rng(9)
+    hidden, inter, deadline_ms = 2048, 8192, 30
+    per_duck = split_experts([(grid_weights(rng, (inter, hidden)), grid_weights(rng, (inter, hidden)),
+                               grid_weights(rng, (hidden, inter)))], tp=1)
+    x = (rng.standard_normal((64, hidden)) * 0.1).astype(np.float32)
+    ones = (np.zeros((64, 1), np.int32), np.ones((64, 1), np.float32))
+    with Ducks(1, tmp_path, deadline_ms=5000) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        want = session.forward(0, x, *ones)
+        with Fleet([ducks[0].address], ducks.key, retransmit_ms=2, deadline_ms=deadline_ms) as fast:
+            fast.hello()
+            quick = Session(fast, session.id, hidden, {0})
+            quick.forward(0, x[:1], ones[0][:1], ones[1][:1])          # the duck's time per token, measured
+            before = fast.transport_stats()["retransmits"]
+            y = quick.forward(0, x, *ones)
+            assert quick.kernel_us_max / 1000 > deadline_ms, "the request was not longer than the deadline"
+            assert fast.transport_stats()["retransmits"] == before and quick.retransmits == 0
+        assert np.array_equal(y, want)
