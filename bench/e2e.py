@@ -26,7 +26,8 @@ def main(argv: list[str], channel) -> int:
     info = model.Info(pb.ModelInfoRequest(), timeout=30)
     runs = []
     for _ in range(args.runs):
-        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], max_tokens=args.tokens)
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], max_tokens=args.tokens,
+                             temperature=0.0)   # greedy: the same answer every run
         stats = None
         for ev in chat.Chat(req):
             if ev.WhichOneof("event") == "stats":

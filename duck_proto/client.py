@@ -25,10 +25,16 @@ class DiscoveryError(RuntimeError):
     """No daemon address or token could be found; the message says where we looked."""
 
 
+SYSTEM_STATE_DIR = Path("/var/lib/duckd")   # the systemd unit's StateDirectory (packaging/duckd.service)
+
+
 def default_state_dir() -> Path:
-    """Where duckd keeps its state when the config names none."""
-    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # a systemd service
-        return Path("/var/lib/duckd")
+    """Where duckd keeps its state when the config names none: systemd's StateDirectory
+    under the unit, else the user's $XDG_STATE_HOME/duck (~/.local/state/duck)."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # a systemd service run as root
+        return SYSTEM_STATE_DIR
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "duck"
 
@@ -68,6 +74,8 @@ def discover(address: str | None = None, token: str | None = None, config: str |
             source = f"config {config}"
     if not address or not token:
         runtime = (state or default_state_dir()) / RUNTIME_FILE
+        if state is None and not runtime.exists() and (SYSTEM_STATE_DIR / RUNTIME_FILE).exists():
+            runtime = SYSTEM_STATE_DIR / RUNTIME_FILE    # duckd running as the system service
         try:
             info = json.loads(runtime.read_text())
             address = address or info["address"]

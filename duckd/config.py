@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from duck_proto.client import default_state_dir
+
 SYSTEM_CONFIG = Path("/etc/duckd/duckd.toml")
 
 
@@ -19,16 +21,10 @@ class ConfigError(ValueError):
     """A config field with a bad value; the message names both."""
 
 
-def default_state_dir() -> Path:
-    if os.geteuid() == 0 and os.environ.get("INVOCATION_ID"):   # under systemd
-        return Path("/var/lib/duckd")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "duck"
-
-
 @dataclass(slots=True)
 class DaemonConfig:
     listen: str = "127.0.0.1:7433"     # gRPC host:port; port 0 picks a free one
+    http_listen: str = "127.0.0.1:7434"  # OpenAI-compatible HTTP API and /metrics; "" turns it off
     token: str = ""                    # bearer token; empty: token_file, else generated
     token_file: str = ""               # a file holding the token
     state_dir: str = ""                # host caches, token, runtime file; "" = default
@@ -38,17 +34,22 @@ class DaemonConfig:
     allow_remote: bool = False         # listen on a non-loopback address
 
     def __post_init__(self):
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"daemon.listen = {self.listen!r}: expected host:port")
-        if not self.allow_remote and not _is_loopback(host):
-            raise ConfigError(f"daemon.listen = {self.listen!r}: not a loopback address; "
-                              "set daemon.allow_remote = true to listen beyond this host")
+        self._check_listen("listen", self.listen)
+        if self.http_listen:
+            self._check_listen("http_listen", self.http_listen)
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"daemon.log_level = {self.log_level!r}: expected debug, info, warning or error")
         _positive("daemon.shutdown_grace_s", self.shutdown_grace_s)
         if not 0 < self.watch_interval_s <= 1.0:
             raise ConfigError(f"daemon.watch_interval_s = {self.watch_interval_s!r}: expected 0 < value <= 1")
+
+    def _check_listen(self, key: str, value: str) -> None:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"daemon.{key} = {value!r}: expected host:port")
+        if not self.allow_remote and not _is_loopback(host):
+            raise ConfigError(f"daemon.{key} = {value!r}: not a loopback address; "
+                              "set daemon.allow_remote = true to listen beyond this host")
 
 
 @dataclass(slots=True)
@@ -57,6 +58,14 @@ class ModelConfig:
     backend: str = "fleet"             # fleet | fp9 | torch
     max_model_len: int = 2048
     max_tokens: int = 256              # a chat's default limit
+    max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
+    mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
+    special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
+    # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     device: str = "auto"               # auto | cpu | cuda
 
     def __post_init__(self):
@@ -66,6 +75,15 @@ class ModelConfig:
             raise ConfigError(f"model.path = {self.path!r}: no such file or folder")
         _positive("model.max_model_len", self.max_model_len)
         _positive("model.max_tokens", self.max_tokens)
+        _positive("model.max_queued", self.max_queued)
+        if self.temperature is not None and not 0 <= self.temperature <= 10:
+            raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"model.top_p = {self.top_p!r}: expected 0 < top_p <= 1")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"model.top_k = {self.top_k!r}: expected >= 0 (0: off)")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 10:
+            raise ConfigError(f"model.repetition_penalty = {self.repetition_penalty!r}: expected 0 < value <= 10")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device = {self.device!r}: expected auto, cpu or cuda")
 

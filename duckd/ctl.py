@@ -1,7 +1,7 @@
 """`duckctl`: the command-line client of duckd.
 
     duckctl status [--json]
-    duckctl chat [PROMPT] [--json] [--temperature T] [--max-tokens N] [--system TEXT]
+    duckctl chat [PROMPT] [--json] [--temperature T | --greedy] [--max-tokens N] [--system TEXT]
     duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
     duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
@@ -59,8 +59,10 @@ def cmd_status(args) -> int:
 
 
 def _chat_once(stub, messages, args, out) -> tuple[str, pb.GenerationStats | None]:
-    req = pb.ChatRequest(messages=messages, temperature=args.temperature, max_tokens=args.max_tokens,
-                         seed=args.seed)
+    sampling = {"temperature": 0.0} if args.greedy else {}
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+    req = pb.ChatRequest(messages=messages, max_tokens=args.max_tokens, seed=args.seed, **sampling)
     text, stats = [], None
     for ev in stub.Chat(req):
         if ev.WhichOneof("event") == "token":
@@ -155,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="chat with the model (multi-turn from stdin when no PROMPT)")
     c.add_argument("prompt", nargs="?")
     c.add_argument("--json", action="store_true", help="JSON lines: tokens, then text and stats")
-    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the daemon's, from its config or the checkpoint)")
+    c.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0)")
     c.add_argument("--max-tokens", type=int, default=0)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--system", default="")

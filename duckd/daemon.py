@@ -11,8 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
 from duck_proto import duck_pb2 as pb
 from duck_proto.client import RUNTIME_FILE
 from duckd.drivers import make_driver
@@ -20,13 +18,11 @@ from duckd.events import EventLog
 from duckd.fleet import FleetManager, State
 from duckd.model_host import ModelHost
 from duckd.packcache import PackCache, model_key
-from duckd.server import ApiError
+from duckd.cache import CacheService
+from duckd.chat import ChatService
+from duckd.errors import FailedPrecondition, NotFound, Unavailable
 
 log = logging.getLogger("duckd")
-
-
-class Cancelled(Exception):
-    """Raised inside a generation to stop it (client gone, daemon stopping)."""
 
 
 class Daemon:
@@ -37,6 +33,10 @@ class Daemon:
         self.events = EventLog()
         from native.transport import read_key_file, write_key_file
         self.key_file = self.state_dir / "fleet.key"
+        if self.key_file.exists() and self.key_file.stat().st_mode & 0o077:
+            self.key_file.chmod(0o600)
+            log.warning("fleet key %s was readable by others: now 0600 (consider a new key: remove it)",
+                        self.key_file)
         key = read_key_file(self.key_file) if self.key_file.exists() else write_key_file(self.key_file)
         self.driver = make_driver(cfg.fleet, self.state_dir, self.key_file)
         self.key = key
@@ -49,6 +49,8 @@ class Daemon:
         self.active_chats = 0
         self.ready = False
         self.roofline_gbps = 0.0
+        self.chat = ChatService(self, cfg.model.max_queued)
+        self.cache = CacheService(self)
 
     def _measure_roofline(self) -> None:
         """Ducks on this host (local, netns) share its memory: their roofline is the
@@ -63,9 +65,13 @@ class Daemon:
 
     # -- start / stop ---------------------------------------------------------
     async def start(self) -> None:
-        self.events.add("boot", f"booting {self.cfg.fleet.ducks} ducks ({self.cfg.fleet.driver} driver)")
-        await asyncio.to_thread(self._measure_roofline)
-        await self.fleet.start()
+        if self.cfg.model.backend == "fleet":
+            self.events.add("boot", f"booting {self.cfg.fleet.ducks} ducks ({self.cfg.fleet.driver} driver)")
+            await asyncio.to_thread(self._measure_roofline)
+            await self.fleet.start()
+        else:
+            self.events.add("boot", f"the model's FFNs run on this host (backend {self.cfg.model.backend}): "
+                            "no ducks started")
         if self.cfg.model.backend == "fleet":
             from native.transport import Fleet
             from native._native import lib
@@ -131,42 +137,48 @@ class Daemon:
             self.transport.close()
         await self.fleet.stop()
 
-    def write_runtime_file(self, address: str, token_file: Path) -> Path:
+    def write_runtime_file(self, address: str, token_file: Path, http_address: str = "") -> Path:
         path = self.state_dir / RUNTIME_FILE
-        path.write_text(json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid()}))
+        path.write_text(json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid(),
+                                    "http_address": http_address}))
         return path
 
     # -- the API (duckd.server.Core) -----------------------------------------
     def snapshot(self) -> pb.FleetSnapshot:
         p = self.model.progress
         ducks = [d.status() for d in self.fleet.ducks]
+        now = time.monotonic()
+        requests = [pb.RequestStatus(id=r.id, state=r.state, prompt_tokens=r.prompt_tokens,
+                                     generated_tokens=r.generated, tok_s=r.tok_s(now), age_s=now - r.arrived)
+                    for r in list(self.chat.active.values())]
         return pb.FleetSnapshot(
             ducks=ducks, aggregate_gbps=sum(d.gbps for d in ducks), roofline_gbps=self.roofline_gbps,
             decode_tok_s=self.model.last_decode_tps, model=self.model.name, unix_time=time.time(),
             sync=pb.SyncProgress(bytes_done=p.done if p.phase == "uploading" else 0,
                                  bytes_total=p.total if p.phase == "uploading" else 0,
-                                 bytes_per_s=p.rate(), eta_s=p.eta(), phase=p.phase))
+                                 bytes_per_s=p.rate(), eta_s=p.eta(), phase=p.phase),
+            requests=requests)
 
     def events_since(self, cursor: int):
         return self.events.since(cursor)
 
-    def _duck(self, duck_id: int):
+    def duck(self, duck_id: int):
         if not 0 <= duck_id < len(self.fleet.ducks):
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"duck {duck_id}: no such duck (the fleet has "
+            raise NotFound(f"duck {duck_id}: no such duck (the fleet has "
                            f"{len(self.fleet.ducks)}, ids 0..{len(self.fleet.ducks) - 1})")
         return self.fleet.ducks[duck_id]
 
     async def restart_duck(self, duck_id: int) -> pb.DuckStatus:
-        duck = self._duck(duck_id)
+        duck = self.duck(duck_id)
         try:
             await self.fleet.restart(duck)
         except RuntimeError as e:
-            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise FailedPrecondition(str(e)) from None
         return duck.status()
 
     def model_info(self) -> pb.ModelInfo:
         if self.model.loaded is None:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            raise Unavailable("the model is still loading")
         c = self.model.loaded.config
         experts = getattr(c, "num_experts", 0) or 0
         k = getattr(c, "num_experts_per_tok", 0) or 0
@@ -177,19 +189,6 @@ class Daemon:
                             tp=self.cfg.fleet.tp, multiple_of=self.cfg.fleet.multiple_of,
                             ffn_bytes_per_token=per_token, max_model_len=self.cfg.model.max_model_len,
                             backend=ffn.name)
-
-    def cache_list(self, duck_id: int | None) -> pb.CacheListResponse:
-        from duckd.cache_api import cache_list
-        return cache_list(self, duck_id)
-
-    async def cache_invalidate(self, request: pb.InvalidateRequest) -> pb.InvalidateResponse:
-        from duckd.cache_api import cache_invalidate
-        return await cache_invalidate(self, request)
-
-    async def chat(self, request: pb.ChatRequest):
-        from duckd.chat import run_chat
-        async for event in run_chat(self, request):
-            yield event
 
     def drop_host_packs(self) -> None:
         if self.packs is not None:

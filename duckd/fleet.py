@@ -14,6 +14,7 @@ import asyncio
 import enum
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from duck_proto import duck_pb2 as pb
@@ -79,6 +80,11 @@ class FleetManager:
         self._monitor: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.stopping = False
+        # the probes' blocking calls have threads of their own: queued chats cannot starve the health checks
+        self._probes = ThreadPoolExecutor(max_workers=len(self.ducks) + 2, thread_name_prefix="duck-probe")
+
+    async def _probe(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._probes, fn)
 
     # -- state ----------------------------------------------------------------
     def set_state(self, duck: Duck, state: State, reason: str = "") -> None:
@@ -126,7 +132,7 @@ class FleetManager:
                            deadline_ms=max(100.0, min(500.0, self.cfg.fail_after_s * 1000)))
         while True:
             try:
-                info = (await asyncio.to_thread(duck.probe.hello))[0]
+                info = (await self._probe(duck.probe.hello))[0]
                 break
             except DuckError as e:
                 if time.monotonic() + backoff > deadline:
@@ -155,11 +161,11 @@ class FleetManager:
         if gone:
             return self.fail(duck, gone)
         try:
-            rtt = (await asyncio.to_thread(duck.probe.ping))[0]
-            counters = (await asyncio.to_thread(duck.probe.stats))[0]
+            rtt = (await self._probe(duck.probe.ping))[0]
+            counters = (await self._probe(duck.probe.stats))[0]
             duck.checks += 1
             if duck.checks % 4 == 1:        # the cache inventory changes rarely
-                duck.cache_entries = (await asyncio.to_thread(duck.probe.hello))[0].cache_entries
+                duck.cache_entries = (await self._probe(duck.probe.hello))[0].cache_entries
         except DuckError as e:
             # the probe fleet holds this duck alone: its own message would call it "duck 0"
             what = "no answer" if isinstance(e, DuckTimeout) else f"error {e.status}"
@@ -236,4 +242,5 @@ class FleetManager:
                 d.probe.close()
                 d.probe = None
             self.set_state(d, State.OFFLINE)
+        self._probes.shutdown(wait=False)
         await self.driver.close()

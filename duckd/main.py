@@ -1,4 +1,5 @@
-"""`duckd`: the daemon's entry point and lifecycle.
+"""`duckd`: the daemon's entry point and lifecycle: the gRPC API, the
+OpenAI-compatible HTTP API with /metrics (daemon.http_listen), the fleet and the model.
 
 Signal handlers only set events. The first SIGTERM (or SIGINT) drains: no
 new calls, in-flight chats get shutdown_grace_s to finish (they are ended at
@@ -44,11 +45,43 @@ def resolve_token(cfg: Config) -> tuple[str, Path]:
         return token, path
     path = state / "token"
     token = cfg.daemon.token or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(24)
+    if path.exists() and path.stat().st_mode & 0o077:
+        log.warning("token file %s was readable by others: rewritten 0600", path)
+        path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token, path
+
+
+def claim_state_dir(state: Path):
+    """The state folder, made private (0700) and held by this duckd alone: a lock on
+    <state>/duckd.lock for the process's life (returned: keep it). Another duckd on the
+    same folder, or a folder that cannot be written, is one line naming it."""
+    import fcntl
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        if state.stat().st_mode & 0o077:
+            state.chmod(0o700)
+            log.warning("state folder %s was readable by others: now 0700", state)
+        lock = open(state / "duckd.lock", "a+")
+    except OSError as e:
+        raise OSError(f"state folder {state}: {e.strerror}; duckd needs to write there (set daemon.state_dir "
+                      "to a writable folder)") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        other = lock.read().strip() or "?"
+        lock.close()
+        raise OSError(f"another duckd (pid {other}) uses the state folder {state}: stop it first, or give this "
+                      "one another daemon.state_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 async def run(cfg: Config, config_path: str | None) -> int:
@@ -57,11 +90,19 @@ async def run(cfg: Config, config_path: str | None) -> int:
     from duckd.server import ApiServer
 
     notifier = Notifier()
+    os.umask(0o077)    # what duckd and its ducks write (token, key, caches, packs, logs) is theirs alone
+    state_lock = claim_state_dir(cfg.state_path)  # noqa: F841 (held until the process exits)
     token, token_file = resolve_token(cfg)
     daemon = Daemon(cfg)
     server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s)
     await server.start()
-    runtime = daemon.write_runtime_file(server.address, token_file)
+    http = None
+    if cfg.daemon.http_listen:
+        from duckd.http_api import HttpApi, HttpServer
+        from duckd.metrics import Metrics
+        http = HttpServer(HttpApi(daemon, token, Metrics(daemon)), cfg.daemon.http_listen)
+        await http.start()
+    runtime = daemon.write_runtime_file(server.address, token_file, http.address if http else "")
     loop = asyncio.get_running_loop()
     stop, force, hup = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -106,6 +147,8 @@ async def run(cfg: Config, config_path: str | None) -> int:
     late.cancel()
     for t in side:
         t.cancel()
+    if http is not None:
+        await http.stop()
     await daemon.stop()
     runtime.unlink(missing_ok=True)
     log.info("stopped")
@@ -163,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2
+    except OSError as e:      # an API port in use, a state folder that cannot be written
+        log.error("%s", e)
+        return 1
 
 
 if __name__ == "__main__":

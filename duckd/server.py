@@ -1,7 +1,9 @@
 """duckd's gRPC server: the servicers of proto/duck.proto, bearer-token auth
 for everything but the standard health service, and server start/stop.
 
-The servicers only translate: the work is the core's (duckd.daemon.Daemon).
+The servicers only translate: protobuf to the services' dataclasses and back,
+duckd.errors to gRPC status codes. The work is the daemon's and its services'
+(duckd.daemon.Daemon, duckd.chat.ChatService, duckd.cache.CacheService).
 """
 from __future__ import annotations
 
@@ -15,27 +17,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
+from duckd import errors
+from duckd.chat import ChatMessage, ChatRequest, DoneEvent
 
 log = logging.getLogger("duckd.server")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+WATCH_MIN_INTERVAL_S = 0.05
 
 
-class ApiError(Exception):
-    """An error for the caller: a gRPC status code and a message that says what was wrong."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+STATUS = {errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, errors.NotFound: grpc.StatusCode.NOT_FOUND,
+          errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+          errors.Unavailable: grpc.StatusCode.UNAVAILABLE, errors.Busy: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class Core(Protocol):
+    chat: object     # duckd.chat.ChatService
+    cache: object    # duckd.cache.CacheService
+
     def snapshot(self) -> pb.FleetSnapshot: ...
     def events_since(self, cursor: int) -> tuple[list[pb.FleetEvent], int]: ...
     async def restart_duck(self, duck_id: int) -> pb.DuckStatus: ...
-    def cache_list(self, duck_id: int | None) -> pb.CacheListResponse: ...
-    async def cache_invalidate(self, request: pb.InvalidateRequest) -> pb.InvalidateResponse: ...
-    def chat(self, request: pb.ChatRequest): ...          # async iterator of pb.ChatEvent
     def model_info(self) -> pb.ModelInfo: ...
 
 
@@ -50,7 +52,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if hmac.compare_digest(metadata.get("authorization", "").encode(), self._expected.encode()):
-            return await continuation(details)
+            return _checked(await continuation(details), details.method)
         handler = await continuation(details)
         log.warning("refused %s: missing or wrong bearer token", details.method)
         return _denied(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
@@ -74,8 +76,57 @@ def _denied(handler, message: str):
                                 response_serializer=handler.response_serializer)
 
 
-async def _abort(context, e: ApiError):
-    await context.abort(e.code, str(e))
+class _Malformed:
+    """What a request that does not parse deserializes to: the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _checked(handler, method: str):
+    """handler with a deserializer that cannot fail: a malformed request is INVALID_ARGUMENT
+    naming the method (gRPC itself would answer UNKNOWN or INTERNAL)."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:    # a protobuf DecodeError, whatever its type in this build
+            return _Malformed(e)
+
+    def refuse(request, context):
+        return context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{method}: the request is not a valid protobuf message ({request.error})")
+
+    if handler.response_streaming:
+        inner = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            async for item in inner(request, context):
+                yield item
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=deserialize,
+                                                    response_serializer=handler.response_serializer)
+    inner = handler.unary_unary
+
+    async def unary(request, context):
+        if isinstance(request, _Malformed):
+            await refuse(request, context)
+        return await inner(request, context)
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserialize,
+                                               response_serializer=handler.response_serializer)
+
+
+async def _abort(context, e: Exception):
+    """A service error as its status code; anything else is INTERNAL (and logged)."""
+    code = STATUS.get(type(e))
+    if code is None:
+        log.error("internal error: %s: %s", type(e).__name__, e)
+        code = grpc.StatusCode.INTERNAL
+    await context.abort(code, str(e))
 
 
 class FleetServicer(rpc.FleetServicer):
@@ -89,7 +140,8 @@ class FleetServicer(rpc.FleetServicer):
         if request.interval_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"interval_s = {request.interval_s}: must be >= 0")
-        interval = min(request.interval_s or self.interval_s, self.interval_s)
+        # at least WATCH_MIN_INTERVAL_S: a watcher asking for less must not slow the chats down
+        interval = max(WATCH_MIN_INTERVAL_S, min(request.interval_s or self.interval_s, self.interval_s))
         cursor = 0 if request.with_history else self.core.events_since(1 << 62)[1]
         while True:
             snap = self.core.snapshot()
@@ -101,7 +153,7 @@ class FleetServicer(rpc.FleetServicer):
     async def Restart(self, request, context):
         try:
             return pb.RestartDuckResponse(duck=await self.core.restart_duck(request.id))
-        except ApiError as e:
+        except errors.ServiceError as e:
             await _abort(context, e)
 
 
@@ -111,18 +163,25 @@ class CacheServicer(rpc.CacheServicer):
 
     async def List(self, request, context):
         try:
-            return self.core.cache_list(None if request.all_ducks else request.duck_id)
-        except ApiError as e:
+            listing = self.core.cache.list(None if request.all_ducks else request.duck_id)
+        except errors.ServiceError as e:
             await _abort(context, e)
+        return pb.CacheListResponse(
+            entries=[pb.CacheEntry(digest=e.digest, name=e.name, bytes=e.bytes, ducks=e.ducks, model=e.model)
+                     for e in listing.entries], host_cache_bytes=listing.host_cache_bytes)
 
     async def Invalidate(self, request, context):
-        if request.WhichOneof("target") is None:
+        target = request.WhichOneof("target")
+        if target is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "invalidate needs a target: duck_id, model or all")
+        cache = self.core.cache
         try:
-            return await self.core.cache_invalidate(request)
-        except ApiError as e:
+            done = await (cache.invalidate_duck(request.duck_id) if target == "duck_id" else
+                          cache.invalidate_model(request.model) if target == "model" else cache.invalidate_all())
+        except errors.ServiceError as e:
             await _abort(context, e)
+        return pb.InvalidateResponse(entries_removed=done.entries_removed, message=done.message)
 
 
 class ChatServicer(rpc.ChatServicer):
@@ -130,30 +189,36 @@ class ChatServicer(rpc.ChatServicer):
         self.core = core
 
     async def Chat(self, request, context):
-        problem = validate_chat(request)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            async for event in self.core.chat(request):
-                yield event
-        except ApiError as e:
+            async for event in self.core.chat.stream(chat_request(request)):
+                if isinstance(event, DoneEvent):
+                    yield pb.ChatEvent(stats=stats_message(event))
+                else:
+                    yield pb.ChatEvent(token=event.text)
+        except errors.ServiceError as e:
+            await _abort(context, e)
+        except RuntimeError as e:
             await _abort(context, e)
 
 
-def validate_chat(r: pb.ChatRequest) -> str:
-    """The first thing wrong with a chat request, or ''."""
-    if not r.messages:
-        return "messages is empty: send at least one user message"
-    for i, m in enumerate(r.messages):
-        if m.role not in ("system", "user", "assistant"):
-            return f"messages[{i}].role = {m.role!r}: expected system, user or assistant"
-    if r.messages[-1].role != "user":
-        return f"messages[{len(r.messages) - 1}].role = {r.messages[-1].role!r}: the last message must be the user's"
-    if not 0.0 <= r.temperature <= 10.0:
-        return f"temperature = {r.temperature}: expected 0 (greedy) .. 10"
-    if not 0.0 <= r.top_p <= 1.0:
-        return f"top_p = {r.top_p}: expected 0 (off) .. 1"
-    return ""
+def chat_request(r: pb.ChatRequest) -> ChatRequest:
+    """The protobuf request as the chat service's: sampling settings by presence, max_tokens
+    and seed 0 mean "not set"."""
+    has = r.HasField
+    return ChatRequest(messages=[ChatMessage(m.role, m.content) for m in r.messages], max_tokens=r.max_tokens or None,
+                       temperature=r.temperature if has("temperature") else None,
+                       top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
+                       seed=r.seed or None, stop=tuple(r.stop),
+                       repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None)
+
+
+def stats_message(done: DoneEvent) -> pb.GenerationStats:
+    s = done.stats
+    accepted, verified = s.mtp or (0, 0)
+    return pb.GenerationStats(time_s=s.time, input_len=s.input_len, output_len=s.output_len, ttft_s=s.ttft,
+                              tpot_s=s.tpot, prefill_tok_s=s.prefill_tps, decode_tok_s=s.decode_tps,
+                              finish_reason=done.finish_reason, line=str(s), mtp_accepted=accepted,
+                              mtp_verified=verified)
 
 
 class ModelServicer(rpc.ModelServicer):
@@ -163,7 +228,7 @@ class ModelServicer(rpc.ModelServicer):
     async def Info(self, request, context):
         try:
             return self.core.model_info()
-        except ApiError as e:
+        except errors.ServiceError as e:
             await _abort(context, e)
 
 
@@ -171,16 +236,21 @@ class ApiServer:
     """The bound server; health says SERVING only while the core is ready."""
 
     def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0):
-        self.server = grpc.aio.server(interceptors=[TokenAuth(token)])
+        # no SO_REUSEPORT: a second daemon on this port is refused, not served beside this one
+        self.server = grpc.aio.server(interceptors=[TokenAuth(token)], options=[("grpc.so_reuseport", 0)])
         rpc.add_FleetServicer_to_server(FleetServicer(core, watch_interval_s), self.server)
         rpc.add_CacheServicer_to_server(CacheServicer(core), self.server)
         rpc.add_ChatServicer_to_server(ChatServicer(core), self.server)
         rpc.add_ModelServicer_to_server(ModelServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        try:
+            self.port = self.server.add_insecure_port(listen)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind the gRPC server to {listen}")
+            raise OSError(f"cannot bind the gRPC API to {listen}: the address is in use (another duckd?) or not "
+                          "this host's; set daemon.listen")
         self.address = f"{listen.rpartition(':')[0]}:{self.port}"
 
     async def start(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -54,9 +55,23 @@ class FleetFfn(HostFfn):
         if self.hidden and layer.hidden != self.hidden:
             raise ValueError(f"FFN layer {layer.index} has hidden size {layer.hidden}, others {self.hidden}")
         self.hidden = layer.hidden
+        self._warn_idle_ducks(layer.index, layer.experts[0].gate.shape[0])
         experts = [(e.gate.detach().cpu(), e.up.detach().cpu(), e.down.detach().cpu()) for e in layer.experts]
         self.layers[layer.index] = split_experts(experts, self.fleet.n_ducks, self.multiple_of,
                                                  name=f"layers.{layer.index}")
+
+    def _warn_idle_ducks(self, index: int, intermediate: int) -> None:
+        """A tp that the padding leaves some ducks nothing but zeros to stream: said once."""
+        from native.transport import slice_width
+
+        tp = self.fleet.n_ducks
+        width = slice_width(intermediate, tp, self.multiple_of)
+        idle = tp - -(-intermediate // width)
+        if idle > 0 and not getattr(self, "_warned_idle", False):
+            self._warned_idle = True
+            log.warning("layer %d: intermediate size %d in slices of %d units leaves %d of %d ducks only zero "
+                        "padding (they stream and compute nothing useful); a smaller multiple_of or fewer ducks "
+                        "spreads the work", index, intermediate, width, idle, tp)
 
     def load_synthetic_layer(self, index: int, n_experts: int, hidden: int, intermediate: int, seed: int) -> None:
         """Benchmarks only: registers FFN layer `index` as n_experts random experts
@@ -111,6 +126,7 @@ class LocalDucks:
         spin_us: ducks spin this long for the next request before blocking."""
         from native.transport import duckfw_path, write_key_file
 
+        self._own_workdir = workdir is None    # a temporary folder (keys, caches, logs) goes with stop()
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="duck-local-"))
         key_file = self.workdir / "key"
         self.key = write_key_file(key_file)
@@ -153,3 +169,5 @@ class LocalDucks:
                     p.kill()
                     p.wait()
         self.procs = []
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)

@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0   # > 1: tokens already in the sequence are less likely (transformers' rule)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -35,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
@@ -91,6 +94,16 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """logits [V] with the tokens in seen made less likely, as transformers' repetition
+    penalty does: a positive logit divided by penalty, a negative one multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = torch.tensor(sorted(set(seen)), device=logits.device)
+    picked = logits[ids]
+    return logits.index_copy(0, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [V] -> a token id."""
     if params.temperature == 0.0:
@@ -101,9 +114,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 @torch.inference_mode()
 def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
-             keep_logits: bool = False, prefill_chunk: int = DEFAULT_CHUNK) -> GenerationResult:
+             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None,
+             prefill_chunk: int = DEFAULT_CHUNK) -> GenerationResult:
     """Runs one request. on_text receives text deltas as they become final
-    (text that might begin a stop string is held back until it cannot).
+    (text that might begin a stop string is held back until it cannot);
+    should_stop, asked after every token, ends the request ("cancelled") when true;
     prefill_chunk: prompt tokens per prefill forward (engine.prefill)."""
     params = params or SamplingParams()
     check_chunk(prefill_chunk)
@@ -142,6 +157,7 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
                 logits = model.compute_logits(forward(ids, positions)[-1:])[0]                     # [V]
             else:
                 logits = prefill_logits(model, forward, ids, positions, prefill_chunk)             # [V]
+            logits = penalize(logits, prompt_ids + out_ids, params.repetition_penalty)
             if keep_logits:
                 logits_kept.append(logits.float().cpu())
             token = sample(logits, params, generator)
@@ -161,6 +177,9 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
                 emitted = len(text) - hold
             pos = int(positions[-1]) + 1
             if len(out_ids) >= params.max_tokens or pos >= max_model_len:
+                break
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
                 break
             ids = torch.tensor([token], dtype=torch.int64, device=step_device)
             positions = torch.tensor([pos], device=step_device)

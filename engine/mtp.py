@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 class _Output:
     """Token bookkeeping of one request: EOS, stop strings, max_tokens, streamed text."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, on_text):
-        self.tokenizer, self.params, self.on_text = tokenizer, params, on_text
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, on_text, should_stop=None):
+        self.tokenizer, self.params, self.on_text, self.should_stop = tokenizer, params, on_text, should_stop
         self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
         self.stream = StreamDecoder(tokenizer)
         self.hold = max((len(s) for s in params.stop), default=1) - 1
@@ -70,6 +70,9 @@ class _Output:
         if len(self.ids) >= self.params.max_tokens:
             self.finish = "length"
             return False
+        if self.should_stop is not None and self.should_stop():
+            self.finish = "cancelled"
+            return False
         return True
 
     def close(self) -> str:
@@ -84,7 +87,8 @@ class _Output:
 @torch.inference_mode()
 def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
-                 overlap: str = "batch", trace: StepTrace | None = None) -> GenerationResult:
+                 overlap: str = "batch", trace: StepTrace | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
     """generate() with MTP1 drafts: token-identical to generate() when greedy, the same
     distribution when sampling; fewer main-model steps either way. overlap: "batch"
     (the pair in one forward) or "lanes" (the dual lane); trace collects the pair steps' times."""
@@ -107,7 +111,7 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
     decoder = cuda_decoder(model, max_model_len, steps=(2,) if overlap == "batch" else ())
     cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
     forward = decoder if decoder is not None else (lambda ids, positions: model(ids, positions, cache))
-    out = _Output(tokenizer, params, on_text)
+    out = _Output(tokenizer, params, on_text, should_stop)
     lanes = None
     try:
         if overlap == "lanes":

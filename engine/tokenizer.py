@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -117,9 +118,36 @@ class Tokenizer:
         return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                      **self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        # the template writes BOS itself: encoding adds no special tokens
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_in_content: bool = False, **kwargs) -> list[int]:
+        """The chat as ids. A special token's text inside a message ("<|im_start|>system" typed by
+        a user) is encoded as plain text unless special_in_content: only the template makes
+        control tokens (no role injection). The template writes BOS itself."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        specials = self._special_texts()
+        if special_in_content or not any(sp in str(m.get("content", "")) for m in messages for sp in specials):
+            return self.encode(text)
+        # render with a placeholder for each content, then encode the contents with special tokens off
+        marks = [f"\ue000duck{i}\ue001" for i in range(len(messages))]
+        masked = [{**m, "content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
+        rendered = self.apply_chat_template(masked, add_generation_prompt, **kwargs)
+        ids: list[int] = []
+        for piece in re.split("(\ue000duck\\d+\ue001)", rendered):
+            if piece in marks:
+                ids += self._plain().encode(messages[marks.index(piece)]["content"], add_special_tokens=False).ids
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def _special_texts(self) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
+    def _plain(self) -> HfTokenizer:
+        """This tokenizer with special tokens in the text encoded as text."""
+        if getattr(self, "_plain_tok", None) is None:
+            self._plain_tok = HfTokenizer.from_str(self.tokenizer.to_str())
+            self._plain_tok.encode_special_tokens = True
+        return self._plain_tok
 
 
 class StreamDecoder:

@@ -12,6 +12,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <signal.h>
+#include <sys/prctl.h>
 
 static void usage(FILE *f)
 {
@@ -38,7 +40,8 @@ static void usage(FILE *f)
             "  test only, refused without --enable-fault-injection:\n"
             "  --drop-rate F            drop this fraction of datagrams in and out\n"
             "  --delay-us N             delay before handling each request\n"
-            "  --fault-seed N           seed of the drop pattern\n",
+            "  --fault-seed N           seed of the drop pattern\n"
+            "  --parent-pid PID         exit (SIGTERM) when the process PID that started this duck ends\n",
             WIRE_KEY_MIN, WIRE_KEY_MAX, WIRE_MTU_MIN, WIRE_MTU_MAX);
 }
 
@@ -102,25 +105,42 @@ static int read_key(const char *path, wire_key *key)
     return 0;
 }
 
+/* SIGTERM to this duck when the thread of its parent that started it ends (the
+ * daemon killed too); a parent already gone by now means it should not run. */
+static int die_with_parent(pid_t parent)
+{
+    if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0) {
+        fprintf(stderr, "duckfw: prctl(PR_SET_PDEATHSIG): %s\n", strerror(errno));
+        return -1;
+    }
+    if (getppid() != parent) {
+        fprintf(stderr, "duckfw: the parent process %d is gone: exiting\n", (int)parent);
+        return -1;
+    }
+    return 0;
+}
+
 #define BAD(...) do { fprintf(stderr, "duckfw: " __VA_ARGS__); fputc('\n', stderr); return 2; } while (0)
 
 int main(int argc, char **argv)
 {
     enum { O_BIND = 256, O_PORT, O_PORT_FILE, O_ID, O_CACHE_DIR, O_CAPACITY, O_THREADS, O_PIN, O_KEY, O_IDLE,
-           O_SPIN, O_MTU, O_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION };
+           O_SPIN, O_MTU, O_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
     static const struct option opts[] = {
         {"bind", 1, 0, O_BIND}, {"port", 1, 0, O_PORT}, {"port-file", 1, 0, O_PORT_FILE}, {"id", 1, 0, O_ID},
         {"cache-dir", 1, 0, O_CACHE_DIR}, {"cache-capacity", 1, 0, O_CAPACITY}, {"threads", 1, 0, O_THREADS},
         {"pin", 0, 0, O_PIN}, {"key-file", 1, 0, O_KEY}, {"idle", 1, 0, O_IDLE}, {"spin-us", 1, 0, O_SPIN},
         {"mtu", 1, 0, O_MTU}, {"data-mac", 0, 0, O_DATA_MAC}, {"log-level", 1, 0, O_LOG},
         {"enable-fault-injection", 0, 0, O_FAULTS}, {"drop-rate", 1, 0, O_DROP}, {"delay-us", 1, 0, O_DELAY},
-        {"fault-seed", 1, 0, O_SEED}, {"help", 0, 0, O_HELP}, {"version", 0, 0, O_VERSION}, {0, 0, 0, 0}};
+        {"fault-seed", 1, 0, O_SEED}, {"help", 0, 0, O_HELP}, {"version", 0, 0, O_VERSION},
+        {"parent-pid", 1, 0, O_PARENT}, {0, 0, 0, 0}};
     duck_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.bind_addr = "127.0.0.1";
     cfg.cache_capacity = 1ull << 30;
     cfg.mtu = 0;   /* auto */
     const char *key_file = NULL;
+    pid_t parent = 0;
     int spin = 0, faults_allowed = 0, fault_opts = 0, level = DLOG_INFO;
     unsigned long spin_us = 50, v;
     cpu_set_t cpus;
@@ -162,6 +182,7 @@ int main(int argc, char **argv)
         }
         case O_DELAY: if (parse_uint(optarg, 10000000, &v)) BAD("--delay-us %s is not 0..10000000", optarg); cfg.delay_us = (uint32_t)v; fault_opts = 1; break;
         case O_SEED: if (parse_uint(optarg, UINT32_MAX, &v)) BAD("--fault-seed %s is not a number", optarg); cfg.fault_seed = (uint32_t)v; break;
+        case O_PARENT: if (parse_uint(optarg, INT32_MAX, &v) || !v) BAD("--parent-pid %s is not a process id", optarg); parent = (pid_t)v; break;
         case O_HELP: usage(stdout); return 0;
         case O_VERSION: printf("%s (wire v%d, abi %d)\n", DUCKFW_NAME, WIRE_VERSION, WIRE_ABI); return 0;
         default: usage(stderr); return 2;
@@ -185,6 +206,8 @@ int main(int argc, char **argv)
 
     dlog_init(cfg.duck_id, level);
     net_install_signals();
+    if (parent && die_with_parent(parent) != 0)
+        return 1;
     char ifname[IF_NAMESIZE + 1] = "";
     if (!cfg.mtu) {
         uint32_t mtu = net_detect_mtu(cfg.bind_addr, ifname, sizeof ifname);

@@ -19,10 +19,14 @@ from duck_proto.client import Endpoint, sync_channel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_config(path: Path, state_dir: Path, ducks: int = 4, **fleet) -> Path:
-    lines = ["[daemon]", 'listen = "127.0.0.1:0"', f'state_dir = "{state_dir}"', "shutdown_grace_s = 6.0", "",
-             "[model]", "max_tokens = 48", "", "[fleet]", f"ducks = {ducks}", "fail_after_s = 1.0",
-             "health_interval_s = 0.25"]
+def write_config(path: Path, state_dir: Path, ducks: int = 4, model: dict | None = None, **fleet) -> Path:
+    """A duckd config on loopback ports picked by the system; fleet settings as keywords
+    (a dict value is a [fleet.<key>] table), model settings beside max_tokens = 48."""
+    lines = ["[daemon]", 'listen = "127.0.0.1:0"', 'http_listen = "127.0.0.1:0"', f'state_dir = "{state_dir}"',
+             "shutdown_grace_s = 6.0", "", "[model]",
+             *(f"{k} = {json.dumps(v)}" for k, v in {"max_tokens": 48, **(model or {})}.items()), "", "[fleet]",
+             f"ducks = {ducks}",
+             "fail_after_s = 1.0", "health_interval_s = 0.25"]
     for k, v in fleet.items():
         if isinstance(v, dict):
             continue
@@ -42,7 +46,7 @@ class RunningDaemon:
         self.log_path = state_dir.parent / f"duckd-{state_dir.name}.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
-        self.address = self.token = ""
+        self.address = self.token = self.http_address = ""
 
     def start(self, timeout: float = 180.0, wait_ready: bool = True) -> "RunningDaemon":
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +60,7 @@ class RunningDaemon:
             time.sleep(0.05)
         info = json.loads(runtime.read_text())
         self.address, self.token = info["address"], Path(info["token_file"]).read_text().strip()
+        self.http_address = info.get("http_address", "")
         if wait_ready:
             self.wait_ready(deadline)
         return self
@@ -111,7 +116,8 @@ class RunningDaemon:
             time.sleep(0.05)
 
     def chat(self, text: str, max_tokens: int = 24, timeout: float = 120):
-        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=text)], max_tokens=max_tokens)
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=text)], max_tokens=max_tokens,
+                             temperature=0.0)
         tokens, stats = [], None
         for ev in rpc.ChatStub(self.channel()).Chat(req, timeout=timeout):
             if ev.WhichOneof("event") == "token":

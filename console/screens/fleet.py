@@ -1,4 +1,4 @@
-"""The fleet screen: header, the table of ducks, the latest events."""
+"""The fleet screen: header, the table of ducks, the chat requests, the latest events."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
@@ -10,6 +10,7 @@ from console.widgets.connection_banner import ConnectionBanner
 from console.widgets.events_log import EventsLog
 from console.widgets.fleet_header import FleetHeader
 from console.widgets.fleet_table import FleetTable
+from console.widgets.requests_panel import RequestsPanel
 
 
 class FleetScreen(Screen):
@@ -17,6 +18,7 @@ class FleetScreen(Screen):
         yield ConnectionBanner()
         yield FleetHeader()
         yield FleetTable(id="fleet-table")
+        yield RequestsPanel(id="requests")
         yield EventsLog(id="recent-events")
         yield Footer()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -41,6 +42,15 @@ async def wait_port_file(proc: subprocess.Popen, port_file: Path, timeout: float
         await asyncio.sleep(0.01)
 
 
+def spawn_duck(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """A duck process that logs to log_path and dies with duckd: duckfw --parent-pid asks
+    the kernel for a SIGTERM when the duckd thread that started it ends (duckd spawns
+    from its event loop's thread, which lives as long as duckd; SIGKILL of duckd too)."""
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd + ["--parent-pid", str(os.getpid())], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
 def exit_reason(proc: subprocess.Popen | None) -> str | None:
     if proc is None or proc.poll() is None:
         return None
@@ -75,9 +85,7 @@ class LocalDriver(Driver):
         port = duck.address[1] if duck.address else 0
         port_file.unlink(missing_ok=True)
         cmd = duckfw_command(self.cfg, duck.index, "127.0.0.1", port, workdir, self.key_file)
-        with open(workdir / "duck.log", "ab") as out:
-            duck.handle = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True)
+        duck.handle = spawn_duck(cmd, workdir / "duck.log")
         (workdir / "pid").write_text(f"{duck.handle.pid}\n")
         port = await wait_port_file(duck.handle, port_file, self.cfg.link_timeout_s, f"duck {duck.index}")
         duck.address = ("127.0.0.1", port)

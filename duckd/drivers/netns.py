@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from duckd.drivers import DuckSpec, Driver
-from duckd.drivers.local import duckfw_command, exit_reason, stop_process, wait_port_file
+from duckd.drivers.local import duckfw_command, exit_reason, spawn_duck, stop_process, wait_port_file
 
 log = logging.getLogger("duckd.driver.netns")
 
@@ -85,9 +85,7 @@ class NetnsDriver(Driver):
         (workdir / "port").unlink(missing_ok=True)
         cmd = ["ip", "netns", "exec", f"{self.n.name}{duck.index}"] + \
             duckfw_command(self.cfg, duck.index, ip, DUCK_PORT, workdir, self.key_file)
-        with open(workdir / "duck.log", "ab") as out:
-            duck.handle = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True)
+        duck.handle = spawn_duck(cmd, workdir / "duck.log")
         (workdir / "pid").write_text(f"{duck.handle.pid}\n")
         port = await wait_port_file(duck.handle, workdir / "port", self.cfg.link_timeout_s, f"duck {duck.index}")
         duck.address = (ip, port)

@@ -106,9 +106,11 @@ class Fleet:
         return f"duck {d}{ident} ({host}:{port})"
 
     def close(self) -> None:
-        if self._t is not None:
-            ffi.release(self._t)   # runs duck_transport_destroy now
-            self._t = None
+        """Closes the socket; waits for a call in flight (another thread's) to return first."""
+        with self._lock:
+            if self._t is not None:
+                ffi.release(self._t)   # runs duck_transport_destroy now
+                self._t = None
 
     def __enter__(self):
         return self
@@ -132,9 +134,7 @@ class Fleet:
             c.payload, c.payload_len = buf, len(payload)
             c.reply, c.reply_cap = reply, len(reply)
         with self._lock:
-            if self._t is None:
-                raise RuntimeError("the fleet transport is closed")
-            lib.duck_transport_run(self._t, calls, n)
+            lib.duck_transport_run(self._open(), calls, n)
         self.last_rtt_us = [calls[i].rtt_ns / 1000.0 for i in range(n)]
         out = []
         for i in range(n):
@@ -185,22 +185,33 @@ class Fleet:
         """Each duck's datagram size; a size above 1500 that is new is proven by a ping of
         that size both ways (a size that fell back is tried again: the path may be fixed)."""
         before = self.datagram_sizes()
-        agreed = [lib.duck_transport_agree(self._t, d, info.mtu) for d, info in enumerate(self.infos)]
+        with self._lock:
+            agreed = [lib.duck_transport_agree(self._open(), d, info.mtu) for d, info in enumerate(self.infos)]
         probes = [(d, lib.WIRE_T_PING, self._ping_payload(m - _PROBE_ROOM), m - _PROBE_ROOM)
                   for d, m in enumerate(agreed) if m > lib.WIRE_MTU_DEFAULT and m != before[d]]
         if probes:
             self.call(probes)
+        now_sizes = self.datagram_sizes()
         for d, m in enumerate(agreed):
-            now = lib.duck_transport_mtu(self._t, d)
+            now = now_sizes[d]
             if now != m:
+                with self._lock:
+                    path = lib.duck_transport_path_mtu(self._open(), d)
                 log.warning("%s: datagrams of %d bytes did not get through (the duck announced %d, the route "
                             "to it %d); using %d: check the MTU of the path, or set the fleet's mtu", self.name(d), m,
-                            self.infos[d].mtu, lib.duck_transport_path_mtu(self._t, d), now)
+                            self.infos[d].mtu, path, now)
         log.debug("datagram sizes: %s", self.datagram_sizes())
 
     def datagram_sizes(self) -> list[int]:
         """The datagram size (an MTU: IP and UDP headers counted) used with each duck now."""
-        return [lib.duck_transport_mtu(self._t, d) for d in range(self.n_ducks)]
+        with self._lock:
+            return [lib.duck_transport_mtu(self._open(), d) for d in range(self.n_ducks)]
+
+    def _open(self):
+        """The C transport, for a caller that holds the lock; a closed one is an error, not a crash."""
+        if self._t is None:
+            raise RuntimeError("the fleet transport is closed")
+        return self._t
 
     @staticmethod
     def _ping_payload(size: int = 0) -> bytes:
@@ -221,7 +232,8 @@ class Fleet:
 
     def transport_stats(self) -> dict:
         s = ffi.new("duck_transport_stats *")
-        lib.duck_transport_stats_get(self._t, s)
+        with self._lock:
+            lib.duck_transport_stats_get(self._open(), s)
         return _struct_dict(s)
 
     def cache_query(self, digests_per_duck: list[list[str]]) -> list[set[str]]:

@@ -59,7 +59,8 @@ def forward_plan(fleet, ntok: int, hidden: int, topk: int = 1, x_dtype: int = F3
     a, res = ffi.new("duck_forward_args *"), ffi.new("duck_forward_result *")
     a.ntok, a.hidden, a.topk, a.x_dtype, a.y_dtype = ntok, hidden, topk, x_dtype, y_dtype
     a.request_tokens, a.pipeline = request_tokens, pipeline
-    lib.duck_transport_plan(fleet._t, a, res)
+    with fleet._lock:
+        lib.duck_transport_plan(fleet._open(), a, res)
     return {"requests": res.requests, "request_tokens": res.request_tokens, "pipeline": res.pipeline,
             "rcvbuf_short": bool(res.rcvbuf_short)}
 
@@ -131,7 +132,8 @@ class Session:
         a.request_tokens = min(self.request_tokens or self.duck_max_tokens, self.duck_max_tokens)
         a.pipeline = self.pipeline
         with fleet._lock:
-            rc = lib.duck_transport_forward(fleet._t, a, res)
+            rc = lib.duck_transport_forward(fleet._open(), a, res)
+            rcvbuf = lib.duck_transport_rcvbuf(fleet._t) if res.rcvbuf_short else 0
         self.retransmits += res.retransmits
         if res.mtu_fallbacks:
             self._log_fallback(layer)
@@ -140,7 +142,7 @@ class Session:
             log.warning("the host's socket receive buffer (%d bytes) is less than twice one token's partials "
                         "from %d ducks at hidden %d: replies will be dropped and resent; raise "
                         "net.core.rmem_max (sysctl -w net.core.rmem_max=67108864)",
-                        lib.duck_transport_rcvbuf(fleet._t), fleet.n_ducks, self.hidden)
+                        rcvbuf, fleet.n_ducks, self.hidden)
         if rc:
             self._raise(rc, res)
         self.bytes_streamed += res.bytes_streamed

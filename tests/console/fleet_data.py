@@ -47,7 +47,18 @@ def snapshot(t: int) -> pb.FleetSnapshot:
         decode_tok_s=5.2 if t >= 40 else 6.1, model="Qwen3-30B-A3B", unix_time=T0 + t,
         sync=pb.SyncProgress(bytes_done=int(1.2 * 2**30), bytes_total=2 * 2**30, bytes_per_s=180 * 2**20,
                              eta_s=4.6, phase="uploading"),
-        events=events_at(t))
+        events=events_at(t), requests=requests_at(t))
+
+
+def requests_at(t: int) -> list[pb.RequestStatus]:
+    """Two chats running, one queued, from second 30 on."""
+    if t < 30:
+        return []
+    return [pb.RequestStatus(id=41, state="running", prompt_tokens=512, generated_tokens=3 * (t - 30) + 40,
+                             tok_s=5.4, age_s=t - 22.0),
+            pb.RequestStatus(id=42, state="running", prompt_tokens=37, generated_tokens=2 * (t - 30),
+                             tok_s=5.1, age_s=t - 29.5),
+            pb.RequestStatus(id=43, state="queued", prompt_tokens=1480, age_s=1.5)]
 
 
 def minute() -> list[pb.FleetSnapshot]:

@@ -23,7 +23,7 @@ def duckctl(daemon, *args, env=None, timeout=180):
 
 def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
     # no --address/--token: found from the running daemon's runtime file
-    r = duckctl(duckd_daemon, "chat", "Which city is the capital of France?",
+    r = duckctl(duckd_daemon, "chat", "--greedy", "Which city is the capital of France?",
                 env={"XDG_STATE_HOME": str(duckd_daemon.state_dir.parent)})
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
@@ -32,7 +32,7 @@ def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
 
 def test_duckctl_chat_json_and_multi_turn_from_stdin(duckd_daemon):
     r = subprocess.run([sys.executable, "-m", "duckd.ctl", "--address", duckd_daemon.address, "--token",
-                        duckd_daemon.token, "chat", "--json", "--max-tokens", "8"],
+                        duckd_daemon.token, "chat", "--greedy", "--json", "--max-tokens", "8"],
                        input="Hello!\nAnd what is your name?\n", capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     finals = [json.loads(line) for line in r.stdout.splitlines() if '"stats"' in line]
@@ -49,14 +49,16 @@ def test_duckctl_status_lists_every_duck_serving(duckd_daemon):
 
 
 def test_watch_shows_bandwidth_of_every_duck_during_a_chat(duckd_daemon):
+    """...and the chat itself among the requests, running with its tokens counted."""
     ch = duckd_daemon.channel()
-    seen = {}
+    seen, requests = {}, []
     done = threading.Event()
 
     def watch():
         for snap in rpc.FleetStub(ch).Watch(pb.WatchRequest(interval_s=0.2), timeout=120):
             for d in snap.ducks:
                 seen[d.id] = max(seen.get(d.id, 0.0), d.gbps)
+            requests.extend(snap.requests)
             if done.is_set():
                 return
     t = threading.Thread(target=watch)
@@ -69,6 +71,8 @@ def test_watch_shows_bandwidth_of_every_duck_during_a_chat(duckd_daemon):
     assert stats.output_len > 0
     assert sorted(seen) == [0, 1, 2, 3]
     assert all(v > 0 for v in seen.values()), seen
+    running = [r for r in requests if r.state == "running" and r.generated_tokens > 0]
+    assert running and running[-1].prompt_tokens == stats.input_len and running[-1].age_s > 0, requests
 
 
 def test_wrong_token_is_unauthenticated_and_health_needs_none(duckd_daemon):
@@ -96,6 +100,20 @@ def test_bad_requests_get_invalid_argument_naming_the_field(duckd_daemon):
     with pytest.raises(grpc.RpcError) as e:
         rpc.FleetStub(duckd_daemon.channel()).Restart(pb.RestartDuckRequest(id=99), timeout=10)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "duck 99" in e.value.details()
+
+
+def test_a_malformed_request_is_invalid_argument(duckd_daemon):
+    """Bytes that are not a protobuf message (sent with the channel's raw codec)."""
+    ch = duckd_daemon.channel()
+    for method, stream in (("/duck.v1.Chat/Chat", True), ("/duck.v1.Fleet/Restart", False)):
+        call = (ch.unary_stream if stream else ch.unary_unary)(method, request_serializer=None,
+                                                              response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(b"\xff\xff\xff\xff not protobuf", timeout=10)
+            if stream:
+                list(result)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+        assert method in e.value.details() and "not a valid protobuf message" in e.value.details()
 
 
 def test_cache_lists_every_ducks_slices_and_model_info(duckd_daemon):

@@ -44,7 +44,7 @@ def test_sigterm_during_chat_ends_the_stream_cleanly_and_exits_0(tmp_path):
         _, short = daemon.chat("Tell me a long story.", max_tokens=0)       # 0: the daemon's (new) default
         assert short.output_len <= 5 and short.finish_reason == "length"
         req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Write a long story about a duck.")],
-                             max_tokens=400)
+                             max_tokens=400, temperature=0.0)
         stream = rpc.ChatStub(daemon.channel()).Chat(req, timeout=120)
         tokens, stats = 0, None
         for ev in stream:
@@ -77,3 +77,85 @@ def test_invalid_config_fails_at_start_naming_the_field(tmp_path):
         r = subprocess.run([sys.executable, "-m", "duckd.main", "--config", str(bad)], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode != 0 and field in r.stderr, (text, r.stderr)
+
+
+def _duckfw_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-x", "duckfw"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_one_daemon_per_state_folder_and_private_files(tmp_path):
+    """A second duckd on the same state folder is refused with a line that names the first,
+    which duckctl still finds; the folder is 0700, the token, key and duck caches 0600."""
+    import os
+    import stat
+
+    state = tmp_path / "duck"
+    cfg = write_config(tmp_path / "duckd.toml", state, ducks=2)
+    first = RunningDaemon(cfg, state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "duckd.main", "--config", str(cfg)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and f"another duckd (pid {first.proc.pid}) uses the state folder" in r.stderr, \
+            r.stderr
+        status = subprocess.run([sys.executable, "-m", "duckd.ctl", "--config", str(cfg), "status"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "SERVING" in status.stdout, status.stderr
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        for path in [state / "token", state / "fleet.key", *(state / "ducks").rglob("*.fp9")]:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    finally:
+        first.stop()
+
+
+def test_the_ducks_die_with_a_killed_daemon(tmp_path):
+    state = tmp_path / "duck"
+    before = _duckfw_pids()
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=3), state).start()
+    mine = _duckfw_pids() - before
+    assert len(mine) == 3
+    daemon.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while mine & _duckfw_pids():
+        assert time.monotonic() < deadline, f"ducks {mine & _duckfw_pids()} outlived their SIGKILLed daemon"
+        time.sleep(0.05)
+
+
+def test_sigterm_at_any_moment_of_the_start_exits_0(tmp_path):
+    """SIGTERM during boot, weight upload or model load: a clean exit 0, every time."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(10):
+        state = tmp_path / f"duck{trial}"    # a fresh state: the ducks' caches are empty, the weights uploaded
+        daemon = RunningDaemon(write_config(tmp_path / f"duckd{trial}.toml", state, ducks=2), state)
+        daemon.start(wait_ready=False)
+        time.sleep(rng.uniform(0.0, 3.0))
+        code = daemon.stop()
+        assert code == 0, f"trial {trial}: exit {code}\n{daemon.log()}"
+        assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_an_unwritable_state_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cfg = tmp_path / "duckd.toml"
+    cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:0"\nhttp_listen = ""\nstate_dir = "{blocker / "duck"}"\n')
+    r = subprocess.run([sys.executable, "-m", "duckd.main", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and f"state folder {blocker / 'duck'}" in r.stderr and "Traceback" not in r.stderr, \
+        r.stderr
+
+
+def test_a_host_backend_starts_no_ducks(tmp_path):
+    state = tmp_path / "duck"
+    before = _duckfw_pids()
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"backend": "torch"}),
+                           state).start()
+    try:
+        assert _duckfw_pids() - before == set(), "ducks started for a model that runs on the host"
+        assert all(d.state == pb.OFFLINE for d in daemon.ducks())
+        text, stats = daemon.chat("Which city is the capital of France?", max_tokens=8)
+        assert "Paris" in text and stats.output_len > 0
+    finally:
+        daemon.stop()

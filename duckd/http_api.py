@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP API and /metrics: an adapter at the edge (Starlette
+on uvicorn, in the daemon's event loop). It turns OpenAI's JSON into the chat
+service's ChatRequest, its events into completions (whole, or streamed as
+server-sent events), and duckd.errors into HTTP statuses with OpenAI's error JSON.
+Every path but /health needs the daemon's bearer token.
+
+    POST /v1/chat/completions   messages, max_tokens (max_completion_tokens), temperature,
+                                top_p, seed, stop, stream (+ stream_options.include_usage)
+    POST /v1/completions        prompt, and the same settings
+    GET  /v1/models             the served model
+    GET  /metrics               Prometheus text format
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from duckd import errors
+from duckd.chat import ChatMessage, ChatRequest, DoneEvent
+
+log = logging.getLogger("duckd.http")
+
+STATUS = {errors.InvalidArgument: (400, "invalid_request_error"), errors.NotFound: (404, "invalid_request_error"),
+          errors.FailedPrecondition: (409, "invalid_request_error"), errors.Unavailable: (503, "server_error"),
+          errors.Busy: (429, "rate_limit_error")}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only at their neutral value
+# the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e: Exception) -> JSONResponse:
+    status, kind = STATUS.get(type(e), (500, "server_error"))
+    if status == 500:
+        log.error("internal error: %s: %s", type(e).__name__, e)
+    return JSONResponse(error_body(str(e), kind, getattr(e, "field", None)), status_code=status)
+
+
+# -- request parsing ----------------------------------------------------------------------
+def _get(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
+    """body[name] if present and of the given JSON types (and check(value)), else InvalidArgument naming it."""
+    if name not in body or body[name] is None:
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise errors.InvalidArgument(name, f"{name} = {value!r}: expected {what or kinds}")
+    if not isinstance(value, kinds) or (check is not None and not check(value)):
+        raise errors.InvalidArgument(name, f"{name} = {value!r}: expected {what}")
+    return value
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise errors.InvalidArgument(where, f"{where}: expected a string or a list of text parts")
+
+
+def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, bool]:
+    """(request, stream, include_usage) from an OpenAI request body."""
+    if not isinstance(body, dict):
+        raise errors.InvalidArgument("body", "the request body must be a JSON object")
+    model = _get(body, "model", str, what="a model name")
+    if model is not None and model not in (served, "default"):
+        raise errors.NotFound(f"model {model!r} is not served here (serving {served!r}); see /v1/models")
+    if _get(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)") != 1:
+        raise errors.InvalidArgument("n", "n must be 1")
+    for name in UNSUPPORTED_ZERO:
+        _get(body, name, (int, float), 0, lambda v: v == 0, f"0 ({name} is not supported)")
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise errors.InvalidArgument("stop", "stop: expected a string or a list of at most 4 strings")
+    max_tokens = _get(body, "max_completion_tokens", int, None, lambda v: v > 0, "a positive count")
+    max_tokens = _get(body, "max_tokens", int, max_tokens, lambda v: v > 0, "a positive count")
+    req = ChatRequest(max_tokens=max_tokens,
+                      temperature=_get(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2, "0 .. 2"),
+                      top_p=_get(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "0 < top_p <= 1"),
+                      seed=_get(body, "seed", int, None, lambda v: v >= 0, "a non-negative integer"), stop=stop,
+                      top_k=_get(body, "top_k", int, None, lambda v: v >= 0, "a count >= 0 (0: off)"),
+                      repetition_penalty=_get(body, "repetition_penalty", (int, float), None,
+                                              lambda v: 0 < v <= 10, "0 < value <= 10 (1: off)"))
+    if chat:
+        messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
+        if messages is None:
+            raise errors.InvalidArgument("messages", "messages is required")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise errors.InvalidArgument(f"messages[{i}]", f"messages[{i}]: expected an object with a role")
+            req.messages.append(ChatMessage(m["role"], _text(m.get("content", ""), f"messages[{i}].content")))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise errors.InvalidArgument("prompt", "prompt: expected one string")
+        req.prompt = prompt
+    stream = _get(body, "stream", bool, False, what="true or false")
+    options = _get(body, "stream_options", dict, {}, what="an object")
+    return req, stream, bool(options.get("include_usage"))
+
+
+# -- responses ------------------------------------------------------------------------------
+def _usage(done: DoneEvent) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+class _Completion:
+    """The shape of one response: chat or plain completion, whole or chunked."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def whole(self, text: str, done: DoneEvent) -> dict:
+        finish = FINISH.get(done.finish_reason, "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return self._envelope("chat.completion", [choice], _usage(done))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope("text_completion", [choice], _usage(done))
+
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                   "finish_reason": finish}])
+
+    def usage_chunk(self, done: DoneEvent) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], _usage(done))
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class HttpApi:
+    def __init__(self, daemon, token: str, metrics):
+        self.daemon, self.metrics = daemon, metrics
+        self._expected = f"Bearer {token}".encode()
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+
+    def _authorized(self, request: Request) -> bool:
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
+
+    def _denied(self) -> JSONResponse:
+        return JSONResponse(error_body("missing or wrong bearer token (header 'Authorization: Bearer <token>'; "
+                                       "the token is duckd's, in its state folder)", "invalid_request_error",
+                                       code="invalid_api_key"), status_code=401)
+
+    @property
+    def model_name(self) -> str:
+        return self.daemon.model.name or "default"
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"ready": self.daemon.ready}, status_code=200 if self.daemon.ready else 503)
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._denied()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "duck"}]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._denied()
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        if not self._authorized(request):
+            return self._denied()
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as e:
+            return error_response(errors.InvalidArgument("body", f"the request body is not JSON: {e}"))
+        try:
+            req, stream, include_usage = parse_request(body, chat, self.model_name)
+            events = self.daemon.chat.stream(req)
+            first = await events.__anext__()    # errors before the first token become the response's status
+        except (errors.ServiceError, RuntimeError) as e:
+            return error_response(e)
+        shape = _Completion(chat, self.model_name)
+        if stream:
+            return StreamingResponse(self._stream(shape, first, events, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, event = [], first
+        try:
+            while not isinstance(event, DoneEvent):
+                text.append(event.text)
+                event = await events.__anext__()
+        except (errors.ServiceError, RuntimeError) as e:
+            return error_response(e)
+        finally:
+            await events.aclose()
+        return JSONResponse(shape.whole("".join(text), event))
+
+    async def _stream(self, shape: _Completion, event, events, include_usage: bool):
+        try:
+            if shape.chat:
+                yield _sse(shape.chunk(None, first=True))
+            while not isinstance(event, DoneEvent):
+                yield _sse(shape.chunk(event.text))
+                event = await events.__anext__()
+            yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop")))
+            if include_usage:
+                yield _sse(shape.usage_chunk(event))
+            yield b"data: [DONE]\n\n"
+        except (errors.ServiceError, RuntimeError) as e:     # after the headers: the error as the last event
+            status, kind = STATUS.get(type(e), (500, "server_error"))
+            yield _sse(error_body(str(e), kind, getattr(e, "field", None)))
+        finally:
+            await events.aclose()    # a client that went away cancels its generation
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside the daemon's loop: the daemon owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The bound HTTP server; start() returns once it listens."""
+
+    def __init__(self, api: HttpApi, listen: str):
+        host, _, port = listen.rpartition(":")
+        # bound here, so that a port in use is an error of ours (uvicorn would exit the process)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            self.sock.close()
+            raise OSError(f"cannot bind the HTTP API to {listen}: {e.strerror}") from None
+        self.sock.listen(128)
+        self.address = "%s:%d" % self.sock.getsockname()[:2]
+        self.server = _Server(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                             timeout_graceful_shutdown=1))
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="http-api")
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP server stopped before it listened")
+            await asyncio.sleep(0.01)
+        log.info("OpenAI-compatible HTTP API listening on http://%s/v1", self.address)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self.server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API and /metrics on the shared real daemon, through the
+official `openai` client: chat (streamed and whole), completions, models, usage, stop;
+a wrong token is 401 and bad parameters are 400 naming the field, in OpenAI's error
+shape; /metrics parses with prometheus_client and carries every duck."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.test_deepseek_mtp import mtp_checkpoint  # noqa: F401 (fixture: tiny DeepSeek-V3 + nextn layer)
+
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(duckd_daemon):
+    return openai.OpenAI(base_url=f"http://{duckd_daemon.http_address}/v1", api_key=duckd_daemon.token,
+                         max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _get(daemon, path: str, token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{daemon.http_address}{path}",
+                                 headers={"Authorization": f"Bearer {token or daemon.token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_models_lists_the_served_model(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model] and model.endswith(".gguf") and models[0].owned_by == "duck"
+
+
+def test_chat_whole_and_streamed_agree(client, model):
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    text = whole.choices[0].message.content
+    assert "Paris" in text and whole.choices[0].message.role == "assistant"
+    assert whole.object == "chat.completion" and whole.usage.prompt_tokens > 0
+    assert whole.usage.completion_tokens <= 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text, "greedy: the stream carries the same text"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_and_length(client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0, stop=["Paris"])
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+def test_completions(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.prompt_tokens > 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_seeded_sampling_repeats(client, model):
+    a, b = (client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10, temperature=0.9,
+                                           top_p=0.9, seed=7).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_wrong_token_is_401_in_openai_shape(duckd_daemon, model):
+    bad = openai.OpenAI(base_url=f"http://{duckd_daemon.http_address}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    status, body = _get(duckd_daemon, "/metrics", token="nope")
+    assert status == 401 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": 7}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "messages[1].role"),
+    ({"messages": []}, "messages"),
+])
+def test_bad_parameters_are_400_naming_the_field(client, model, kwargs, param):
+    args = {"model": model, "messages": QUESTION, "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400 and e.value.param == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error" and param.split("[")[0] in e.value.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=2)
+    assert "gpt-9" in e.value.body["message"]
+
+
+def test_metrics_parse_and_carry_every_duck(duckd_daemon, client, model):
+    client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    status, body = _get(duckd_daemon, "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    ducks = {s.labels["duck"] for s in families["duck_state"].samples}
+    assert ducks == {str(d.id) for d in duckd_daemon.ducks()}
+    serving = {s.labels["duck"] for s in families["duck_state"].samples
+               if s.labels["state"] == "SERVING" and s.value == 1}
+    assert serving, "some duck is SERVING"
+    for name in ("duck_read_gbps", "duck_rtt_seconds", "duck_errors", "duck_retransmits", "duck_restarts",
+                 "duck_bytes_streamed", "duck_requests_queued", "duck_requests_running",
+                 "duck_time_to_first_token_seconds", "duck_time_per_output_token_seconds", "duck_request_seconds",
+                 "duck_prompt_tokens", "duck_generated_tokens", "duck_requests"):
+        assert name in families, name
+    out = [s.value for s in families["duck_generated_tokens"].samples if s.name.endswith("_total")]
+    assert out and out[0] >= 3
+
+
+def test_a_full_queue_answers_429_and_the_rest_complete(tmp_path):
+    """max_queued = 1: of six concurrent streams, the ones beyond the running one and the
+    one queued get 429 with OpenAI's error shape; every accepted one completes."""
+    import asyncio
+
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_queued": 1}), state,
+                           env={"XDG_STATE_HOME": str(tmp_path)}).start()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token,
+                                    max_retries=0, timeout=180)
+
+        async def one(i: int):
+            try:
+                r = await client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                    max_tokens=24, temperature=0)
+                return r.usage.completion_tokens
+            except openai.RateLimitError as e:
+                assert e.status_code == 429 and "max_queued" in e.body["message"], e.body
+                return "busy"
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(i) for i in range(6)))
+
+        results = asyncio.run(all_of_them())
+        assert "busy" in results, results
+        assert any(r != "busy" for r in results) and all(r == "busy" or r > 0 for r in results), results
+    finally:
+        daemon.stop()
+
+
+def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp_checkpoint):
+    """A tiny DeepSeek-V3 with an MTP head on a 2-duck fleet, served with model.mtp true
+    and false: the same greedy completion; acceptance in the stats and /metrics."""
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    texts, stats = {}, {}
+    for mtp in (True, False):
+        state = tmp_path / f"mtp-{mtp}"
+        daemon = RunningDaemon(write_config(tmp_path / f"duckd-{mtp}.toml", state, ducks=2,
+                                            model={"path": str(mtp_checkpoint), "mtp": mtp, "device": "cpu"}),
+                               state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+        try:
+            client = openai.OpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token, max_retries=0)
+            r = client.completions.create(model="default", prompt="w5 w9 w12 w33 w7", max_tokens=24, temperature=0)
+            texts[mtp] = r.choices[0].text
+            status, body = _get(daemon, "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+            stats[mtp] = [s.value for s in families["duck_mtp_drafts_verified"].samples if s.name.endswith("_total")]
+        finally:
+            daemon.stop()
+    assert texts[True] == texts[False] and texts[True]
+    assert stats[True][0] > 0 and stats[False][0] == 0
+
+
+def test_requests_without_sampling_settings_take_the_checkpoints(tmp_path, mtp_checkpoint):
+    """generation_config.json (greedy with a repetition penalty) is what a request naming no
+    sampling settings gets; one that names them gets its own."""
+    import json
+    import shutil
+
+    from engine.generate import SamplingParams, generate
+    from engine.loader import load_model
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(mtp_checkpoint, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 1.8}))
+    lm = load_model(folder, device="cpu")
+    prompt = "w5 w9 w12 w33 w7"
+    ids = lm.tokenizer.encode(prompt, add_special_tokens=True)
+    want = {pen: generate(lm.model, lm.tokenizer, ids, SamplingParams(max_tokens=16, repetition_penalty=pen)).text
+            for pen in (1.8, 1.0)}
+    assert want[1.8] != want[1.0], "the penalty changes nothing here: pick another prompt"
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2,
+                                        model={"path": str(folder), "device": "cpu", "mtp": False}),
+                           state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{daemon.http_address}/v1", api_key=daemon.token, max_retries=0)
+        got = client.completions.create(model="default", prompt=prompt, max_tokens=16).choices[0].text
+        mine = client.completions.create(model="default", prompt=prompt, max_tokens=16,
+                                         extra_body={"repetition_penalty": 1.0}).choices[0].text
+    finally:
+        daemon.stop()
+    assert got == want[1.8] and mine == want[1.0]
