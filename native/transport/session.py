@@ -13,7 +13,7 @@ from native.transport.errors import DuckError, DuckTimeout
 
 log = logging.getLogger("duck.transport")
 
-MAX_TOKENS = lib.WIRE_MAX_TOKENS
+MAX_TOKENS = lib.WIRE_TOKENS_DEFAULT   # per request to ducks whose hello did not say (see DuckInfo.max_tokens)
 F32, BF16 = lib.DUCK_DT_F32, lib.DUCK_DT_BF16
 _NUMPY_DTYPES = {np.dtype(np.float32): F32, np.dtype(np.uint16): BF16}   # bf16 as its bits
 _torch_dtypes: dict = {}

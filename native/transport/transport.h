@@ -107,7 +107,8 @@ typedef struct duck_forward_args {
     uint32_t y_dtype;            /* the type of y, and of the partials on the wire */
     void *y;                     /* [ntok][hidden]: the fp32 sum of every duck's partial (in duck order),
                                     converted once to y_dtype */
-    uint32_t request_tokens;     /* most tokens per request (the ducks' limit); 0: WIRE_MAX_TOKENS */
+    uint32_t request_tokens;     /* most tokens per request (the ducks' HELLO max_tokens); 0:
+                                    WIRE_TOKENS_DEFAULT */
     uint32_t pipeline;           /* requests in flight per duck; 0: DUCK_PIPELINE_DEFAULT */
 } duck_forward_args;
 

@@ -67,8 +67,8 @@ static size_t reply_bytes(const duck_forward_args *a, uint64_t n)
  * even: 100 tokens at 64 go as 50 + 50. */
 void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
 {
-    uint32_t nd = t->cfg.n_ducks, n = a->request_tokens && a->request_tokens < WIRE_MAX_TOKENS ? a->request_tokens
-                                                                                             : WIRE_MAX_TOKENS;
+    uint32_t nd = t->cfg.n_ducks, n = a->request_tokens ? a->request_tokens : WIRE_TOKENS_DEFAULT;
+    n = n < WIRE_MAX_TOKENS ? n : WIRE_MAX_TOKENS;
     for (uint32_t d = 0; d < nd; d++) {
         uint32_t limit = wire_max_message(t->link[d].mtu);
         while (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit))

@@ -55,8 +55,10 @@ extern "C" {
 #define WIRE_MAX_ERROR_TEXT 200
 #define WIRE_MAX_LAYERS 4096
 #define WIRE_MAX_EXPERTS 1024           /* per layer plan */
-#define WIRE_MAX_TOKENS 64              /* = DUCK_MAX_TOKENS (firmware/handlers.c checks): 1024 once the
-                                          kernels take it; nothing else here depends on the value */
+#define WIRE_MAX_TOKENS 4096            /* tokens one FORWARD may carry on the wire; each duck announces its
+                                          own limit in HELLO (max_tokens: its kernels' DUCK_MAX_TOKENS) */
+#define WIRE_TOKENS_DEFAULT 64          /* tokens per FORWARD to a duck that has not said hello: every duck
+                                          of this ABI takes them */
 #define WIRE_MAX_TOPK 32                /* = DUCK_MAX_TOPK */
 #define WIRE_UPLOAD_PART_MAX (1u << 20) /* bytes of tensor data in one UPLOAD */
 
@@ -173,7 +175,8 @@ typedef struct wire_hello_reply {
     uint32_t mtu;
     uint32_t flags;          /* WIRE_HELLO_* */
     char name[32];           /* "duckfw 1.0", NUL-padded */
-    uint32_t max_tokens;     /* tokens one FORWARD may carry to this duck (its kernels' bound), <= WIRE_MAX_TOKENS */
+    uint32_t max_tokens;     /* tokens one FORWARD may carry to this duck (its kernels' bound),
+                                WIRE_TOKENS_DEFAULT .. WIRE_MAX_TOKENS */
     uint32_t reserved;
 } wire_hello_reply;
 WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 96, "wire_hello_reply must be 96 bytes");

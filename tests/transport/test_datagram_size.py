@@ -122,11 +122,13 @@ def test_receive_buffer_and_datagram_size_bound_the_requests():
     with Fleet(addresses, key) as fleet:
         room = lib.duck_transport_rcvbuf(fleet._t) // 2
         plan = forward_plan(fleet, 4096, 7168)
-        assert plan["request_tokens"] == lib.WIRE_MAX_TOKENS and plan["requests"] == 4096 // lib.WIRE_MAX_TOKENS
+        assert plan["request_tokens"] == lib.WIRE_TOKENS_DEFAULT and plan["requests"] == 4096 // lib.WIRE_TOKENS_DEFAULT
         assert plan["pipeline"] * 8 * (64 + 64 * 7168 * 4) <= room and not plan["rcvbuf_short"]
         assert forward_plan(fleet, 100, 64)["request_tokens"] == 50          # 100 at 64: 50 + 50
         assert forward_plan(fleet, 100, 64, request_tokens=7)["requests"] == 15
         assert forward_plan(fleet, 1, 64, pipeline=4)["pipeline"] == 1
+        assert forward_plan(fleet, 4096, 64, request_tokens=1024)["request_tokens"] == 1024   # ducks that take 1024
+        assert forward_plan(fleet, 9000, 64, request_tokens=10000)["requests"] == 3   # 4096 at most: 3 x 3000
     with Fleet(addresses[:1], key) as one:                                   # 256 KiB per token each way
         assert one.datagram_sizes() == [lib.WIRE_MTU_DEFAULT]
         fits = (lib.WIRE_MAX_FRAGMENTS * (1500 - 28 - 32 - 16) - 64) // (65536 * 4)   # 51 tokens in 13.5 MB
