@@ -59,6 +59,7 @@ class ModelConfig:
     max_model_len: int = 2048
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
+    prefill_chunk: int = 512           # prompt tokens per prefill forward (engine.prefill)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
@@ -76,6 +77,8 @@ class ModelConfig:
         _positive("model.max_model_len", self.max_model_len)
         _positive("model.max_tokens", self.max_tokens)
         _positive("model.max_queued", self.max_queued)
+        if not isinstance(self.prefill_chunk, int) or not 1 <= self.prefill_chunk <= 65536:
+            raise ConfigError(f"model.prefill_chunk = {self.prefill_chunk!r}: expected 1..65536 tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 10:
             raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
         if self.top_p is not None and not 0 < self.top_p <= 1:

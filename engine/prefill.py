@@ -7,6 +7,7 @@ requests, pipelined, only where the ducks or the datagram sizes take fewer:
 docs/wire.md). The chunk also bounds the host's activations for long prompts.
 
     logits = prefill_logits(model, forward, ids, positions, chunk)   # [V] of the last token
+    hidden = prefill_hidden(forward, ids, positions, chunk)          # [T, H] of every token (MTP1 drafts)
 
 forward(ids, positions) -> hidden [T, H] is the model's forward over its
 cache (engine.generate gives the CUDA decoder's or the eager one); the CPU's
@@ -35,10 +36,22 @@ def prefill_chunks(n: int, chunk: int) -> list[slice]:
     return [slice(s, min(n, s + chunk)) for s in range(0, n, chunk)]
 
 
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @torch.inference_mode()
-def prefill_logits(model, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ids: torch.Tensor,
-                   positions: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """ids, positions [T] -> the logits [V] after the last token, the cache filled for all."""
+def prefill_hidden(forward: Forward, ids: torch.Tensor, positions: torch.Tensor, chunk: int = DEFAULT_CHUNK,
+                   last_only: bool = False) -> torch.Tensor:
+    """ids, positions [T] -> the hidden states [T, H] (or [1, H] of the last token), the cache filled for all."""
+    kept = []
     for part in prefill_chunks(ids.shape[0], chunk):
         hidden = forward(ids[part], positions[part])          # [t, H]
-    return model.compute_logits(hidden[-1:])[0]
+        kept.append(hidden[-1:] if last_only else hidden)
+    return kept[-1] if last_only else torch.cat(kept)
+
+
+@torch.inference_mode()
+def prefill_logits(model, forward: Forward, ids: torch.Tensor, positions: torch.Tensor,
+                   chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """ids, positions [T] -> the logits [V] after the last token, the cache filled for all."""
+    return model.compute_logits(prefill_hidden(forward, ids, positions, chunk, last_only=True))[0]
