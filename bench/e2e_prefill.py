@@ -1,7 +1,9 @@
 """The prefill phase of `duckctl bench e2e --synthetic` (bench/e2e_synthetic.py): a
 prompt in chunks of `chunk` tokens (engine.prefill), each chunk one forward whose FFN
 call per layer carries all its tokens. Reported per prompt: TTFT, prefill tok/s, the
-per-layer split of one chunk (host stage, FFN call, duck kernel), the distinct experts
+per-layer split of one chunk (host stage, FFN call, duck kernel: the slowest duck's
+time per request, summed, which may pass the call's wall time when requests are in
+flight together; then no transport time is derived), the distinct experts
 per layer per chunk (each is streamed once per request by every duck) and, on the
 fleet, the requests a call was cut into (at most the ducks' announced max_tokens)."""
 from __future__ import annotations
@@ -41,16 +43,18 @@ def measure_prefill(runner, prompt_len: int, chunk: int, room: int) -> dict:
     ffn = sum(c[1] for c in timed.calls)
     kernel = sum(c[2] for c in timed.calls)
     per = chunks * runner.n_layers          # layer passes
+    session = getattr(timed.backend, "session", None)
+    pipelined = session is not None and getattr(session, "last_requests", 0) > 1
     distinct = [len(torch.unique(r[r >= 0])) for _, r in timed.routes]
     out = {"prompt_len": prompt_len, "chunk": chunk, "chunks": chunks, "ttft_s": ttft,
            "prefill_tok_s": prompt_len / ttft,
            "per_layer_chunk_ms": {"host": (ttft - ffn) * 1e3 / per, "ffn_call": ffn * 1e3 / per,
                                   "duck_kernel": kernel * 1e3 / per if kernel else None,
-                                  "transport": (ffn - kernel) * 1e3 / per if kernel else None},
+                                  # requests in flight overlap: the slowest duck of each, summed, is no wall time
+                                  "transport": (ffn - kernel) * 1e3 / per if kernel and not pipelined else None},
            "distinct_experts_per_layer_chunk": statistics.mean(distinct) if distinct else None,
            "experts": model.config.num_experts or None,
            "cache": cache}
-    session = getattr(timed.backend, "session", None)
     if session is not None and getattr(session, "last_requests", 0):
         out["requests_per_call"] = {"requests": session.last_requests, "tokens": session.last_request_tokens,
                                     "in_flight": session.last_pipeline, "duck_max_tokens": session.duck_max_tokens}
