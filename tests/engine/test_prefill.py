@@ -103,14 +103,26 @@ def test_prefill_in_chunks_equals_token_by_token(kind, backend, family, report):
         lm.ffn.close()
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_generate_prefills_in_chunks(kind, family):
-    """generate()'s first logits and greedy tokens do not depend on the chunk (the native
-    CPU decoder's prefill for the Llama family, torch for the others)."""
+NATIVE_FAMILIES = ("llama", "qwen3", "qwen3_moe")   # engine.cpu.host_model.SUPPORTED
+
+
+@pytest.mark.parametrize("kind,backend", [(k, "fp9") for k in FAMILIES] + [(k, "fleet") for k in NATIVE_FAMILIES])
+def test_generate_prefills_in_chunks(kind, backend, family):
+    """generate()'s first logits and greedy tokens do not depend on the chunk; chunk 1 is the
+    token-by-token path (the native CPU decoder's prefill for the Llama family, through the
+    local fp9 kernels or the fleet; torch for the others)."""
     folder, vocab = family(kind)
-    lm = load_model(folder, backend="fp9")
-    prompt, params = _prompt(vocab, seed=6), SamplingParams(max_tokens=6, ignore_eos=True)
-    runs = {c: generate(lm.model, lm.tokenizer, prompt, params, keep_logits=True, prefill_chunk=c) for c in CHUNKS}
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS) if backend == "fleet" else "fp9")
+    try:
+        tokens_per_call = []
+        forward = lm.ffn.forward
+        lm.ffn.forward = lambda layer, x, *a, **k: tokens_per_call.append(x.shape[0]) or forward(layer, x, *a, **k)
+        prompt, params = _prompt(vocab, seed=6), SamplingParams(max_tokens=6, ignore_eos=True)
+        runs = {c: generate(lm.model, lm.tokenizer, prompt, params, keep_logits=True, prefill_chunk=c)
+                for c in CHUNKS}
+        assert max(tokens_per_call) == max(CHUNKS)     # a chunk is one FFN call per layer
+    finally:
+        lm.ffn.close()
     first = {c: r.logits[0] for c, r in runs.items()}
     for c in CHUNKS:
         assert _rel(first[c], first[1]) <= PREFILL_VS_STEPWISE_RTOL, c
