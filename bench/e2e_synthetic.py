@@ -3,7 +3,9 @@ the product path (host model + fleet of local ducks) and, in the same run, the
 baselines a user would compare with: every FFN on the GPU (the upper bound) and
 the FFNs on the host CPU through plain torch bf16 (the naive offload).
 
-Per configuration: TTFT and prefill tok/s at each prompt length, decode tok/s
+Per configuration: TTFT and prefill tok/s at each prompt length (in chunks of
+--prefill-chunk, bench/e2e_prefill.py: per-layer split, distinct experts per
+layer and chunk, the requests of a call), decode tok/s
 (median step), the per-layer split of a decode step (host stage, transport,
 duck kernel), the fleet's aggregate read bandwidth with all ducks reading at
 once and the roofline it implies; for the MTP pair: single step, the pair as
@@ -26,6 +28,7 @@ import time
 import torch
 
 from engine.ffn import FfnBackend
+from engine.prefill import DEFAULT_CHUNK
 from engine.lanes import (
     EagerLane,
     FfnWorker,
@@ -33,6 +36,7 @@ from engine.lanes import (
     run_lane,
     run_two_lanes,
 )
+from bench.e2e_prefill import _sync, measure_prefill, prefill_line
 from bench.synthetic import (
     NOTE,
     SHAPES,
@@ -57,6 +61,7 @@ class TimedFfn(FfnBackend):
         self.backend = backend
         self.calls: list[tuple[int, float, float]] = []   # (layer, wall s, kernel s)
         self.routes: list[tuple[int, torch.Tensor]] = []   # (layer, ids) of calls with host ids
+        self.keep_device_routes = False                    # a prefill's too (counted after it)
 
     def load_layer(self, layer):
         self.backend.load_layer(layer)
@@ -94,7 +99,7 @@ class TimedFfn(FfnBackend):
         t0 = time.perf_counter()
         y = self.backend.forward(layer, x, ids, weights, out=out)
         self.calls.append((layer, time.perf_counter() - t0, (self.kernel_us_total - k0) * 1e-6))
-        if ids.device.type == "cpu" and ids.shape[1] > 1:   # a routed layer; device ids would cost a sync
+        if ids.shape[1] > 1 and (ids.device.type == "cpu" or self.keep_device_routes):   # a routed layer
             self.routes.append((layer, ids.clone()))   # counted after the step
         return y
 
@@ -123,11 +128,6 @@ def routing_spread(steps: list[list[tuple[int, object]]], n_experts: int) -> dic
             "experts_read_over_the_steps": mean(coverage)}
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 class Runner:
     """Prefill and decode steps of one model on one backend, timed. On CUDA the decode
     steps replay CUDA graphs (engine.gpu.graphs) unless graphs are off; a host-side
@@ -151,15 +151,8 @@ class Runner:
     def _ids(self, n: int) -> torch.Tensor:
         return torch.randint(2, self.vocab, (n,), generator=self.gen).to(self.device)
 
-    @torch.inference_mode()
-    def prefill(self, prompt_len: int, steps: int) -> dict:
-        cache = self.model.make_cache(prompt_len + steps + 4)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        hidden = self.model(self._ids(prompt_len), torch.arange(prompt_len, device=self.device), cache)
-        int(self.model.compute_logits(hidden[-1:]).argmax())
-        ttft = time.perf_counter() - t0
-        return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft, "cache": cache}
+    def prefill(self, prompt_len: int, steps: int, chunk: int = DEFAULT_CHUNK) -> dict:
+        return measure_prefill(self, prompt_len, chunk, steps + 4)
 
     def _lanes(self, cache, mode: str, tokens: int, drive_from_c: bool = True):
         """What runs the steps: None (the model's forward), a lane, or (lane, lane, worker)."""
@@ -306,7 +299,7 @@ def run_config(args, kind: str, device, dtype) -> dict:
         runner.decode(runner.prefill(8, 4)["cache"], 8, 2)   # warm-up: allocations, first touches
         out["prompts"] = []
         for p in args.prompts:
-            pre = runner.prefill(p, 5 * args.steps + 4)
+            pre = runner.prefill(p, 5 * args.steps + 4, args.prefill_chunk)
             cache = pre.pop("cache")
             single = runner.decode(cache, p, args.steps)
             entry = {**pre, "decode": single}
@@ -355,7 +348,10 @@ def main(argv: list[str]) -> int:
                     help="give each duck its own block of CPUs, one worker pinned per CPU (dedicated hardware)")
     ap.add_argument("--duck-spin-us", type=int, default=0, help="ducks spin this long for requests before blocking")
     ap.add_argument("--spin-us", type=int, default=0, help="host polls this long for replies (0: blocks)")
-    ap.add_argument("--prompts", default="16,1024", help="prompt lengths, comma separated")
+    ap.add_argument("--prompts", default="16,512,1024,4096",
+                    help="prompt lengths, comma separated (4096 takes minutes on a small CPU host)")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_CHUNK,
+                    help="prompt tokens per prefill forward (duckd's model.prefill_chunk)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per configuration")
     ap.add_argument("--backends", default="fleet,gpu,cpu-torch",
                     help="fleet, gpu (every FFN on the GPU), cpu-torch (naive offload); gpu is skipped without CUDA")
@@ -428,11 +424,12 @@ def _table(r: dict) -> str:
             continue
         k = r[kind]
         for p in k["prompts"]:
+            lines.append(prefill_line(kind, p))
             d = p["decode"]
             split = d["per_layer_ms"]
             extra = "".join(f", {n} {v:.2f}" for n, v in split.items() if v is not None)
-            lines.append(f"{kind:9s} prompt {p['prompt_len']:5d}: ttft {p['ttft_s']:.3f} s, prefill "
-                         f"{p['prefill_tok_s']:.1f} tok/s, decode {d['tok_s']:.2f} tok/s; per layer ms: {extra[2:]}")
+            lines.append(f"{kind:9s} decode after {p['prompt_len']:5d}: {d['tok_s']:.2f} tok/s; per layer ms: "
+                         f"{extra[2:]}")
             r = d.get("routing")
             if r:
                 lines.append(f"{kind:9s} routing over {r['steps']} steps: {r['distinct_experts_per_layer_step']:.1f} "

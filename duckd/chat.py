@@ -326,6 +326,7 @@ class ChatService:
                 try:
                     result = run(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
                                  max_model_len=len(prompt) + params.max_tokens,
+                                 prefill_chunk=self.daemon.cfg.model.prefill_chunk,
                                  should_stop=lambda: cancel.is_set() or stopping.is_set())
                     put(("done", result))
                 except Cancelled:

@@ -60,7 +60,8 @@ class ModelConfig:
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
-    step_tokens: int = 64              # tokens per batched step: every sequence's next token, then prompt chunks
+    step_tokens: int = 256             # tokens per batched step: every sequence's next token, then prompt chunks
+    prefill_chunk: int = 512           # prompt tokens per prefill forward (engine.prefill)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
@@ -79,9 +80,11 @@ class ModelConfig:
         _positive("model.max_tokens", self.max_tokens)
         _positive("model.max_queued", self.max_queued)
         _positive("model.max_seqs", self.max_seqs)
-        if not self.max_seqs <= self.step_tokens <= 64:
-            raise ConfigError(f"model.step_tokens = {self.step_tokens!r}: expected max_seqs ({self.max_seqs}) .. 64 "
-                              f"(every sequence's next token fits one step; the native decoder takes 64)")
+        if not self.max_seqs <= self.step_tokens <= 1024:
+            raise ConfigError(f"model.step_tokens = {self.step_tokens!r}: expected max_seqs ({self.max_seqs}) .. 1024 "
+                              f"(every sequence's next token fits one step; the native decoder takes 1024)")
+        if not isinstance(self.prefill_chunk, int) or not 1 <= self.prefill_chunk <= 65536:
+            raise ConfigError(f"model.prefill_chunk = {self.prefill_chunk!r}: expected 1..65536 tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 10:
             raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -36,7 +36,7 @@ from engine.layers import SlotKVCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEP_TOKENS = 64   # tokens per step: decode tokens first, prefill chunks fill the rest
+DEFAULT_STEP_TOKENS = 256   # tokens per step: decode tokens first, prefill chunks fill the rest
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.prefill import DEFAULT_CHUNK, check_chunk, prefill_logits
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -172,11 +173,14 @@ class TokenStream:
 @torch.inference_mode()
 def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
-             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None,
+             prefill_chunk: int = DEFAULT_CHUNK) -> GenerationResult:
     """Runs one request. on_text receives text deltas as they become final
     (text that might begin a stop string is held back until it cannot);
-    should_stop, asked after every token, ends the request ("cancelled") when true."""
+    should_stop, asked after every token, ends the request ("cancelled") when true;
+    prefill_chunk: prompt tokens per prefill forward (engine.prefill)."""
     params = params or SamplingParams()
+    check_chunk(prefill_chunk)
     if not prompt_ids:
         raise ValueError("empty prompt")
     max_model_len = max_model_len or min(len(prompt_ids) + params.max_tokens, model.config.max_position_embeddings)
@@ -186,7 +190,8 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     out = TokenStream(tokenizer, prompt_ids, params, device, on_text, keep_logits)
     decoder = cuda_decoder(model, max_model_len)   # None on the CPU: a cache of this request, eager steps
     cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
-    native = cpu_decoder(model, cache) if decoder is None else None   # decode steps in C on the CPU
+    # on the CPU the prefill chunks and the decode steps in C, where the model is supported
+    native = cpu_decoder(model, cache, min(prefill_chunk, len(prompt_ids))) if decoder is None else None
     finish = None
 
     start = time.perf_counter()
@@ -194,13 +199,15 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     ids = torch.tensor(prompt_ids, dtype=torch.int64, device=step_device)
     positions = torch.arange(len(prompt_ids), device=step_device)
     ttft = 0.0
+    forward = decoder if decoder is not None else (lambda i, p: model(i, p, cache))
     try:
         while True:
-            if native is not None and out.out_ids:          # a decode step; the prefill stays in torch
-                logits = native(ids, positions)[-1]             # [V]
+            if native is not None:
+                logits = native(ids, positions)[-1] if out.out_ids else native.prefill(ids, positions, prefill_chunk)
+            elif out.out_ids:
+                logits = model.compute_logits(forward(ids, positions)[-1:])[0]                     # [V]
             else:
-                hidden = decoder(ids, positions) if decoder is not None else model(ids, positions, cache)
-                logits = model.compute_logits(hidden[-1:])[0]   # [V]
+                logits = prefill_logits(model, forward, ids, positions, prefill_chunk)             # [V]
             done = out.push(logits)
             if len(out.out_ids) == 1:
                 ttft = time.perf_counter() - start
@@ -234,14 +241,15 @@ def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):
     return decoder_for(model, max_model_len, steps)
 
 
-def cpu_decoder(model, cache):
-    """engine.cpu.decode's native decoder for the decode steps of a model on the CPU,
-    on the cache the torch prefill fills; None on CUDA, for a model it does not run
-    (it says why at debug level) or with DUCK_CPU_NATIVE=0."""
+def cpu_decoder(model, cache, prefill_chunk: int = 0):
+    """engine.cpu.decode's native decoder for the prefill (in chunks of prefill_chunk
+    tokens, at most its limit) and the decode steps of a model on the CPU; None on CUDA,
+    for a model it does not run (it says why at debug level) or with DUCK_CPU_NATIVE=0."""
     if model.model.embed_tokens.weight.device.type != "cpu":
         return None
+    from engine.cpu.decode import MAX_STEP_TOKENS, MAX_TOKENS
     from engine.cpu.decode import cpu_decoder as decoder_for
-    return decoder_for(model, cache)
+    return decoder_for(model, cache, max_tokens=min(max(MAX_TOKENS, prefill_chunk), MAX_STEP_TOKENS))
 
 
 @torch.inference_mode()

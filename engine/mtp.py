@@ -38,6 +38,7 @@ from engine.lanes import (
     StepTrace,
     run_two_lanes,
 )
+from engine.prefill import DEFAULT_CHUNK, check_chunk, prefill_hidden
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,14 @@ class _Output(TokenStream):
 def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
                  overlap: str = "batch", trace: StepTrace | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+                 should_stop: Callable[[], bool] | None = None,
+                 prefill_chunk: int = DEFAULT_CHUNK) -> GenerationResult:
     """generate() with MTP1 drafts: token-identical to generate() when greedy, the same
     distribution when sampling; fewer main-model steps either way. overlap: "batch"
-    (the pair in one forward) or "lanes" (the dual lane); trace collects the pair steps' times."""
+    (the pair in one forward) or "lanes" (the dual lane); trace collects the pair steps' times;
+    prefill_chunk: prompt tokens per prefill forward (engine.prefill)."""
     params = params or SamplingParams()
+    check_chunk(prefill_chunk)
     if overlap not in ("batch", "lanes"):
         raise ValueError(f"overlap must be 'batch' or 'lanes', got {overlap!r}")
     layers = getattr(model, "mtp_layers", None)
@@ -102,7 +106,10 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
             pair = ((decoder.lane(1, "a"), decoder.lane(1, "b")) if decoder is not None
                     else (EagerLane(model, cache, "lane-a"), EagerLane(model, cache, "lane-b")))
             lanes = (*pair, FfnWorker(backend))
-        return _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward)
+        eager = lambda ids, positions: model(ids, positions, cache)  # noqa: E731  (ids on the model's device)
+        prefill = lambda ids, positions: prefill_hidden(eager, ids, positions, prefill_chunk)  # noqa: E731
+        return _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward,
+                    prefill)
     finally:
         for part in lanes or ():
             if isinstance(part, (EagerLane, FfnWorker)):   # the decoder keeps its graph lanes
@@ -111,7 +118,7 @@ def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Sam
             decoder.release()
 
 
-def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward):
+def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, device, lanes, trace, forward, prefill):
     n = len(prompt_ids)
     accepted = verified = 0
     greedy = params.temperature == 0.0
@@ -127,7 +134,7 @@ def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, devic
 
     start = time.perf_counter()
     positions = torch.arange(n, device=device)
-    hidden = model(torch.tensor(prompt_ids, device=device), positions, cache)      # [n, H]
+    hidden = prefill(torch.tensor(prompt_ids, device=device), positions)            # [n, H], in chunks
     token = draw(dist(model.compute_logits(hidden[-1:])[0]))
     ttft = time.perf_counter() - start
     going = out.push(token)

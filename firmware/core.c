@@ -92,6 +92,22 @@ int core_fault_drop(duck_core *c)
 
 uint32_t core_default_mtu(const duck_core *c) { return wire_reply_mtu(0, c->cfg.mtu); }
 
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Whether the datagram in hand arrived before reply r was first sent: a
+ * RESEND or duplicate the host sent while this duck computed (its timer
+ * does not know how long a large forward takes). The reply that was just
+ * sent answers it; sending the reply again would only double the traffic. */
+static int asked_before_reply(const duck_core *c, const reply_slot *r)
+{
+    return c->rx_ns && r->sent_ns && c->rx_ns < r->sent_ns;
+}
+
 /* Seals fragments [0, count) of one message in datagrams of at most mtu
  * bytes, skipping those marked in `have`, and sends them in batches. */
 static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
@@ -174,7 +190,10 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
     c->stats.resends++;
     reply_slot *r = msgs_find_reply(&c->msgs, &k);
     if (r) {
-        core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
+        if (asked_before_reply(c, r))
+            c->stats.stale++;
+        else
+            core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
         return;
     }
     send_nack(c, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
@@ -226,8 +245,13 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
     reply_slot *done = msgs_find_reply(&c->msgs, &k);
     if (done) {
         c->stats.duplicates++;
-        if (h.frag_index == 0)
+        if (h.frag_index == 0 && !asked_before_reply(c, done))
             core_send_reply(c, done, NULL, 0);
+        return;
+    }
+    if (h.total_len > CONTROL_MESSAGE_MAX &&
+        (h.type != WIRE_T_FORWARD || !c->session.id || h.session != c->session.id)) {
+        refuse(c, &c->stats.malformed, "a message this large must be a forward of the open session", from, len);
         return;
     }
     reply_slot *r;
@@ -254,4 +278,5 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
         return;
     }
     core_send_reply(c, r, NULL, 0);
+    r->sent_ns = mono_ns();
 }

@@ -101,6 +101,14 @@ typedef struct duck_peer {
 
 #define REASM_SLOTS 4
 #define REPLY_SLOTS 8
+/* Memory bounds: the buffers of messages being reassembled, and of the
+ * replies kept for duplicates, each hold at most this many bytes in all
+ * (the least recently used go first). A message above CONTROL_MESSAGE_MAX
+ * is taken only as a FORWARD of the open session: a peer that does not know
+ * the session cannot make the duck hold large buffers. */
+#define REASM_BUDGET (2ull * WIRE_MAX_MESSAGE)
+#define REPLY_BUDGET (2ull * WIRE_MAX_MESSAGE)
+#define CONTROL_MESSAGE_MAX (2u << 20)
 
 typedef struct msg_key {
     duck_peer peer;
@@ -126,6 +134,8 @@ typedef struct reply_slot {
     int with_mac;
     uint32_t mtu;              /* datagram size the reply is cut for (a RESEND gets the same geometry) */
     uint64_t touched;
+    uint64_t sent_ns;          /* CLOCK_MONOTONIC when the reply was first sent: a RESEND or a duplicate that
+                                  arrived before then asked before the reply existed, and is answered by it */
     uint8_t *buf;              /* reply payload (wire_reply_head + body) */
     uint32_t len, cap;
 } reply_slot;
@@ -139,12 +149,13 @@ typedef struct duck_msgs {
 void msgs_free(duck_msgs *m);
 reply_slot *msgs_find_reply(duck_msgs *m, const msg_key *k);
 /* The least recently used reply slot, reset for k, with room for cap bytes
- * (NULL if out of memory). */
+ * (NULL if out of memory); older replies are dropped to keep REPLY_BUDGET. */
 reply_slot *msgs_take_reply(duck_msgs *m, const msg_key *k, uint32_t cap);
 reasm_slot *msgs_find_reasm(duck_msgs *m, const msg_key *k);
 /* Adds a fragment; returns the slot when the message is complete, NULL
- * otherwise. *evicted is 1 when an incomplete message was dropped for room,
- * -1 when the fragment contradicts its message's geometry (dropped). */
+ * otherwise. *evicted is 1 when an incomplete message was dropped for room
+ * (a slot, or REASM_BUDGET), -1 when the fragment contradicts its message's
+ * geometry (dropped). */
 reasm_slot *msgs_add_fragment(duck_msgs *m, const msg_key *k, const wire_header *h,
                               const uint8_t *payload, int *evicted);
 void msgs_release(reasm_slot *s);

@@ -9,7 +9,9 @@
 #include <string.h>
 #include <time.h>
 
-_Static_assert(WIRE_MAX_TOKENS <= DUCK_MAX_TOKENS, "a wire forward may hold more tokens than the kernels take");
+/* HELLO announces DUCK_MAX_TOKENS as this duck's limit per forward; the host cuts its forwards by it */
+_Static_assert(DUCK_MAX_TOKENS >= WIRE_TOKENS_DEFAULT && DUCK_MAX_TOKENS <= WIRE_MAX_TOKENS,
+               "the kernels' tokens per call must lie within the wire's bounds");
 _Static_assert(WIRE_MAX_TOPK == DUCK_MAX_TOPK, "the wire and the kernels disagree on experts per token");
 
 static uint64_t now_ns(void)
@@ -64,6 +66,7 @@ static reply_slot *on_hello(duck_core *c, reply_slot *r)
     hr.mtu = c->cfg.mtu;
     hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
     snprintf(hr.name, sizeof hr.name, "%s", DUCKFW_NAME);
+    hr.max_tokens = DUCK_MAX_TOKENS;
     memcpy(body(r), &hr, sizeof hr);
     return r;
 }
@@ -215,16 +218,27 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
     uint64_t slots = (uint64_t)f.ntok * f.topk, xsize = f.x_dtype == WIRE_X_BF16 ? 2 : 4;
     uint64_t ybytes = (uint64_t)f.ntok * f.hidden * wire_dtype_bytes(f.y_dtype);
     uint32_t reply_mtu = wire_reply_mtu(f.reply_mtu, c->cfg.mtu);
+    uint64_t reply_bytes = sizeof(wire_reply_head) + sizeof(wire_forward_reply) + ybytes;
     int ok_shape = len >= sizeof f && f.ntok <= WIRE_MAX_TOKENS && f.topk <= WIRE_MAX_TOPK && f.x_dtype <= 1 &&
                    f.hidden <= (1u << 16) && f.y_dtype <= 1 && f.reserved == 0 && reply_mtu &&
-                   ybytes + sizeof(wire_reply_head) + sizeof(wire_forward_reply) <= WIRE_MAX_MESSAGE && len == sizeof f + 8 * slots + (uint64_t)f.ntok * f.hidden * xsize;
-    reply_slot *r = reply_new(c, k, h, (uint32_t)sizeof(wire_forward_reply) + (ok_shape ? (uint32_t)ybytes : 0));
+                   len == sizeof f + 8 * slots + (uint64_t)f.ntok * f.hidden * xsize;
+    /* the reply must be cut in at most WIRE_MAX_FRAGMENTS datagrams of the size the host takes */
+    int ok_tokens = ok_shape && f.ntok <= DUCK_MAX_TOKENS;
+    int ok_reply = ok_tokens && reply_bytes <= wire_max_message(reply_mtu);
+    reply_slot *r = reply_new(c, k, h, (uint32_t)sizeof(wire_forward_reply) + (ok_reply ? (uint32_t)ybytes : 0));
     if (!r)
         return NULL;
     if (!ok_shape)
-        return fail(r, WIRE_E_MALFORMED, "forward of %u bytes does not match ntok %u, topk %u, hidden %u, "
-                    "dtype %u -> %u, reply datagrams %u (reserved %u)", len, f.ntok, f.topk, f.hidden, f.x_dtype,
-                    f.y_dtype, f.reply_mtu, f.reserved);
+        return fail(r, WIRE_E_MALFORMED, "forward of %u bytes does not match ntok %u (at most %u), topk %u, "
+                    "hidden %u, dtype %u -> %u, reply datagrams %u (reserved %u)", len, f.ntok, WIRE_MAX_TOKENS,
+                    f.topk, f.hidden, f.x_dtype, f.y_dtype, f.reply_mtu, f.reserved);
+    if (!ok_tokens)
+        return fail(r, WIRE_E_RANGE, "forward of %u tokens: this duck takes at most %u per forward (its hello's "
+                    "max_tokens); cut the forward into requests of at most that", f.ntok, DUCK_MAX_TOKENS);
+    if (!ok_reply)
+        return fail(r, WIRE_E_RANGE, "forward of %u tokens x hidden %u: its reply of %llu bytes exceeds the "
+                    "%u bytes that %u datagrams of %u bytes carry; send fewer tokens per forward", f.ntok, f.hidden,
+                    (unsigned long long)reply_bytes, wire_max_message(reply_mtu), WIRE_MAX_FRAGMENTS, reply_mtu);
     r->mtu = reply_mtu;
     if (!c->session.id || h->session != c->session.id)
         return fail(r, WIRE_E_NO_SESSION, "no open session %08x (open: %08x)", h->session, c->session.id);

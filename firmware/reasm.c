@@ -44,18 +44,44 @@ reply_slot *msgs_find_reply(duck_msgs *m, const msg_key *k)
     return NULL;
 }
 
+/* Buffers of the other reply slots are freed, least recently used first,
+ * until they and `keep` (grown to need) fit REPLY_BUDGET. */
+static void reply_room(duck_msgs *m, const reply_slot *keep, uint32_t need)
+{
+    for (;;) {
+        uint64_t total = keep->cap > need ? keep->cap : need;
+        reply_slot *victim = NULL;
+        for (int i = 0; i < REPLY_SLOTS; i++) {
+            reply_slot *r = &m->rp[i];
+            if (r == keep || !r->buf)
+                continue;
+            total += r->cap;
+            if (!victim || (victim->used && (!r->used || r->touched < victim->touched)))
+                victim = r;
+        }
+        if (total <= REPLY_BUDGET || !victim)
+            return;
+        free(victim->buf);
+        victim->buf = NULL;
+        victim->cap = 0;
+        victim->used = 0;   /* its duplicates are computed again */
+    }
+}
+
 reply_slot *msgs_take_reply(duck_msgs *m, const msg_key *k, uint32_t cap)
 {
     reply_slot *r = &m->rp[0];
     for (int i = 1; i < REPLY_SLOTS; i++)
         if (!m->rp[i].used || (r->used && m->rp[i].touched < r->touched))
             r = &m->rp[i];
+    reply_room(m, r, cap);
     if (grow(&r->buf, &r->cap, cap) != 0)
         return NULL;
     r->used = 1;
     r->key = *k;
     r->len = 0;
     r->with_mac = 0;
+    r->sent_ns = 0;
     r->touched = ++m->clock;
     return r;
 }
@@ -66,6 +92,33 @@ reasm_slot *msgs_find_reasm(duck_msgs *m, const msg_key *k)
         if (m->rs[i].used && key_eq(&m->rs[i].key, k))
             return &m->rs[i];
     return NULL;
+}
+
+/* Buffers of the other reassembly slots are freed (idle ones first, then
+ * the least recently touched incomplete messages, dropped) until they and
+ * `keep` (grown to need) fit REASM_BUDGET. Returns 1 if a message was dropped. */
+static int reasm_room(duck_msgs *m, const reasm_slot *keep, uint32_t need)
+{
+    int dropped = 0;
+    for (;;) {
+        uint64_t total = keep->cap > need ? keep->cap : need;
+        reasm_slot *victim = NULL;
+        for (int i = 0; i < REASM_SLOTS; i++) {
+            reasm_slot *s = &m->rs[i];
+            if (s == keep || !s->buf)
+                continue;
+            total += s->cap;
+            if (!victim || (victim->used && (!s->used || s->touched < victim->touched)))
+                victim = s;
+        }
+        if (total <= REASM_BUDGET || !victim)
+            return dropped;
+        dropped |= victim->used;
+        free(victim->buf);
+        victim->buf = NULL;
+        victim->cap = 0;
+        victim->used = 0;
+    }
 }
 
 reasm_slot *msgs_add_fragment(duck_msgs *m, const msg_key *k, const wire_header *h,
@@ -82,7 +135,7 @@ reasm_slot *msgs_add_fragment(duck_msgs *m, const msg_key *k, const wire_header 
         for (int i = 1; i < REASM_SLOTS; i++)
             if (!m->rs[i].used || (s->used && m->rs[i].touched < s->touched))
                 s = &m->rs[i];
-        *evicted = s->used;
+        *evicted = s->used | reasm_room(m, s, h->total_len);
         if (grow(&s->buf, &s->cap, h->total_len) != 0) {
             s->used = 0;
             return NULL;

@@ -1,6 +1,7 @@
-"""Decoding on the CPU for engine.generate: the decode steps of a Llama-family
-model in native C (native/host/), over the model's own fp32 weights and the
-KV cache the torch prefill filled. One step of T tokens:
+"""Prefill and decoding on the CPU for engine.generate: the steps of a
+Llama-family model in native C (native/host/), over the model's own fp32
+weights and its KV cache. One step of T tokens (a decode step, or a prefill
+chunk of up to max_tokens):
 
     duck_host_begin                     embeddings, rotary tables
     per layer: duck_host_layer_step     [+ previous FFN output] input norm, q/k/v, rotary, cache write,
@@ -10,6 +11,7 @@ KV cache the torch prefill filled. One step of T tokens:
     duck_host_finish                    [+ last FFN output] final norm, lm_head -> logits [T, V]
 
     decoder = cpu_decoder(model, cache)          # None: not on the CPU, unsupported, or DUCK_CPU_NATIVE=0
+    logits = decoder.prefill(ids, positions)     # [V]: the prompt in steps of max_tokens, the last token's logits
     logits = decoder(ids, positions)             # [T, V], T <= decoder.max_tokens
 
 Greedy answers are those of the torch path (same fp32 math; sums may be
@@ -24,6 +26,7 @@ import os
 import torch
 
 from engine.cpu.host_model import HostModel, UnsupportedModel
+from engine.prefill import prefill_chunks
 from native._native import ffi, lib
 from native.host.ops import host_kernels, kernels_name
 from native.kernels import Pool
@@ -33,7 +36,8 @@ log = logging.getLogger(__name__)
 NATIVE_ENV = "DUCK_CPU_NATIVE"   # auto (default): where supported; 0: never; 1: always (unsupported raises)
 _MODES = {"auto": "auto", "": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
           "1": "on", "on": "on", "true": "on", "yes": "on", "force": "on"}
-MAX_TOKENS = 16   # decode steps, MTP pairs and short verification steps; longer ones are prefills (torch)
+MAX_TOKENS = 16   # decode steps, MTP pairs and short verification steps (a prefill's decoder takes its chunk)
+MAX_STEP_TOKENS = lib.DUCK_HOST_MAX_TOKENS   # the longest step, a prefill chunk
 
 
 class NativeDecodeError(RuntimeError):
@@ -58,6 +62,7 @@ class CpuDecoder:
         self.host = HostModel(model, cache, max_tokens)   # raises UnsupportedModel
         c = model.config
         self.max_tokens, self.hidden, self.vocab = max_tokens, c.hidden_size, c.vocab_size
+        self._ntok = 0
         self.kernels = host_kernels(kernel_set)
         self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)   # spin_us=0: blocks when idle
         # the FFN's inputs, written by C, read by the backend
@@ -97,7 +102,7 @@ class CpuDecoder:
         positions = positions.to(torch.int64).contiguous()
         if ids.dim() != 1 or ids.shape != positions.shape:
             raise ValueError(f"ids {tuple(ids.shape)} and positions {tuple(positions.shape)} must be one [T] each")
-        ntok = ids.shape[0]
+        ntok = self._ntok = ids.shape[0]
         slot_ptr = ffi.NULL
         if slots is not None:
             slots = slots.to(torch.int32).contiguous()
@@ -127,8 +132,12 @@ class CpuDecoder:
         return y
 
     def logits(self, y: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """Final norm + lm_head after the last layer's FFN output y [T, H] -> logits [T, V],
-        or [len(rows), V] of the tokens rows (increasing indices) only."""
+        """Final norm + lm_head after the last layer's FFN output y [T, H] of the step
+        -> logits [T, V], or [len(rows), V] of the tokens rows (increasing indices) only
+        (a prefill chunk needs its last token's, a batch each sequence's last)."""
+        if tuple(y.shape) != (self._ntok, self.hidden):
+            raise ValueError(f"logits need the step's last FFN output [{self._ntok}, {self.hidden}], "
+                             f"got {tuple(y.shape)}")
         if rows is None:
             out = torch.empty(y.shape[0], self.vocab, dtype=torch.float32)
             self._check(lib.duck_host_finish(self._d, self._out_ptr(y), ffi.cast("float *", out.data_ptr())))
@@ -138,6 +147,14 @@ class CpuDecoder:
         self._check(lib.duck_host_finish_rows(self._d, self._out_ptr(y), picked, len(rows),
                                               ffi.cast("float *", out.data_ptr())))
         return out
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """A prompt (or its rest) in steps of chunk tokens (at most, and by default,
+        max_tokens) -> the last token's logits [V]."""
+        for part in prefill_chunks(ids.shape[0], min(chunk or self.max_tokens, self.max_tokens)):
+            y = self.layers(ids[part], positions[part])
+        return self.logits(y, [y.shape[0] - 1])[0]
 
     @staticmethod
     def _out_ptr(y: torch.Tensor | None):

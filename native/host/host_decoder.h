@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define DUCK_HOST_MAX_TOKENS 64   /* tokens in one step (decode and short verification steps) */
+#define DUCK_HOST_MAX_TOKENS 1024 /* tokens in one step: decode steps, verification steps, prefill chunks */
 #define DUCK_HOST_MAX_TOPK 32     /* the wire's limit on experts per token */
 
 /* One decoder layer's tensors, row-major [out, in] as torch nn.Linear keeps them. */

@@ -8,10 +8,11 @@ INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n
 _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
-WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_MAX_TOPK
+WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
+DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 """.split()
 
 CDEF = "\n".join(f"#define {name} ..." for name in _CONSTANTS) + """
@@ -32,7 +33,7 @@ typedef struct wire_reply_head { int32_t status; uint32_t flags; ...; } wire_rep
 typedef struct wire_hello_reply {
     uint32_t duck_id; uint32_t fw_version; uint32_t abi; uint16_t cores; uint16_t threads; uint64_t mem_bytes;
     uint64_t cache_bytes; uint64_t cache_capacity; uint32_t cache_entries; uint32_t session; uint32_t mtu;
-    uint32_t flags; char name[...]; ...;
+    uint32_t flags; char name[...]; uint32_t max_tokens; ...;
 } wire_hello_reply;
 typedef struct wire_ping { uint64_t t_ns; uint16_t reply_mtu; ...; } wire_ping;
 typedef struct wire_stats {
@@ -73,11 +74,13 @@ const char *wire_type_str(unsigned type);
 
 typedef struct duck_transport_config {
     uint32_t n_ducks; const uint32_t *addrs; const uint16_t *ports; const uint8_t *key; uint32_t key_len;
-    uint32_t mtu; uint32_t retransmit_us; uint32_t deadline_us; int32_t mac_data; uint32_t spin_us; ...;
+    uint32_t mtu; uint32_t retransmit_us; uint32_t deadline_us; int32_t mac_data; uint32_t spin_us;
+    uint32_t rcvbuf; ...;
 } duck_transport_config;
 typedef struct duck_call {
     uint32_t duck; uint32_t type; uint32_t session; uint32_t payload_len; const void *payload; void *reply;
-    uint32_t reply_cap; uint32_t reply_len; int32_t result; uint32_t retransmits; uint64_t rtt_ns; ...;
+    uint32_t reply_cap; uint32_t reply_len; int32_t result; uint32_t retransmits; uint64_t rtt_ns;
+    uint64_t work_ns; ...;
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
@@ -97,13 +100,15 @@ uint32_t duck_transport_rcvbuf(const duck_transport *t);
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 typedef struct duck_forward_args {
     uint32_t session, layer, ntok, topk, hidden; const int32_t *expert_ids; const float *expert_weights;
-    const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; ...;
+    const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; uint32_t request_tokens; uint32_t pipeline; ...;
 } duck_forward_args;
 typedef struct duck_forward_result {
     int32_t failed_duck; int32_t result; int32_t duck_status; uint32_t kernel_us_max; uint64_t bytes_streamed;
-    uint32_t retransmits; uint32_t wake_ns_max; uint32_t mtu_fallbacks; char message[...]; ...;
+    uint32_t retransmits; uint32_t wake_ns_max; uint32_t mtu_fallbacks; uint32_t requests; uint32_t request_tokens;
+    uint32_t pipeline; uint64_t kernel_us_sum; int32_t rcvbuf_short; char message[...]; ...;
 } duck_forward_result;
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
+void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
 
 typedef struct duck_step {

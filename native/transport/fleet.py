@@ -45,6 +45,7 @@ class DuckInfo:
     mtu: int                 # the largest datagram the duck takes and sends
     data_mac: bool
     fault_injection: bool
+    max_tokens: int          # tokens one forward may carry to it
 
 
 def _struct_dict(cdata) -> dict:
@@ -63,10 +64,12 @@ class Fleet:
     duck's round trip is measured (then srtt + 4 rttvar; doubles, up to 8x);
     deadline_ms: silence after which a duck has failed (DuckTimeout names it).
     spin_us: poll for replies this long before blocking (a dedicated host).
+    rcvbuf: the socket receive buffer to ask for (0: 64 MiB); a forward's requests
+    and the requests in flight are sized so that all ducks' replies fit it.
     """
 
     def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
-                 deadline_ms: float = 1000.0, mac_data: bool = False, spin_us: int = 0):
+                 deadline_ms: float = 1000.0, mac_data: bool = False, spin_us: int = 0, rcvbuf: int = 0):
         self.addresses = [(str(h), int(p)) for h, p in addresses]
         if not self.addresses:
             raise ValueError("a fleet needs at least one duck address")
@@ -81,6 +84,7 @@ class Fleet:
         cfg.deadline_us = int(deadline_ms * 1000)
         cfg.mac_data = int(mac_data)
         cfg.spin_us = spin_us
+        cfg.rcvbuf = rcvbuf
         err = ffi.new("char[256]")
         ptr = lib.duck_transport_create(cfg, err, 256)
         if ptr == ffi.NULL:
@@ -166,7 +170,7 @@ class Fleet:
             infos.append(DuckInfo(d, self.addresses[d], h.duck_id, ffi.string(h.name).decode(errors="replace"),
                                   h.abi, h.cores, h.threads, h.mem_bytes, h.cache_bytes, h.cache_capacity,
                                   h.cache_entries, h.session, h.mtu, bool(h.flags & lib.WIRE_HELLO_DATA_MAC),
-                                  bool(h.flags & lib.WIRE_HELLO_FAULTS)))
+                                  bool(h.flags & lib.WIRE_HELLO_FAULTS), h.max_tokens))
             if h.abi != lib.WIRE_ABI:
                 raise DuckError(f"{self.name(d)} speaks wire ABI {h.abi}, this host {lib.WIRE_ABI}; "
                                 "update its firmware", d)
@@ -266,10 +270,11 @@ class Fleet:
         return _upload.upload(self, tensors_per_duck)
 
     def open_session(self, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
-                     session_id: int | None = None) -> _session.Session:
+                     session_id: int | None = None, **options) -> _session.Session:
         """Makes the layer plans resident on every duck: layers[layer][duck] is
         that duck's list of expert slices (split_experts' result), already uploaded.
-        Says hello first if this Fleet has not (the datagram sizes are agreed there)."""
+        Says hello first if this Fleet has not (the datagram sizes are agreed there).
+        options: Session's request_tokens and pipeline."""
         if not self.infos:
             self.hello()
-        return _session.open_session(self, layers, hidden, session_id or (secrets.randbits(32) or 1))
+        return _session.open_session(self, layers, hidden, session_id or (secrets.randbits(32) or 1), **options)

@@ -13,9 +13,8 @@ from native.transport.errors import DuckError, DuckTimeout
 
 log = logging.getLogger("duck.transport")
 
-MAX_TOKENS = lib.WIRE_MAX_TOKENS
+MAX_TOKENS = lib.WIRE_TOKENS_DEFAULT   # per request to ducks whose hello did not say (see DuckInfo.max_tokens)
 F32, BF16 = lib.DUCK_DT_F32, lib.DUCK_DT_BF16
-_ELEMENT_BYTES = {F32: 4, BF16: 2}
 _NUMPY_DTYPES = {np.dtype(np.float32): F32, np.dtype(np.uint16): BF16}   # bf16 as its bits
 _torch_dtypes: dict = {}
 
@@ -53,35 +52,44 @@ def _routing_view(a, np_dtype, torch_name: str, ctype: str):
     return ffi.from_buffer(ctype + "[]", arr), arr.size, arr
 
 
-def tokens_per_call(rcvbuf: int, n_ducks: int, hidden: int, y_dtype: int) -> int:
-    """Tokens per forward whose partials, from every duck at once, fit the host's
-    receive buffer twice over (kernel bookkeeping included); 0 if not even one."""
-    return min(MAX_TOKENS, rcvbuf // (2 * n_ducks * hidden * _ELEMENT_BYTES[y_dtype]))
+def forward_plan(fleet, ntok: int, hidden: int, topk: int = 1, x_dtype: int = F32, y_dtype: int = F32,
+                 request_tokens: int = 0, pipeline: int = 0) -> dict:
+    """How a forward of ntok tokens would be cut (nothing is sent): requests,
+    request_tokens, pipeline (in flight per duck) and rcvbuf_short."""
+    a, res = ffi.new("duck_forward_args *"), ffi.new("duck_forward_result *")
+    a.ntok, a.hidden, a.topk, a.x_dtype, a.y_dtype = ntok, hidden, topk, x_dtype, y_dtype
+    a.request_tokens, a.pipeline = request_tokens, pipeline
+    with fleet._lock:
+        lib.duck_transport_plan(fleet._open(), a, res)
+    return {"requests": res.requests, "request_tokens": res.request_tokens, "pipeline": res.pipeline,
+            "rcvbuf_short": bool(res.rcvbuf_short)}
 
 
 class Session:
-    """A persistent session: forward() per layer, plans resident on the ducks."""
+    """A persistent session: forward() per layer, plans resident on the ducks.
 
-    def __init__(self, fleet: Fleet, session_id: int, hidden: int, layers: set[int]):
+    request_tokens: most tokens per request (0: as many as every duck takes, its
+    hello's max_tokens); pipeline: requests in flight per duck when a forward
+    takes several (0: the transport's default, DUCK_PIPELINE_DEFAULT)."""
+
+    def __init__(self, fleet: Fleet, session_id: int, hidden: int, layers: set[int], request_tokens: int = 0,
+                 pipeline: int = 0):
         self.fleet, self.id, self.hidden, self.layers = fleet, session_id, hidden, set(layers)
         self._args = ffi.new("duck_forward_args *")
         self._args.session, self._args.hidden = session_id, hidden
         self._res = ffi.new("duck_forward_result *")
+        self.duck_max_tokens = min((i.max_tokens for i in fleet.infos), default=MAX_TOKENS) or MAX_TOKENS
+        self.request_tokens = request_tokens
+        self.pipeline = pipeline
         self.bytes_streamed = 0
         self.kernel_us_max = 0
-        self.kernel_us_total = 0   # the slowest duck's kernel time, summed over calls
+        self.kernel_us_total = 0   # the slowest duck's kernel time, summed over requests
         self.retransmits = 0
         self.wake_ns_max = 0       # the last call's slowest duck: its request's arrival to its kernel's start
-        rcvbuf = lib.duck_transport_rcvbuf(fleet._t)
-        self._step = {}
-        for dt in (F32, BF16):
-            step = tokens_per_call(rcvbuf, fleet.n_ducks, hidden, dt)
-            if step == 0:
-                log.warning("the host's socket receive buffer (%d bytes) is less than twice one token's partials "
-                            "from %d ducks at hidden %d (%d bytes in %s): replies will be dropped and resent; raise "
-                            "net.core.rmem_max (sysctl -w net.core.rmem_max=67108864)", rcvbuf, fleet.n_ducks,
-                            hidden, fleet.n_ducks * hidden * _ELEMENT_BYTES[dt], "fp32" if dt == F32 else "bf16")
-            self._step[dt] = max(step, 1)
+        self.last_requests = 0     # the last call's requests (each to every duck), their tokens, in flight
+        self.last_request_tokens = 0
+        self.last_pipeline = 0
+        self._warned_rcvbuf = False
 
     def forward(self, layer: int, x, expert_ids, expert_weights, out=None):
         """x [T, H] fp32 or bf16: numpy (bf16 as uint16 bits) or a CPU torch tensor,
@@ -90,7 +98,8 @@ class Session:
         only if not). Returns y [T, H], the fp32 sum of every duck's partial written
         in out's dtype: out is fp32 or bf16, numpy (float32 or uint16 bits) or a
         contiguous CPU torch tensor; None: a new fp32 numpy array. The partials
-        travel in out's dtype (docs/wire.md). T is any count (chunks of <= 64).
+        travel in out's dtype (docs/wire.md). T is any count: one C call, cut into
+        requests as large as the ducks and the datagram sizes allow, pipelined.
         Raises DuckTimeout naming a duck that did not answer within the deadline,
         DuckError for a duck that refused (unknown layer, expert id out of range)."""
         xv = _wire_view(x)
@@ -118,31 +127,30 @@ class Session:
         if topk > lib.WIRE_MAX_TOPK:
             raise ValueError(f"forward layer {layer}: {topk} experts per token, at most {lib.WIRE_MAX_TOPK}")
         a, res, fleet = self._args, self._res, self.fleet
-        a.layer, a.topk, a.x_dtype, a.y_dtype = layer, topk, x_dtype, y_dtype
-        step = self._step[y_dtype]
-        xrow, yrow = self.hidden * _ELEMENT_BYTES[x_dtype], self.hidden * _ELEMENT_BYTES[y_dtype]
-        wake = 0
-        for t0 in range(0, ntok, step):
-            a.ntok = min(step, ntok - t0)
-            if t0:
-                a.x, a.y, a.expert_ids, a.expert_weights = xp + t0 * xrow, yp + t0 * yrow, ip + t0 * topk, wp + t0 * topk
-            else:
-                a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
-            with fleet._lock:
-                rc = lib.duck_transport_forward(fleet._open(), a, res)
-            self.retransmits += res.retransmits
-            if res.mtu_fallbacks:
-                self._log_fallback(layer)
-            if rc:
-                self._raise(rc, res)
-            self.bytes_streamed += res.bytes_streamed
-            kernel_us = res.kernel_us_max
-            if kernel_us > self.kernel_us_max:
-                self.kernel_us_max = kernel_us
-            self.kernel_us_total += kernel_us
-            if res.wake_ns_max > wake:
-                wake = res.wake_ns_max
-        self.wake_ns_max = wake
+        a.layer, a.ntok, a.topk, a.x_dtype, a.y_dtype = layer, ntok, topk, x_dtype, y_dtype
+        a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
+        a.request_tokens = min(self.request_tokens or self.duck_max_tokens, self.duck_max_tokens)
+        a.pipeline = self.pipeline
+        with fleet._lock:
+            rc = lib.duck_transport_forward(fleet._open(), a, res)
+            rcvbuf = lib.duck_transport_rcvbuf(fleet._t) if res.rcvbuf_short else 0
+        self.retransmits += res.retransmits
+        if res.mtu_fallbacks:
+            self._log_fallback(layer)
+        if res.rcvbuf_short and not self._warned_rcvbuf:
+            self._warned_rcvbuf = True
+            log.warning("the host's socket receive buffer (%d bytes) is less than twice one token's partials "
+                        "from %d ducks at hidden %d: replies will be dropped and resent; raise "
+                        "net.core.rmem_max (sysctl -w net.core.rmem_max=67108864)",
+                        rcvbuf, fleet.n_ducks, self.hidden)
+        if rc:
+            self._raise(rc, res)
+        self.bytes_streamed += res.bytes_streamed
+        self.kernel_us_max = max(self.kernel_us_max, res.kernel_us_max)
+        self.kernel_us_total += res.kernel_us_sum
+        self.wake_ns_max = res.wake_ns_max
+        self.last_requests, self.last_request_tokens, self.last_pipeline = (res.requests, res.request_tokens,
+                                                                            res.pipeline)
         del keep_i, keep_w
         return out
 
@@ -164,7 +172,7 @@ class Session:
         self.fleet._all(lib.WIRE_T_SESSION_CLOSE, session=self.id)
 
 
-def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int, session_id: int):
+def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int, session_id: int, **options):
     so = ffi.new("wire_session_open *")
     so.hidden = hidden
     fleet._all(lib.WIRE_T_SESSION_OPEN, bytes(ffi.buffer(so)), session=session_id)
@@ -180,4 +188,4 @@ def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
         fleet.call(reqs, session=session_id)
     log.info("session %08x open on %d ducks: %d layers, hidden %d; datagrams of %s bytes", session_id,
              fleet.n_ducks, len(layers), hidden, fleet.datagram_sizes())
-    return Session(fleet, session_id, hidden, set(layers))
+    return Session(fleet, session_id, hidden, set(layers), **options)

@@ -18,9 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Replies of every duck to one forward arrive at once: 8 ducks x 64 tokens x
- * 7168 fp32 is 14.7 MB. Granted where the kernel allows (CAP_NET_ADMIN or
- * net.core.rmem_max); session.py sizes its token chunks by what was granted. */
+/* Replies of every duck to the requests in flight arrive at once: 8 ducks x
+ * 64 tokens x 7168 fp32 is 14.7 MB. Granted where the kernel allows
+ * (CAP_NET_ADMIN or net.core.rmem_max); a forward sizes its requests and
+ * the requests in flight by what was granted (transport_forward.c). */
 #define SOCKET_BUFFER (64 << 20)
 
 static uint32_t route_mtu(const struct sockaddr_in *to);
@@ -61,11 +62,9 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
     t->link = calloc(n, sizeof *t->link);
     t->active = malloc(n * sizeof *t->active);
     t->st = calloc(n, sizeof *t->st);
+    t->st_cap = n;
     t->rx = malloc(BATCH * sizeof *t->rx);
-    t->replies = calloc(n, sizeof *t->replies);
-    t->reply_caps = calloc(n, sizeof *t->reply_caps);
-    t->fcalls = calloc(n, sizeof *t->fcalls);
-    if (!t->dest || !t->link || !t->active || !t->st || !t->rx || !t->replies || !t->reply_caps || !t->fcalls)
+    if (!t->dest || !t->link || !t->active || !t->st || !t->rx)
         FAIL("out of memory for %u ducks", n);
     for (int i = 0; i < BATCH; i++) {
         t->rx_iov[i].iov_base = t->rx[i];
@@ -88,7 +87,7 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
     t->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (t->fd < 0)
         FAIL("socket: %s", strerror(errno));
-    int want = SOCKET_BUFFER;
+    int want = cfg->rcvbuf ? (int)(cfg->rcvbuf < (1u << 30) ? cfg->rcvbuf : (1u << 30)) : SOCKET_BUFFER;
     if (setsockopt(t->fd, SOL_SOCKET, SO_RCVBUFFORCE, &want, sizeof want) != 0)
         setsockopt(t->fd, SOL_SOCKET, SO_RCVBUF, &want, sizeof want);
     if (setsockopt(t->fd, SOL_SOCKET, SO_SNDBUFFORCE, &want, sizeof want) != 0)
@@ -115,8 +114,10 @@ void duck_transport_destroy(duck_transport *t)
         return;
     if (t->fd >= 0)
         close(t->fd);
-    for (uint32_t d = 0; t->replies && d < t->cfg.n_ducks; d++)
-        free(t->replies[d]);
+    for (uint32_t i = 0; t->replies && i < t->fwd_slots * t->cfg.n_ducks; i++)
+        free(t->replies[i]);
+    for (uint32_t s = 0; t->fwd && s < t->fwd_slots; s++)
+        free(t->fwd[s].payload);
     free(t->replies);
     free(t->reply_caps);
     free(t->fcalls);

@@ -28,6 +28,7 @@ typedef struct duck_transport_config {
     uint32_t deadline_us;        /* a duck silent this long has failed */
     int32_t mac_data;            /* MAC forwards too (the ducks may require it) */
     uint32_t spin_us;            /* 0: block in ppoll while waiting (shared hosts) */
+    uint32_t rcvbuf;             /* socket receive buffer to ask for; 0: 64 MiB */
 } duck_transport_config;
 
 /* Results of a call, besides the duck's own status inside the reply. */
@@ -52,6 +53,8 @@ typedef struct duck_call {
     int32_t result;              /* out: DUCK_T_* */
     uint32_t retransmits;        /* out */
     uint64_t rtt_ns;             /* out: send to last reply fragment */
+    uint64_t work_ns;            /* the duck's expected compute for this call (0: none): the retransmit timer
+                                    waits that much and the failure deadline 4x that much longer */
 } duck_call;
 
 typedef struct duck_transport_stats {
@@ -84,8 +87,9 @@ uint32_t duck_transport_rcvbuf(const duck_transport *t);
 /* The retransmit timeout of the duck's next call, in microseconds. */
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 
-/* Runs the calls concurrently until every one has a reply or has failed.
- * Returns DUCK_T_OK when all got replies, else the first failing result. */
+/* Runs the calls concurrently until every one has a reply or has failed;
+ * several calls to one duck are all in flight at once (it answers them in
+ * order). Returns DUCK_T_OK when all got replies, else the first failing result. */
 int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n);
 
 /* Element types of x and y (native/kernels/ffn.h defines the same). */
@@ -103,25 +107,46 @@ typedef struct duck_forward_args {
     uint32_t y_dtype;            /* the type of y, and of the partials on the wire */
     void *y;                     /* [ntok][hidden]: the fp32 sum of every duck's partial (in duck order),
                                     converted once to y_dtype */
+    uint32_t request_tokens;     /* most tokens per request (the ducks' HELLO max_tokens); 0:
+                                    WIRE_TOKENS_DEFAULT */
+    uint32_t pipeline;           /* requests in flight per duck; 0: DUCK_PIPELINE_DEFAULT */
 } duck_forward_args;
+
+/* Requests in flight per duck when a forward takes several: the next one
+ * waits in the duck's socket while it computes, and the host sums one while
+ * the ducks compute the next. */
+#define DUCK_PIPELINE_DEFAULT 2
+#define DUCK_PIPELINE_MAX 8
+/* A duck's time per token before any reply measured it (timers only). */
+#define DUCK_NS_PER_TOKEN_UNKNOWN 1000000u
 
 typedef struct duck_forward_result {
     int32_t failed_duck;         /* -1, or the first duck that failed */
     int32_t result;              /* its DUCK_T_* result */
     int32_t duck_status;         /* its wire status, when it answered with an error */
-    uint32_t kernel_us_max;      /* slowest duck's kernel time */
+    uint32_t kernel_us_max;      /* slowest duck's kernel time (the longest request's) */
     uint64_t bytes_streamed;     /* all ducks */
     uint32_t retransmits;
     uint32_t wake_ns_max;        /* slowest duck's wake-up: its request's arrival to its kernel's start */
     uint32_t mtu_fallbacks;      /* ducks whose agreed datagram size failed in this call */
+    uint32_t requests;           /* requests the tokens went in, each to every duck */
+    uint32_t request_tokens;     /* tokens per request (the last may have fewer) */
+    uint32_t pipeline;           /* requests in flight per duck */
+    uint64_t kernel_us_sum;      /* the slowest duck's kernel time, summed over the requests */
+    int32_t rcvbuf_short;        /* the receive buffer holds less than one request's replies of all ducks twice */
     uint32_t reserved;
     char message[WIRE_MAX_ERROR_TEXT + 1];
 } duck_forward_result;
 
-/* One layer of the FFN over every duck: scatter, gather; each partial is
- * added as soon as it and those of all lower-numbered ducks are in, so the
- * sum is the same bits whatever order the replies arrive in. */
+/* One layer of the FFN over every duck, for any number of tokens: cut into
+ * requests of at most request_tokens (and what the datagram sizes and the
+ * receive buffer allow), up to `pipeline` of them in flight per duck. Each
+ * partial is added as soon as it and those of all lower-numbered ducks are
+ * in, so the sum is the same bits whatever order the replies arrive in. */
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
+/* The cut a forward of these args would get (res: requests, request_tokens,
+ * pipeline, rcvbuf_short), without sending anything. */
+void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
 

@@ -1,9 +1,13 @@
-/* One FFN layer over the fleet: the same request to every duck (sealed once
- * per datagram size), each partial added into an fp32 sum as soon as it and
- * the partials of all lower-numbered ducks are in. Holding an early partial
- * until its turn keeps the order of the additions, and so the bits of the
- * sum, the same whatever order the replies arrive in; most of the adding
- * still overlaps the wait for the slowest duck. */
+/* One FFN layer over the fleet, for any number of tokens: the tokens are cut
+ * into requests as large as the ducks, the datagram sizes and the receive
+ * buffer allow (a duck streams each expert once per request), and up to
+ * `pipeline` requests are in flight per duck: the next waits in the duck's
+ * socket while it computes, and the host sums one request's partials while
+ * the ducks compute the next. Each request goes to every duck (sealed once
+ * per datagram size); each partial is added into an fp32 sum as soon as it
+ * and the partials of all lower-numbered ducks are in. Holding an early
+ * partial until its turn keeps the order of the additions, and so the bits
+ * of the sum, the same whatever order the replies arrive in. */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
@@ -13,6 +17,9 @@
 #include <string.h>
 
 _Static_assert(DUCK_DT_F32 == WIRE_DT_F32 && DUCK_DT_BF16 == WIRE_DT_BF16, "transport and wire dtypes differ");
+
+#define REPLY_HEAD (sizeof(wire_reply_head) + sizeof(wire_forward_reply))
+#define MAX_FORWARD_TOKENS (1u << 24)
 
 static int reserve(uint8_t **buf, size_t *cap, size_t need)
 {
@@ -41,40 +48,136 @@ static int fail(duck_forward_result *res, int32_t duck, int32_t result, int32_t 
     return result;
 }
 
-/* The sum in progress. */
+/* --- the plan: tokens per request, requests in flight --------------------- */
+
+static size_t request_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return sizeof(wire_forward) + 8 * n * a->topk + n * a->hidden * wire_dtype_bytes(a->x_dtype);
+}
+
+static size_t reply_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return REPLY_HEAD + n * a->hidden * wire_dtype_bytes(a->y_dtype);
+}
+
+/* The most tokens per request: the ducks' limit, then every duck's message
+ * bound at its datagram size and at the fallback size (both ways), then the receive buffer, which must
+ * hold every duck's reply twice over (the kernel's bookkeeping); then the
+ * requests in flight that the buffer holds at that size. Requests are made
+ * even: 100 tokens at 64 go as 50 + 50. */
+void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
+{
+    uint32_t nd = t->cfg.n_ducks, n = a->request_tokens ? a->request_tokens : WIRE_TOKENS_DEFAULT;
+    n = n < WIRE_MAX_TOKENS ? n : WIRE_MAX_TOKENS;
+    /* a message must also fit the fragments of the fallback datagram size (a NACK names them all) */
+    uint32_t limit = wire_max_message(tr_small_mtu(t));
+    for (uint32_t d = 0; d < nd; d++) {
+        uint32_t own = wire_max_message(t->link[d].mtu);
+        limit = own < limit ? own : limit;
+    }
+    if (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit)) {
+        uint64_t per = (uint64_t)a->hidden * (wire_dtype_bytes(a->x_dtype) > wire_dtype_bytes(a->y_dtype)
+                                              ? wire_dtype_bytes(a->x_dtype) : wire_dtype_bytes(a->y_dtype)) + 8u * a->topk;
+        uint64_t fit = (limit - sizeof(wire_forward) - REPLY_HEAD) / per;
+        n = fit < n ? (fit > 1 ? (uint32_t)fit : 1) : n;
+        while (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit))
+            n--;
+    }
+    uint64_t room = t->rcvbuf / 2, per_token = (uint64_t)nd * a->hidden * wire_dtype_bytes(a->y_dtype);
+    if (n > 1 && nd * reply_bytes(a, n) > room) {
+        uint64_t fit = (room > nd * REPLY_HEAD ? room - nd * REPLY_HEAD : 0) / per_token;
+        n = fit > 1 ? (uint32_t)fit : 1;
+    }
+    res->rcvbuf_short = nd * reply_bytes(a, n) > room;
+    uint32_t nreq = (a->ntok + n - 1) / n;
+    n = (a->ntok + nreq - 1) / nreq;
+    uint32_t w = a->pipeline ? a->pipeline : DUCK_PIPELINE_DEFAULT;
+    w = w > DUCK_PIPELINE_MAX ? DUCK_PIPELINE_MAX : w;
+    w = w > nreq ? nreq : w;
+    while (w > 1 && w * nd * reply_bytes(a, n) > room)
+        w--;
+    res->request_tokens = n;
+    res->requests = nreq;
+    res->pipeline = w;
+}
+
+/* --- requests in flight and their sums ------------------------------------ */
+
 typedef struct fwd_sum {
-    const duck_forward_args *a;
-    size_t count;                 /* ntok * hidden */
-    size_t partial_bytes;         /* of one duck's partial on the wire */
-    float *acc;                   /* a->y when y is fp32 */
+    uint32_t req;                 /* the request this slot carries */
+    uint32_t t0, ntok;            /* its tokens */
+    float *acc;                   /* its fp32 sum: rows t0.. of y when y is fp32, else the slot's buffer */
     uint32_t next;                /* the duck whose partial is added next */
-    int empty;                    /* nothing added yet */
+    int empty, complete;
 } fwd_sum;
 
-/* Whether a complete reply is a good answer to the request; *partial is
+typedef struct fwd_run {
+    const duck_forward_args *a;
+    duck_forward_result *res;
+    uint32_t nreq, next_req, done_reqs;
+    int stopped;                  /* a reply did not check: no further requests */
+    fwd_sum sums[DUCK_PIPELINE_MAX];
+} fwd_run;
+
+/* Request `req` into pipeline slot `slot`: its payload, and the call of each duck. */
+static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t req)
+{
+    const duck_forward_args *a = run->a;
+    uint32_t nd = t->cfg.n_ducks, n = run->res->request_tokens;
+    uint32_t t0 = req * n, ntok = a->ntok - t0 < n ? a->ntok - t0 : n;
+    size_t slots = (size_t)ntok * a->topk, xrow = (size_t)a->hidden * wire_dtype_bytes(a->x_dtype);
+    uint8_t *p = t->fwd[slot].payload;
+    /* reply_mtu is written per duck when the request is sealed */
+    wire_forward f = {a->layer, (uint16_t)ntok, (uint8_t)a->topk, (uint8_t)a->x_dtype, a->hidden,
+                      (uint8_t)a->y_dtype, 0, 0};
+    memcpy(p, &f, sizeof f);
+    if (slots) {
+        memcpy(p + sizeof f, a->expert_ids + (size_t)t0 * a->topk, 4 * slots);
+        memcpy(p + sizeof f + 4 * slots, a->expert_weights + (size_t)t0 * a->topk, 4 * slots);
+    }
+    memcpy(p + sizeof f + 8 * slots, (const uint8_t *)a->x + t0 * xrow, ntok * xrow);
+    fwd_sum *sum = &run->sums[slot];
+    size_t stride = (size_t)n * a->hidden;
+    *sum = (fwd_sum){req, t0, ntok,
+                     a->y_dtype == DUCK_DT_F32 ? (float *)a->y + (size_t)t0 * a->hidden : t->acc + slot * stride,
+                     0, 1, 0};
+    for (uint32_t d = 0; d < nd; d++) {
+        duck_call *c = &t->fcalls[slot * nd + d];
+        memset(c, 0, sizeof *c);
+        c->duck = d;
+        c->type = WIRE_T_FORWARD;
+        c->session = a->session;
+        c->payload = p;
+        c->payload_len = (uint32_t)request_bytes(a, ntok);
+        c->reply = t->replies[slot * nd + d];
+        c->reply_cap = t->reply_caps[slot * nd + d];
+        c->work_ns = tr_work_ns(t, d, ntok);
+    }
+}
+
+/* Whether a complete reply is a good answer to its request; *partial is
  * its partial, NULL for an all-zero one (R_ZERO). */
-static int reply_ok(const fwd_sum *sum, const duck_call *c, const uint8_t **partial)
+static int reply_ok(const duck_forward_args *a, const fwd_sum *sum, const duck_call *c, const uint8_t **partial)
 {
     wire_reply_head head;
     wire_forward_reply fr;
-    if (c->reply_len < sizeof head + sizeof fr)
+    if (c->reply_len < REPLY_HEAD)
         return 0;
     memcpy(&head, c->reply, sizeof head);
     memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
     int zero = (head.flags & WIRE_R_ZERO) != 0;
-    if (head.status != WIRE_OK || c->reply_len != sizeof head + sizeof fr + (zero ? 0 : sum->partial_bytes) ||
-        fr.layer != sum->a->layer || fr.ntok != sum->a->ntok || fr.hidden != sum->a->hidden ||
-        fr.y_dtype != sum->a->y_dtype)
+    if (head.status != WIRE_OK || c->reply_len != (zero ? REPLY_HEAD : reply_bytes(a, sum->ntok)) ||
+        fr.layer != a->layer || fr.ntok != sum->ntok || fr.hidden != a->hidden || fr.y_dtype != a->y_dtype)
         return 0;
-    *partial = zero ? NULL : (const uint8_t *)c->reply + sizeof head + sizeof fr;
+    *partial = zero ? NULL : (const uint8_t *)c->reply + REPLY_HEAD;
     return 1;
 }
 
-static void add_partial(fwd_sum *sum, const uint8_t *p)
+static void add_partial(const duck_forward_args *a, fwd_sum *sum, const uint8_t *p)
 {
     float *acc = sum->acc;
-    size_t n = sum->count;
-    if (sum->a->y_dtype == DUCK_DT_BF16) {
+    size_t n = (size_t)sum->ntok * a->hidden;
+    if (a->y_dtype == DUCK_DT_BF16) {
         const uint16_t *src = (const uint16_t *)p;
         if (sum->empty)
             for (size_t i = 0; i < n; i++)
@@ -93,29 +196,71 @@ static void add_partial(fwd_sum *sum, const uint8_t *p)
     sum->empty = 0;
 }
 
-/* tr_run's completion hook: adds every partial whose turn has come. A reply
- * that does not check stops the adding; the forward then fails on it. */
-static void on_reply(duck_transport *t, duck_call *calls, uint32_t i, void *ctx)
+/* Every duck's partial is in: y's rows of the request, and its counters. */
+static void finish_request(duck_transport *t, fwd_run *run, uint32_t slot)
 {
-    fwd_sum *sum = ctx;
-    (void)i;
-    while (sum->next < t->cfg.n_ducks && t->st[sum->next].done && calls[sum->next].result == DUCK_T_OK) {
-        const uint8_t *p;
-        if (!reply_ok(sum, &calls[sum->next], &p))
-            return;
-        if (p)
-            add_partial(sum, p);
-        sum->next++;
+    const duck_forward_args *a = run->a;
+    duck_forward_result *res = run->res;
+    fwd_sum *sum = &run->sums[slot];
+    size_t count = (size_t)sum->ntok * a->hidden;
+    if (sum->empty)
+        memset(sum->acc, 0, count * 4);
+    if (a->y_dtype == DUCK_DT_BF16)
+        wire_f32_to_bf16_n(sum->acc, (uint16_t *)a->y + (size_t)sum->t0 * a->hidden, count);
+    uint32_t kernel_us = 0, nd = t->cfg.n_ducks;
+    for (uint32_t d = 0; d < nd; d++) {
+        const duck_call *c = &t->fcalls[slot * nd + d];
+        wire_forward_reply fr;
+        memcpy(&fr, (const uint8_t *)c->reply + sizeof(wire_reply_head), sizeof fr);
+        res->bytes_streamed += fr.bytes_streamed;
+        res->retransmits += c->retransmits;
+        kernel_us = fr.kernel_us > kernel_us ? fr.kernel_us : kernel_us;
+        res->wake_ns_max = fr.wake_ns > res->wake_ns_max ? fr.wake_ns : res->wake_ns_max;
     }
+    res->kernel_us_max = kernel_us > res->kernel_us_max ? kernel_us : res->kernel_us_max;
+    res->kernel_us_sum += kernel_us;
+    sum->complete = 1;
+    run->done_reqs++;
 }
 
-/* The first duck (in duck order) whose call failed or whose reply does not
- * check, as the forward's result; DUCK_T_OK when there is none. */
-static int check_replies(duck_transport *t, const fwd_sum *sum, duck_forward_result *res)
+/* tr_run's completion hook: adds every partial of the call's request whose
+ * turn has come; when the request is summed, the slot takes the next
+ * request. A reply that does not check stops the adding and the pipeline;
+ * the forward then fails on it. */
+static void on_reply(duck_transport *t, duck_call *calls, uint32_t i, void *ctx)
 {
-    const duck_forward_args *a = sum->a;
-    for (uint32_t d = 0; d < t->cfg.n_ducks; d++) {
-        const duck_call *c = &t->fcalls[d];
+    fwd_run *run = ctx;
+    uint32_t nd = t->cfg.n_ducks, slot = i / nd;
+    fwd_sum *sum = &run->sums[slot];
+    while (sum->next < nd && t->st[slot * nd + sum->next].done && calls[slot * nd + sum->next].result == DUCK_T_OK) {
+        const uint8_t *p;
+        if (!reply_ok(run->a, sum, &calls[slot * nd + sum->next], &p)) {
+            run->stopped = 1;
+            return;
+        }
+        if (p)
+            add_partial(run->a, sum, p);
+        sum->next++;
+    }
+    if (sum->next < nd || sum->complete)
+        return;
+    finish_request(t, run, slot);
+    if (run->stopped || run->next_req >= run->nreq)
+        return;
+    fill_slot(t, run, slot, run->next_req++);
+    if (tr_restart(t, calls, slot * nd, nd) != 0)
+        run->stopped = 1;
+}
+
+/* Why the requests of a slot did not all complete: the first duck (in duck
+ * order) whose call failed or whose reply does not check; DUCK_T_OK if none. */
+static int slot_failure(duck_transport *t, const fwd_run *run, uint32_t slot, duck_forward_result *res)
+{
+    const duck_forward_args *a = run->a;
+    const fwd_sum *sum = &run->sums[slot];
+    uint32_t nd = t->cfg.n_ducks;
+    for (uint32_t d = 0; d < nd; d++) {
+        const duck_call *c = &t->fcalls[slot * nd + d];
         if (c->result == DUCK_T_ETIMEOUT)
             return fail(res, (int32_t)d, c->result, 0, "duck %u did not answer forward of layer %u within %u ms "
                         "(%u retransmits, datagrams of %u bytes)", d, a->layer, t->cfg.deadline_us / 1000,
@@ -132,90 +277,95 @@ static int check_replies(duck_transport *t, const fwd_sum *sum, duck_forward_res
                         a->layer, (int)n, (const char *)c->reply + sizeof head);
         }
         const uint8_t *p;
-        if (!reply_ok(sum, c, &p)) {
+        if (!reply_ok(a, sum, c, &p)) {
             wire_forward_reply fr = {0};
-            if (c->reply_len >= sizeof head + sizeof fr)
+            if (c->reply_len >= REPLY_HEAD)
                 memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
             return fail(res, (int32_t)d, DUCK_T_EDUCK, WIRE_E_MALFORMED, "duck %u: forward reply of %u bytes for "
                         "layer %u, %u tokens, hidden %u, dtype %u does not match the request (layer %u, %u tokens, "
                         "hidden %u, dtype %u)", d, c->reply_len, fr.layer, fr.ntok, fr.hidden, fr.y_dtype, a->layer,
-                        a->ntok, a->hidden, a->y_dtype);
+                        sum->ntok, a->hidden, a->y_dtype);
         }
-        wire_forward_reply fr;
-        memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
-        res->bytes_streamed += fr.bytes_streamed;
-        if (fr.kernel_us > res->kernel_us_max)
-            res->kernel_us_max = fr.kernel_us;
-        if (fr.wake_ns > res->wake_ns_max)
-            res->wake_ns_max = fr.wake_ns;
     }
     return DUCK_T_OK;
+}
+
+/* Buffers for w slots of n-token requests: payloads, replies, calls, the bf16 case's sums. */
+static int reserve_slots(duck_transport *t, const duck_forward_args *a, uint32_t w, uint32_t n)
+{
+    uint32_t nd = t->cfg.n_ducks;
+    if (w > t->fwd_slots) {
+        fwd_slot *f = realloc(t->fwd, w * sizeof *f);
+        uint8_t **r = f ? realloc(t->replies, (size_t)w * nd * sizeof *r) : NULL;
+        if (r)
+            t->replies = r;
+        uint32_t *rc = r ? realloc(t->reply_caps, (size_t)w * nd * sizeof *rc) : NULL;
+        if (rc)
+            t->reply_caps = rc;
+        duck_call *fc = rc ? realloc(t->fcalls, (size_t)w * nd * sizeof *fc) : NULL;
+        if (f)
+            t->fwd = f;
+        if (!fc)
+            return -1;
+        t->fcalls = fc;
+        memset(t->fwd + t->fwd_slots, 0, (w - t->fwd_slots) * sizeof *f);
+        memset(t->replies + (size_t)t->fwd_slots * nd, 0, (size_t)(w - t->fwd_slots) * nd * sizeof *r);
+        memset(t->reply_caps + (size_t)t->fwd_slots * nd, 0, (size_t)(w - t->fwd_slots) * nd * sizeof *rc);
+        t->fwd_slots = w;
+    }
+    for (uint32_t s = 0; s < w; s++) {
+        if (reserve(&t->fwd[s].payload, &t->fwd[s].cap, request_bytes(a, n)) != 0)
+            return -1;
+        for (uint32_t d = 0; d < nd; d++) {
+            size_t cap = t->reply_caps[s * nd + d];
+            if (reserve(&t->replies[s * nd + d], &cap, reply_bytes(a, n)) != 0)
+                return -1;
+            t->reply_caps[s * nd + d] = (uint32_t)cap;
+        }
+    }
+    if (a->y_dtype != DUCK_DT_F32) {
+        size_t cap = t->acc_cap * 4;
+        if (reserve((uint8_t **)&t->acc, &cap, (size_t)w * n * a->hidden * 4) != 0)
+            return -1;
+        t->acc_cap = cap / 4;
+    }
+    return 0;
 }
 
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
 {
     memset(res, 0, sizeof *res);
     res->failed_duck = -1;
-    if (!a || a->ntok > WIRE_MAX_TOKENS || a->topk > WIRE_MAX_TOPK || a->hidden == 0 || a->hidden > (1u << 16) ||
+    if (!a || a->ntok > MAX_FORWARD_TOKENS || a->topk > WIRE_MAX_TOPK || a->hidden == 0 || a->hidden > (1u << 16) ||
         a->x_dtype > DUCK_DT_BF16 || a->y_dtype > DUCK_DT_BF16 ||
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights)))))
-        return fail(res, -1, DUCK_T_EARG, 0, "forward: ntok <= %d, topk <= %d, hidden 1..65536, dtypes 0 (fp32) or "
-                    "1 (bf16) and buffers required", WIRE_MAX_TOKENS, WIRE_MAX_TOPK);
-    size_t slots = (size_t)a->ntok * a->topk, count = (size_t)a->ntok * a->hidden;
-    size_t xbytes = count * wire_dtype_bytes(a->x_dtype), partial = count * wire_dtype_bytes(a->y_dtype);
-    size_t len = sizeof(wire_forward) + 8 * slots + xbytes;
-    size_t rcap = sizeof(wire_reply_head) + sizeof(wire_forward_reply) + partial;
-    if (len > WIRE_MAX_MESSAGE || rcap > WIRE_MAX_MESSAGE)
-        return fail(res, -1, DUCK_T_EARG, 0, "forward of %u tokens x %u hidden exceeds the %u-byte message bound",
-                    a->ntok, a->hidden, WIRE_MAX_MESSAGE);
-    if (reserve(&t->fwd, &t->fwd_cap, len) != 0)
-        return fail(res, -1, DUCK_T_EARG, 0, "out of memory");
-    /* reply_mtu is written per duck when the request is sealed */
-    wire_forward f = {a->layer, (uint16_t)a->ntok, (uint8_t)a->topk, (uint8_t)a->x_dtype, a->hidden,
-                      (uint8_t)a->y_dtype, 0, 0};
-    memcpy(t->fwd, &f, sizeof f);
-    if (slots) {
-        memcpy(t->fwd + sizeof f, a->expert_ids, 4 * slots);
-        memcpy(t->fwd + sizeof f + 4 * slots, a->expert_weights, 4 * slots);
-    }
-    if (a->ntok)
-        memcpy(t->fwd + sizeof f + 8 * slots, a->x, xbytes);
-    fwd_sum sum = {a, count, partial, (float *)a->y, 0, 1};
-    if (a->y_dtype != DUCK_DT_F32) {
-        size_t cap = t->acc_cap * 4;
-        if (reserve((uint8_t **)&t->acc, &cap, count * 4) != 0)
-            return fail(res, -1, DUCK_T_EARG, 0, "out of memory");
-        t->acc_cap = cap / 4;
-        sum.acc = t->acc;
-    }
-    uint32_t nd = t->cfg.n_ducks;
-    for (uint32_t d = 0; d < nd; d++) {
-        size_t cap = t->reply_caps[d];
-        if (reserve(&t->replies[d], &cap, rcap) != 0)
-            return fail(res, (int32_t)d, DUCK_T_EARG, 0, "out of memory");
-        t->reply_caps[d] = (uint32_t)cap;
-        duck_call *c = &t->fcalls[d];
-        memset(c, 0, sizeof *c);
-        c->duck = d;
-        c->type = WIRE_T_FORWARD;
-        c->session = a->session;
-        c->payload = t->fwd;
-        c->payload_len = (uint32_t)len;
-        c->reply = t->replies[d];
-        c->reply_cap = (uint32_t)cap;
-    }
+        return fail(res, -1, DUCK_T_EARG, 0, "forward: ntok <= %u, topk <= %d, hidden 1..65536, dtypes 0 (fp32) or "
+                    "1 (bf16) and buffers required", MAX_FORWARD_TOKENS, WIRE_MAX_TOPK);
+    if (a->ntok == 0)
+        return DUCK_T_OK;
+    duck_transport_plan(t, a, res);
+    uint32_t nd = t->cfg.n_ducks, w = res->pipeline;
+    if (request_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE || reply_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE)
+        return fail(res, -1, DUCK_T_EARG, 0, "forward of hidden %u with %u experts per token does not fit the "
+                    "%u-byte message bound even for one token", a->hidden, a->topk, WIRE_MAX_MESSAGE);
+    if (reserve_slots(t, a, w, res->request_tokens) != 0)
+        return fail(res, -1, DUCK_T_EARG, 0, "out of memory for %u requests of %u tokens in flight", w,
+                    res->request_tokens);
+    fwd_run run = {a, res, res->requests, w, 0, 0, {{0}}};
+    for (uint32_t s = 0; s < w; s++)
+        fill_slot(t, &run, s, s);
     uint64_t fallbacks = t->stats.mtu_fallbacks;
-    tr_run(t, t->fcalls, nd, on_reply, &sum);
+    tr_run(t, t->fcalls, w * nd, on_reply, &run);
     res->mtu_fallbacks = (uint32_t)(t->stats.mtu_fallbacks - fallbacks);
-    for (uint32_t d = 0; d < nd; d++)
-        res->retransmits += t->fcalls[d].retransmits;
-    int rc = check_replies(t, &sum, res);
-    if (rc != DUCK_T_OK)
-        return rc;
-    on_reply(t, t->fcalls, nd, &sum);   /* every reply checks: nothing is left, but be sure */
-    if (sum.empty)
-        memset(sum.acc, 0, count * 4);
-    if (a->y_dtype == DUCK_DT_BF16)
-        wire_f32_to_bf16_n(sum.acc, (uint16_t *)a->y, count);
-    return DUCK_T_OK;
+    if (run.done_reqs == run.nreq)
+        return DUCK_T_OK;
+    for (uint32_t s = 0; s < w; s++) {
+        if (run.sums[s].complete)
+            continue;
+        int rc = slot_failure(t, &run, s, res);
+        if (rc != DUCK_T_OK)
+            return rc;
+    }
+    return fail(res, -1, DUCK_T_EARG, 0, "forward of layer %u: %u of %u requests done, none failed", a->layer,
+                run.done_reqs, run.nreq);
 }

@@ -13,19 +13,33 @@
 typedef struct duck_link {
     uint32_t mtu;                 /* agreed datagram size (WIRE_MTU_DEFAULT until agreed) */
     uint32_t path_mtu;            /* the route's MTU to the duck (IP_MTU), 0 if unknown */
-    uint64_t srtt_ns, rttvar_ns;  /* smoothed round trip and its variation (RFC 6298); 0: no sample */
+    uint64_t srtt_ns, rttvar_ns;  /* smoothed round trip, the duck's compute taken out, and its variation
+                                     (RFC 6298); 0: no sample */
     uint64_t backoff_ns;          /* the interval a retransmitted call completed in, kept until a clean sample */
+    uint64_t ns_per_token;        /* the duck's kernel time per forward token (smoothed over its replies); 0: none */
+    uint64_t ns_per_token_var;    /* and its variation, as rttvar is the round trip's */
 } duck_link;
 
 typedef struct call_state {
     uint32_t seq;
     int with_mac, done, progress; /* progress: a reply fragment, or a NACK holding request fragments */
+    int queued;                   /* sent while an earlier call to the duck was in flight: its round trip
+                                     includes a wait, so it gives no sample */
+    int32_t next;                 /* the next call to the same duck in this run; -1: none */
     uint32_t mtu;                 /* datagram size of this call, both ways */
     uint32_t req_frags;
     uint64_t t_start, t_heard, t_next, interval, cap;
+    uint64_t work_ns;             /* the duck's expected compute before it answers (queued calls' included) */
+    uint64_t deadline_ns;         /* silence that fails the call: the deadline plus 4 x work_ns */
     uint32_t rep_count, rep_have, rep_total;
     uint8_t bitmap[WIRE_MAX_FRAGMENTS / 8];
 } call_state;
+
+/* One forward request in flight (a slot of the pipeline). */
+typedef struct fwd_slot {
+    uint8_t *payload;
+    size_t cap;
+} fwd_slot;
 
 struct duck_transport {
     duck_transport_config cfg;
@@ -36,8 +50,9 @@ struct duck_transport {
     uint32_t rcvbuf;              /* the socket's receive buffer as the kernel reports it */
     struct sockaddr_in *dest;
     duck_link *link;
-    int32_t *active;              /* duck -> call index during a run */
-    call_state *st;
+    int32_t *active;              /* duck -> its first call during a run (then call_state.next) */
+    call_state *st;               /* per call of a run, st_cap of them */
+    uint32_t st_cap;
     uint8_t *seal;                /* sealed datagrams of one message, seal_stride apart */
     size_t seal_cap, seal_stride;
     uint8_t (*rx)[WIRE_MAX_DATAGRAM + 1];
@@ -47,19 +62,21 @@ struct duck_transport {
     struct mmsghdr tx_msgs[BATCH];
     struct iovec tx_iov[BATCH];
     unsigned tx_n;
-    uint8_t *fwd;                 /* forward request payload */
-    size_t fwd_cap;
-    uint8_t **replies;            /* per duck forward reply buffers */
+    fwd_slot *fwd;                /* forward request payloads, one per pipeline slot */
+    uint8_t **replies;            /* forward reply buffers, per slot and duck (slot * n_ducks + duck) */
     uint32_t *reply_caps;
+    uint32_t fwd_slots;           /* slots allocated */
     float *acc;                   /* fp32 sum of the partials (when y is not fp32) */
     size_t acc_cap;
-    duck_call *fcalls;
+    duck_call *fcalls;            /* per slot and duck */
     uint64_t rcvtimeo_us;         /* the socket's receive timeout now */
     int gathering;                /* replies of this run have started to arrive: poll briefly for the rest */
     duck_transport_stats stats;
 };
 
-/* Called by tr_run when call i has its complete reply (result DUCK_T_OK). */
+/* Called by tr_run when call i has its complete reply (result DUCK_T_OK).
+ * It may give calls that are done a new request and start them again
+ * (tr_restart): a pipeline of requests within one run. */
 typedef void (*tr_done_fn)(duck_transport *t, duck_call *calls, uint32_t i, void *ctx);
 
 /* Shared by transport.c, transport_run.c and transport_forward.c. */
@@ -78,5 +95,14 @@ void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s);
 /* The retransmit timeout of a duck's next call (see transport_run.c). */
 uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck);
 int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx);
+/* From a done callback: sends calls [first, first + count) again, each with
+ * its (new) payload and a new sequence number (shared by calls of one
+ * payload to different ducks). Returns 0, or -1 when out of memory. */
+int tr_restart(duck_transport *t, duck_call *calls, uint32_t first, uint32_t count);
+/* The kernel time a duck reports in a complete forward reply (0 if none). */
+uint64_t tr_forward_kernel_ns(const duck_call *c);
+/* The compute a forward of ntok tokens is expected to take on a duck (its
+ * measured time per token, plus 4 times the variation; a guess before any). */
+uint64_t tr_work_ns(const duck_transport *t, uint32_t duck, uint32_t ntok);
 
 #endif

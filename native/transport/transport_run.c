@@ -5,17 +5,25 @@
  * The retransmit timer of a duck follows its measured round trips as TCP's
  * does (RFC 6298): srtt += (r - srtt) / 8, rttvar += (|r - srtt| - rttvar) / 4,
  * RTO = srtt + 4 rttvar, never below the configured retransmit_us (also the
- * value before any sample) nor above a quarter of the deadline. A duck that
- * computes long layers is thus not sent duplicates while it works. A call that
- * needed retransmits gives no sample (which transmission did the reply
+ * value before any sample) nor above a quarter of the deadline. The samples
+ * leave out the compute time a forward's reply reports, so that a long
+ * prefill request does not slow the recovery of a lost decode datagram; a
+ * call's own expected compute (duck_call.work_ns: for a forward, its tokens
+ * times the duck's measured time per token plus 4 times its variation) is
+ * added to its timer instead, and four times to its failure deadline: a duck
+ * is not sent duplicates, nor declared dead, while it computes a large chunk;
+ * a call queued behind others to the same duck expects theirs too. A call
+ * that needed retransmits gives no sample (which transmission did the reply
  * answer?) but leaves the interval it completed in as the duck's floor until
- * a call completes without one (Karn). */
+ * a call completes without one (Karn); nor does a call that waited behind
+ * another to the same duck. */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
 #include <errno.h>
 #include <sched.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
 #include <time.h>
@@ -43,13 +51,56 @@ uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck)
     return duck < t->cfg.n_ducks ? (uint32_t)(tr_rto_ns(t, duck) / 1000u) : 0;
 }
 
+uint64_t tr_forward_kernel_ns(const duck_call *c)
+{
+    wire_reply_head head;
+    wire_forward_reply fr;
+    if (c->type != WIRE_T_FORWARD || c->reply_len < sizeof head + sizeof fr)
+        return 0;
+    memcpy(&head, c->reply, sizeof head);
+    memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
+    return head.status == WIRE_OK ? (uint64_t)fr.kernel_us * 1000u : 0;
+}
+
+/* The duck's time per token and its variation from a forward's reply,
+ * smoothed as the round trip is (RFC 6298's gains). */
+static void rate_sample(duck_link *l, const duck_call *c)
+{
+    wire_forward_reply fr;
+    uint64_t kernel = tr_forward_kernel_ns(c);
+    if (!kernel)
+        return;
+    memcpy(&fr, (const uint8_t *)c->reply + sizeof(wire_reply_head), sizeof fr);
+    if (!fr.ntok)
+        return;
+    uint64_t per = kernel / fr.ntok;
+    if (!l->ns_per_token) {
+        l->ns_per_token = per;
+        l->ns_per_token_var = per / 2;
+        return;
+    }
+    uint64_t err = per > l->ns_per_token ? per - l->ns_per_token : l->ns_per_token - per;
+    l->ns_per_token_var = (3 * l->ns_per_token_var + err) / 4;
+    l->ns_per_token = (7 * l->ns_per_token + per) / 8;
+}
+
+uint64_t tr_work_ns(const duck_transport *t, uint32_t duck, uint32_t ntok)
+{
+    const duck_link *l = &t->link[duck];
+    return (l->ns_per_token ? l->ns_per_token + 4 * l->ns_per_token_var : DUCK_NS_PER_TOKEN_UNKNOWN) * ntok;
+}
+
 static void rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now)
 {
+    rate_sample(l, c);
     if (c->retransmits) {
         l->backoff_ns = s->interval;
         return;
     }
-    uint64_t r = now - s->t_start;
+    if (s->queued)
+        return;
+    uint64_t r = now - s->t_start, kernel = tr_forward_kernel_ns(c);
+    r = r > kernel ? r - kernel : 0;
     if (!l->srtt_ns) {
         l->srtt_ns = r;
         l->rttvar_ns = r / 2;
@@ -63,10 +114,12 @@ static void rtt_sample(duck_link *l, const duck_call *c, const call_state *s, ui
 
 static void start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now)
 {
-    s->interval = tr_rto_ns(t, c->duck);
-    s->cap = 8 * s->interval;
-    if (s->cap > (uint64_t)t->cfg.deadline_us * 500u)
-        s->cap = s->interval > (uint64_t)t->cfg.deadline_us * 500u ? s->interval : (uint64_t)t->cfg.deadline_us * 500u;
+    uint64_t rto = tr_rto_ns(t, c->duck), half = (uint64_t)t->cfg.deadline_us * 500u;
+    s->interval = rto + s->work_ns;
+    s->cap = 8 * rto < half ? 8 * rto : half;
+    if (s->cap < s->interval)
+        s->cap = s->interval;
+    s->deadline_ns = (uint64_t)t->cfg.deadline_us * 1000u + 4 * s->work_ns;
     s->t_next = now + s->interval;
 }
 
@@ -77,6 +130,15 @@ static int32_t find_duck(const duck_transport *t, const struct sockaddr_in *from
     for (uint32_t d = 0; d < t->cfg.n_ducks; d++)
         if (t->dest[d].sin_port == from->sin_port && t->dest[d].sin_addr.s_addr == from->sin_addr.s_addr)
             return (int32_t)d;
+    return -1;
+}
+
+/* The call of this run to duck d whose request had this sequence number; -1: none. */
+static int32_t find_call(const duck_transport *t, int32_t d, uint32_t seq)
+{
+    for (int32_t i = d >= 0 ? t->active[d] : -1; i >= 0; i = t->st[i].next)
+        if (t->st[i].seq == seq)
+            return i;
     return -1;
 }
 
@@ -110,12 +172,13 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
         t->stats.stale++;
         return 0;
     }
-    uint32_t ci = (uint32_t)t->active[d];
-    duck_call *c = &calls[ci];
-    call_state *s = &t->st[ci];
     wire_header h;
     const uint8_t *p;
-    int rc = wire_check(buf, len, &t->key, s->with_mac, &h, &p);
+    /* the MAC is checked against the call's need once the call is known */
+    int rc = wire_check(buf, len, &t->key, 0, &h, &p);
+    int32_t found = rc == WIRE_CHECK_OK ? find_call(t, d, h.sequence) : -1;
+    if (rc == WIRE_CHECK_OK && found >= 0 && t->st[found].with_mac && !(h.flags & WIRE_F_MAC))
+        rc = WIRE_CHECK_MAC;
     if (rc != WIRE_CHECK_OK) {
         if (rc == WIRE_CHECK_MAC)
             t->stats.unauthenticated++;
@@ -123,7 +186,10 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
             t->stats.malformed++;
         return 0;
     }
-    if (!(h.flags & WIRE_F_REPLY) || h.sequence != s->seq || h.session != c->session || s->done) {
+    uint32_t ci = (uint32_t)found;
+    duck_call *c = found >= 0 ? &calls[ci] : NULL;
+    call_state *s = found >= 0 ? &t->st[ci] : NULL;
+    if (!c || !(h.flags & WIRE_F_REPLY) || h.session != c->session || s->done) {
         t->stats.stale++;
         return 0;
     }
@@ -168,14 +234,20 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     return 1;
 }
 
-static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, tr_done_fn done, void *ctx)
+/* Takes what has arrived, waiting up to wait_ns for the first datagram
+ * (nowait: not at all). Returns -1 when the socket failed. */
+static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int nowait, tr_done_fn done, void *ctx)
 {
     struct mmsghdr *msgs = t->rx_msgs;
     int n = -1;
     uint64_t spin_us = t->cfg.spin_us;
     if (t->gathering && spin_us < GATHER_SPIN_US)
         spin_us = GATHER_SPIN_US;
-    if (spin_us) {
+    if (nowait) {
+        n = recvmmsg(t->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+        if (n < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : (t->stats.last_errno = errno, -1);
+    } else if (spin_us) {
         /* poll, yielding the CPU to anything else runnable on it (a duck sharing this core) */
         uint64_t until = tr_now_ns() + spin_us * 1000u;
         while ((n = recvmmsg(t->fd, msgs, BATCH, MSG_DONTWAIT, NULL)) < 0 && errno == EAGAIN &&
@@ -238,77 +310,154 @@ int duck_transport_run(duck_transport *t, duck_call *calls, uint32_t n)
     return tr_run(t, calls, n, NULL, NULL);
 }
 
-int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx)
+static int reserve_states(duck_transport *t, uint32_t n)
 {
-    uint32_t nd = t->cfg.n_ducks;
+    if (n <= t->st_cap)
+        return 0;
+    call_state *st = realloc(t->st, (size_t)n * sizeof *st);
+    if (!st)
+        return -1;
+    t->st = st;
+    t->st_cap = n;
+    return 0;
+}
+
+static int call_ok(const duck_transport *t, const duck_call *c)
+{
+    return c->duck < t->cfg.n_ducks && c->type != 0 && c->type < WIRE_T_COUNT && c->payload_len <= WIRE_MAX_MESSAGE &&
+           (!c->payload_len || c->payload) && c->reply && c->reply_cap >= sizeof(wire_reply_head) &&
+           wire_frag_count(c->payload_len, tr_small_mtu(t)) <= WIRE_MAX_FRAGMENTS;
+}
+
+/* Starts calls [first, first + count): fresh state, a sequence number (one
+ * for consecutive calls of one payload to different ducks, a scatter, sealed
+ * once per datagram size), the timer, the request sent. A call sent while
+ * another to its duck is in flight expects that one's compute too. */
+static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint32_t count, uint64_t now)
+{
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
-    int result = DUCK_T_OK;
-    for (uint32_t d = 0; d < nd; d++)
-        t->active[d] = -1;
-    for (uint32_t i = 0; i < n; i++) {
+    uint32_t nseal = 0;
+    for (uint32_t i = first; i < first + count; i++) {
         duck_call *c = &calls[i];
+        call_state *s = &t->st[i];
+        const duck_call *prev = i > first ? &calls[i - 1] : NULL;
+        int same_msg = prev && c->payload == prev->payload && c->payload_len == prev->payload_len &&
+                       c->type == prev->type && c->session == prev->session && c->duck != prev->duck;
         c->result = DUCK_T_EARG;
         c->reply_len = 0;
         c->retransmits = 0;
         c->rtt_ns = 0;
-        if (c->duck >= nd || t->active[c->duck] >= 0 || c->type == 0 || c->type >= WIRE_T_COUNT ||
-            c->payload_len > WIRE_MAX_MESSAGE || (c->payload_len && !c->payload) || !c->reply ||
-            c->reply_cap < sizeof(wire_reply_head) ||
-            wire_frag_count(c->payload_len, tr_small_mtu(t)) > WIRE_MAX_FRAGMENTS) {
-            for (uint32_t d = 0; d < nd; d++)
-                t->active[d] = -1;
-            return DUCK_T_EARG;
-        }
-        t->active[c->duck] = (int32_t)i;
-    }
-    uint64_t start = tr_now_ns();
-    uint32_t nseal = 0;
-    t->gathering = 0;   /* the first wait is as configured (a long layer may be computing) */
-    for (uint32_t i = 0; i < n; i++) {
-        duck_call *c = &calls[i];
-        call_state *s = &t->st[i];
-        int same_msg = i > 0 && c->payload == calls[i - 1].payload && c->payload_len == calls[i - 1].payload_len &&
-                       c->type == calls[i - 1].type && c->session == calls[i - 1].session;
+        int32_t next = s->next;
         memset(s, 0, offsetof(call_state, bitmap));
+        s->next = next;
         s->with_mac = needs_mac(t, c->type);
         s->mtu = t->link[c->duck].mtu;
         s->req_frags = wire_frag_count(c->payload_len, s->mtu);
-        /* a scatter: one sequence number; one seal for every duck of one datagram size */
         s->seq = same_msg ? t->st[i - 1].seq : ++t->seq;
-        s->t_start = s->t_heard = start;
-        start_timer(t, c, s, start);
+        s->t_start = s->t_heard = now;
+        uint64_t ahead = 0;   /* until the duck is through the calls in flight before this one */
+        for (int32_t j = t->active[c->duck]; j >= 0; j = t->st[j].next) {
+            const call_state *o = &t->st[j];
+            if ((uint32_t)j == i || o->done)
+                continue;
+            uint64_t left = o->t_start + o->work_ns > now ? o->t_start + o->work_ns - now : 0;
+            ahead = left > ahead ? left : ahead;
+            s->queued = 1;
+        }
+        s->work_ns = c->work_ns + ahead;
+        start_timer(t, c, s, now);
         if (!same_msg || s->mtu != t->st[i - 1].mtu) {
             tr_tx_flush(t);   /* what is queued points into the seal buffer */
             nseal = tr_seal_request(t, c, s, NULL, lens);
-            if (!nseal) {
-                for (uint32_t d = 0; d < nd; d++)
-                    t->active[d] = -1;
-                return DUCK_T_EARG;
-            }
+            if (!nseal)
+                return -1;
         }
         for (uint32_t f = 0; f < nseal; f++)
             tr_tx_add(t, c->duck, t->seal + (size_t)f * t->seal_stride, lens[f]);
     }
     tr_tx_flush(t);
-    t->stats.calls += n;
-    uint32_t remaining = n;
+    t->stats.calls += count;
+    return 0;
+}
+
+int tr_restart(duck_transport *t, duck_call *calls, uint32_t first, uint32_t count)
+{
+    for (uint32_t i = first; i < first + count; i++)
+        if (!call_ok(t, &calls[i]))
+            return -1;
+    return send_calls(t, calls, first, count, tr_now_ns());
+}
+
+/* The socket failed: every call still open fails with it. */
+static void fail_open(duck_transport *t, duck_call *calls, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (!t->st[i].done) {
+            calls[i].result = DUCK_T_ESOCKET;
+            t->st[i].done = 1;
+        }
+}
+
+int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx)
+{
+    uint32_t nd = t->cfg.n_ducks;
+    int result = DUCK_T_OK;
+    if (reserve_states(t, n) != 0)
+        return DUCK_T_EARG;
+    for (uint32_t d = 0; d < nd; d++)
+        t->active[d] = -1;
+    for (uint32_t i = n; i-- > 0;) {   /* each duck's calls chained in order */
+        duck_call *c = &calls[i];
+        c->result = DUCK_T_EARG;
+        if (!call_ok(t, c)) {
+            for (uint32_t d = 0; d < nd; d++)
+                t->active[d] = -1;
+            return DUCK_T_EARG;
+        }
+        t->st[i].next = t->active[c->duck];
+        t->active[c->duck] = (int32_t)i;
+        t->st[i].done = 1;   /* not in flight until sent */
+        t->st[i].work_ns = 0;
+    }
+    t->gathering = 0;   /* the first wait is as configured (a long layer may be computing) */
+    if (send_calls(t, calls, 0, n, tr_now_ns()) != 0) {
+        for (uint32_t d = 0; d < nd; d++)
+            t->active[d] = -1;
+        return DUCK_T_EARG;
+    }
     uint64_t deadline = (uint64_t)t->cfg.deadline_us * 1000u, fallback_after = deadline / 4;
     uint32_t small = tr_small_mtu(t);
-    while (remaining) {
+    int drained = 0;
+    for (;;) {
         uint64_t now = tr_now_ns(), wake = now + deadline;
+        uint32_t remaining = 0;
+        /* a timer due: take what is already in the socket first (a host that was not
+         * scheduled for a while must not retransmit for, or give up on, replies it holds) */
+        int due = 0;
+        for (uint32_t i = 0; i < n && !drained && !due; i++)
+            due = !t->st[i].done && (now >= t->st[i].t_next || now - t->st[i].t_heard >= t->st[i].deadline_ns);
+        if (due) {
+            drained = 1;
+            if (receive(t, calls, 0, 1, done, ctx) >= 0)
+                continue;
+            fail_open(t, calls, n);
+            break;
+        }
+        drained = 0;
         for (uint32_t i = 0; i < n; i++) {
             call_state *s = &t->st[i];
             duck_call *c = &calls[i];
             if (s->done)
                 continue;
-            if (now - s->t_heard >= deadline) {
+            if (now - s->t_heard >= s->deadline_ns) {
                 c->result = DUCK_T_ETIMEOUT;
                 s->done = 1;
-                remaining--;
                 t->stats.timeouts++;
                 continue;
             }
-            if (s->mtu > small && !s->progress && c->retransmits && now - s->t_start >= fallback_after) {
+            remaining++;
+            uint64_t fallback_at = s->t_start + fallback_after + s->work_ns;
+            if (s->mtu > small && !s->progress && c->retransmits && now >= fallback_at) {
                 fall_back(t, c, s, now);
             } else if (now >= s->t_next) {
                 if (s->req_frags == 1 && s->rep_count == 0)
@@ -322,21 +471,17 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
             }
             if (s->t_next < wake)
                 wake = s->t_next;
-            if (s->mtu > small && !s->progress && c->retransmits && s->t_start + fallback_after < wake)
-                wake = s->t_start + fallback_after > now ? s->t_start + fallback_after : now;
-            if (s->t_heard + deadline < wake)
-                wake = s->t_heard + deadline;
+            if (s->mtu > small && !s->progress && c->retransmits && fallback_at < wake)
+                wake = fallback_at > now ? fallback_at : now;
+            if (s->t_heard + s->deadline_ns < wake)
+                wake = s->t_heard + s->deadline_ns;
         }
         if (!remaining)
             break;
-        int r = receive(t, calls, wake > now ? wake - now : 0, done, ctx);
-        if (r < 0) {
-            for (uint32_t i = 0; i < n; i++)
-                if (!t->st[i].done)
-                    calls[i].result = DUCK_T_ESOCKET;
+        if (receive(t, calls, wake > now ? wake - now : 0, 0, done, ctx) < 0) {
+            fail_open(t, calls, n);
             break;
         }
-        remaining -= (uint32_t)r;
     }
     for (uint32_t i = 0; i < n; i++) {
         t->active[calls[i].duck] = -1;

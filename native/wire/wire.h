@@ -32,8 +32,9 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 3                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
-                                          size agreed per duck, partial dtype, wake-up time) */
+#define WIRE_ABI 4                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+                                          size agreed per duck, partial dtype, wake-up time; 4: messages of
+                                          up to 64 MiB, the duck's tokens per forward in HELLO) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
@@ -44,12 +45,20 @@ extern "C" {
 #define WIRE_MTU_MIN 1280
 #define WIRE_MTU_MAX 65535
 #define WIRE_MAX_DATAGRAM 65507         /* largest UDP payload over IPv4 */
-#define WIRE_MAX_MESSAGE (4u << 20)     /* reassembled payload bound */
-#define WIRE_MAX_FRAGMENTS 4096         /* (4 MiB / 1224 B at MTU 1280) < 4096 */
+#define WIRE_MAX_MESSAGE (64u << 20)    /* reassembled payload bound: a prefill chunk of 1024 tokens at
+                                          hidden 7168 in fp32 (29.4 MB) each way, with room */
+/* A NACK or RESEND names the fragments held in a bitmap that fits one
+ * datagram of the smallest size (WIRE_MTU_MIN, its payload less the 16-byte
+ * head): a message never has more fragments than that (9504), whatever its
+ * datagram size. */
+#define WIRE_MAX_FRAGMENTS ((WIRE_MTU_MIN - WIRE_IP_UDP_BYTES - WIRE_HEADER_BYTES - WIRE_MAC_BYTES - 16) * 8)
 #define WIRE_MAX_ERROR_TEXT 200
 #define WIRE_MAX_LAYERS 4096
 #define WIRE_MAX_EXPERTS 1024           /* per layer plan */
-#define WIRE_MAX_TOKENS 64              /* = DUCK_MAX_TOKENS */
+#define WIRE_MAX_TOKENS 4096            /* tokens one FORWARD may carry on the wire; each duck announces its
+                                          own limit in HELLO (max_tokens: its kernels' DUCK_MAX_TOKENS) */
+#define WIRE_TOKENS_DEFAULT 64          /* tokens per FORWARD to a duck that has not said hello: every duck
+                                          of this ABI takes them */
 #define WIRE_MAX_TOPK 32                /* = DUCK_MAX_TOPK */
 #define WIRE_UPLOAD_PART_MAX (1u << 20) /* bytes of tensor data in one UPLOAD */
 
@@ -127,6 +136,13 @@ static inline uint32_t wire_frag_count(uint32_t total_len, uint32_t mtu)
     uint32_t maxp = wire_max_payload(mtu, 1);   /* room for a MAC whether or not one is sent */
     return total_len ? (uint32_t)(((uint64_t)total_len + maxp - 1) / maxp) : 1;
 }
+/* The largest message in datagrams of mtu bytes: WIRE_MAX_MESSAGE, or less
+ * where WIRE_MAX_FRAGMENTS fragments do not carry it (13.5 MB at 1500). */
+static inline uint32_t wire_max_message(uint32_t mtu)
+{
+    uint64_t n = (uint64_t)WIRE_MAX_FRAGMENTS * wire_max_payload(mtu, 1);
+    return n < WIRE_MAX_MESSAGE ? (uint32_t)n : WIRE_MAX_MESSAGE;
+}
 
 /* The datagram size a reply may use, from the size its request states
  * (wire_forward.reply_mtu, wire_ping.reply_mtu; 0: not stated) and the
@@ -159,7 +175,9 @@ typedef struct wire_hello_reply {
     uint32_t mtu;
     uint32_t flags;          /* WIRE_HELLO_* */
     char name[32];           /* "duckfw 1.0", NUL-padded */
-    uint32_t reserved[2];
+    uint32_t max_tokens;     /* tokens one FORWARD may carry to this duck (its kernels' bound),
+                                WIRE_TOKENS_DEFAULT .. WIRE_MAX_TOKENS */
+    uint32_t reserved;
 } wire_hello_reply;
 WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 96, "wire_hello_reply must be 96 bytes");
 #define WIRE_HELLO_DATA_MAC 0x1u      /* the duck requires a MAC on forwards too */
@@ -308,6 +326,11 @@ typedef struct wire_nack {
     uint32_t reserved2;
 } wire_nack;
 WIRE_STATIC_ASSERT(sizeof(wire_nack) == 16, "wire_nack must be 16 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_nack) + WIRE_MAX_FRAGMENTS / 8 ==
+                   WIRE_MTU_MIN - WIRE_IP_UDP_BYTES - WIRE_HEADER_BYTES - WIRE_MAC_BYTES &&
+                   sizeof(wire_resend) == sizeof(wire_nack), "a NACK or RESEND bitmap fits one datagram");
+WIRE_STATIC_ASSERT((uint64_t)WIRE_MAX_FRAGMENTS * (WIRE_MAX_DATAGRAM - WIRE_HEADER_BYTES - WIRE_MAC_BYTES) >=
+                   WIRE_MAX_MESSAGE, "the largest message fits in loopback datagrams");
 
 /* --- integrity and header checks: native/wire.c ------------------------- */
 

@@ -9,6 +9,7 @@ import pytest
 
 from duckd.ctl import main as duckctl
 from bench.synthetic import SHAPES, synthetic_config
+from native.kernels import MAX_TOKENS   # what a duck announces: its kernels' tokens per call
 
 
 def test_synthetic_configs_keep_the_published_widths():
@@ -26,7 +27,7 @@ def test_synthetic_configs_keep_the_published_widths():
 
 def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     rc = duckctl(["bench", "e2e", "--synthetic", "qwen3-30b-a3b", "--layers", "2", "--experts", "16",
-                  "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3",
+                  "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3", "--prefill-chunk", "8",
                   "--backends", "fleet,cpu-torch", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
@@ -37,6 +38,12 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     for p in fleet["prompts"] + cpu["prompts"]:
         assert p["ttft_s"] > 0 and p["prefill_tok_s"] > 0 and p["decode"]["tok_s"] > 0
         assert p["decode"]["ffn_calls_per_step"] == 2
+        assert p["chunks"] == (1 if p["prompt_len"] == 5 else 2) and p["per_layer_chunk_ms"]["host"] > 0
+        # top-8 of 16 experts over 5..8 tokens of a chunk: at least 8 distinct per layer
+        assert 8 <= p["distinct_experts_per_layer_chunk"] <= 16
+    for p in fleet["prompts"]:
+        assert p["per_layer_chunk_ms"]["duck_kernel"] > 0
+        assert p["requests_per_call"]["requests"] == 1 and p["requests_per_call"]["duck_max_tokens"] == MAX_TOKENS
     d = fleet["prompts"][0]["decode"]
     assert d["per_layer_ms"]["duck_kernel"] > 0 and d["per_layer_ms"]["transport"] >= 0
     # what the ducks streamed for one token: the 8 chosen experts' slices in both layers (padding aside)

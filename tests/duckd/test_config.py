@@ -30,3 +30,11 @@ def test_spin_is_spin_then_block_for_spin_us():
 def test_bad_values_are_named(fleet, text):
     with pytest.raises(ConfigError, match=text):
         FleetConfig(**fleet)
+
+
+@pytest.mark.parametrize("chunk", [0, 65537, 8.0])
+def test_prefill_chunk_is_checked(chunk):
+    from duckd.config import ModelConfig
+    assert ModelConfig().prefill_chunk == 512
+    with pytest.raises(ConfigError, match=f"model.prefill_chunk = {chunk!r}: expected 1..65536"):
+        ModelConfig(prefill_chunk=chunk)

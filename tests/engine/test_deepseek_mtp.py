@@ -100,6 +100,18 @@ def test_mtp_greedy_is_token_identical(mtp_checkpoint, backend, report, caplog):
         lm.ffn.close()
 
 
+def test_mtp_prefills_in_chunks(mtp_checkpoint):
+    """The prompt in chunks of 3 (the MTP layer drafts from every chunk's hidden states):
+    greedy tokens those of one whole-prompt forward, with and without MTP."""
+    lm = load_model(mtp_checkpoint, backend="fp9")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for seed in SEEDS:
+        prompt = _prompt(seed)
+        whole = generate(lm.model, lm.tokenizer, prompt, params, prefill_chunk=len(prompt))
+        assert generate(lm.model, lm.tokenizer, prompt, params, prefill_chunk=3).token_ids == whole.token_ids
+        assert generate_mtp(lm.model, lm.tokenizer, prompt, params, prefill_chunk=3).token_ids == whole.token_ids
+
+
 SAMPLES = 400
 MAX_TOTAL_VARIATION = 0.2   # sampling noise at 400 draws is about 0.09 here
 

@@ -1,8 +1,14 @@
 """Hostile datagrams to the ASan/UBSan build of duckfw: truncated, oversized,
 garbage, forged (wrong key, missing MAC), replies and broken fragments, and
 bad values in the fields of wire ABI 3 (partial dtype, reply datagram size,
-ping sizes). The duck must keep serving, count each refusal, and end with no
-sanitizer report (leaks included) when stopped."""
+ping sizes). Wire ABI 4 (messages of up to WIRE_MAX_MESSAGE, each duck's
+tokens per forward in HELLO): a forward of more tokens than the duck announced,
+or than the wire allows, gets an error that says so, and so does a malformed
+multi-megabyte forward; a large message that is not a forward of the open
+session is dropped at its first fragment; a flood of first fragments that
+claim 64 MiB messages stays within the reassembly budget (firmware/reasm.c).
+The duck must keep serving, count each refusal, and end with no sanitizer
+report (leaks included) when stopped."""
 import os
 import socket
 
@@ -10,6 +16,7 @@ import numpy as np
 import pytest
 
 from native._native import ffi, lib
+from native.kernels import MAX_TOKENS as KERNEL_MAX_TOKENS
 from native.transport import DuckError, split_experts
 from tests.firmware.test_wire import seal
 from tests.transport.ducks import Ducks, sanitizer_binary, sanitizer_report
@@ -82,11 +89,14 @@ def test_bad_requests_get_clear_errors_and_the_duck_serves_on(asan_duck):
     assert fleet.stats()[0]["errors"] >= 3
 
 
-def exchange(port: int, dgram: bytes, key: bytes) -> tuple[int, bytes, list[int]]:
-    """Sends one datagram, gathers the reply's fragments: (status, body, datagram sizes)."""
+def exchange(port: int, dgram: bytes | list[bytes], key: bytes) -> tuple[int, bytes, list[int]]:
+    """Sends one datagram (or a message's fragments), gathers the reply's fragments:
+    (status, body, datagram sizes)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(2.0)
-        s.sendto(dgram, ("127.0.0.1", port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        for d in [dgram] if isinstance(dgram, bytes) else dgram:
+            s.sendto(d, ("127.0.0.1", port))
         parts, sizes = {}, []
         while True:
             data = s.recv(65535)
@@ -149,6 +159,105 @@ def test_new_fields_are_checked_and_replies_keep_to_the_stated_size(asan_duck):
     assert fleet.stats()[0]["errors"] - errors == 7
     assert duck.proc.poll() is None
     session.close()
+
+
+FRAGMENT = 60000          # payload bytes per datagram, below loopback's 65459
+CONTROL_MESSAGE_MAX = 2 << 20   # firmware/duckfw.h: larger messages must be forwards of the open session
+
+
+def fragments(payload: bytes, key: bytes | None, mtype: int, session: int, sequence: int, total: int | None = None,
+              count: int | None = None, only: range | None = None) -> list[bytes]:
+    """A message cut as the wire cuts it (every fragment but the last ceil(total / count)
+    bytes); total and count may claim more than the payload holds (only: which to make)."""
+    total = len(payload) if total is None else total
+    count = count or -(-total // FRAGMENT)
+    size = -(-total // count)
+    return [seal(payload[i * size:(i + 1) * size], key, mtype=mtype, frag_index=i, frag_count=count, total=total,
+                 session=session, sequence=sequence) for i in (only or range(count))]
+
+
+def test_hello_announces_the_kernels_limit_and_more_tokens_are_refused(asan_duck):
+    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    assert fleet.hello()[0].max_tokens == KERNEL_MAX_TOKENS
+    session = fleet.open_session({0: [[]]}, 64)
+    try:
+        assert session.duck_max_tokens == KERNEL_MAX_TOKENS
+        over = seal(forward_payload(hidden=1, ntok=KERNEL_MAX_TOKENS + 1), key, mtype=lib.WIRE_T_FORWARD,
+                    session=session.id)   # hidden 1: one datagram; the token count is checked first
+        status, body, _ = exchange(duck.port, over, key)
+        assert status == lib.WIRE_E_RANGE, body
+        assert f"forward of {KERNEL_MAX_TOKENS + 1} tokens: this duck takes at most {KERNEL_MAX_TOKENS}" in body.decode()
+        beyond = seal(forward_payload(hidden=1, ntok=lib.WIRE_MAX_TOKENS + 1), key, mtype=lib.WIRE_T_FORWARD,
+                      session=session.id)
+        status, body, _ = exchange(duck.port, beyond, key)
+        assert status == lib.WIRE_E_MALFORMED and f"(at most {lib.WIRE_MAX_TOKENS})" in body.decode(), body
+        # the host's session cuts a forward by the announced limit, however many tokens it is given
+        session.request_tokens = 10 * KERNEL_MAX_TOKENS
+        x = np.ones((3 * KERNEL_MAX_TOKENS, 64), np.float32)
+        session.forward(0, x, np.full((len(x), 1), -1, np.int32), np.zeros((len(x), 1), np.float32))
+        assert (session.last_requests, session.last_request_tokens) == (3, KERNEL_MAX_TOKENS)
+    finally:
+        session.close()
+
+
+def test_a_malformed_large_forward_gets_an_error(asan_duck):
+    """3 MB in 53 datagrams that claim 64 tokens of hidden 8192 but hold 3 bytes too many."""
+    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    session = fleet.open_session({0: [[]]}, 8192)
+    try:
+        errors = fleet.stats()[0]["errors"]
+        payload = forward_payload(hidden=8192, ntok=64) + b"xyz"
+        assert len(payload) > CONTROL_MESSAGE_MAX
+        status, body, _ = exchange(duck.port, fragments(payload, key, lib.WIRE_T_FORWARD, session.id, 1001), key)
+        assert status == lib.WIRE_E_MALFORMED and "does not match ntok 64" in body.decode(), body
+        assert fleet.stats()[0]["errors"] == errors + 1
+    finally:
+        session.close()
+
+
+def test_large_messages_that_are_not_forwards_of_the_open_session_are_dropped_at_once(asan_duck):
+    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    session = fleet.open_session({0: [[]]}, 64)
+    try:
+        before = fleet.stats()[0]
+        big = CONTROL_MESSAGE_MAX + 1
+        first = [fragments(b"\0" * FRAGMENT, key, lib.WIRE_T_UPLOAD, 0, 2001, total=big, only=range(1))[0],
+                 fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_PING, 0, 2002, total=big, only=range(1))[0],
+                 fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_FORWARD, session.id ^ 1, 2003, total=big,
+                           only=range(1))[0]]
+        blast(duck.port, first)
+        fleet.hello()
+        after = fleet.stats()[0]
+        assert after["malformed"] - before["malformed"] == len(first)
+        assert after["stale"] == before["stale"]          # nothing was held, so nothing was evicted
+    finally:
+        session.close()
+
+
+def test_a_flood_of_huge_claims_stays_within_the_reassembly_budget(asan_duck):
+    """First fragments of 64 forwards of the open session, each claiming a 64 MiB message:
+    the duck holds at most REASM_BUDGET (2 x 64 MiB) of them, drops the oldest (counted as
+    stale), and still answers a real forward afterwards, and a large one in full."""
+    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    hidden = 4096
+    session = fleet.open_session({0: [[]]}, hidden)
+    try:
+        before = fleet.stats()[0]
+        claims = [fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_FORWARD, session.id, 3000 + i,
+                            total=lib.WIRE_MAX_MESSAGE, only=range(1))[0] for i in range(64)]
+        blast(duck.port, claims)
+        fleet.hello()
+        after = fleet.stats()[0]
+        assert after["stale"] - before["stale"] >= 64 - 4      # REASM_SLOTS at most are kept
+        rss_kib = int(next(line.split()[1] for line in open(f"/proc/{duck.proc.pid}/status")
+                           if line.startswith("VmRSS")))
+        assert rss_kib < 1 << 20, f"duck holds {rss_kib} KiB after the flood"
+        x = np.ones((64, hidden), np.float32)    # 1 MiB each way: 17 datagrams
+        y = session.forward(0, x, np.full((len(x), 1), -1, np.int32), np.zeros((len(x), 1), np.float32))
+        assert np.array_equal(y, np.zeros_like(x))
+        assert duck.proc.poll() is None
+    finally:
+        session.close()
 
 
 def test_no_sanitizer_report_after_clean_stop(asan_duck):

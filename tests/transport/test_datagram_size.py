@@ -12,7 +12,7 @@ import pytest
 
 from native._native import lib
 from native.transport import Fleet, split_experts
-from native.transport.session import BF16, F32, tokens_per_call
+from native.transport.session import BF16, F32, forward_plan
 from tests.transport.ducks import Ducks
 from tests.transport.relay import Relay
 from tests.transport.test_forward import flat, local_reference, make_layer, routing
@@ -112,10 +112,36 @@ def test_a_route_that_shrinks_mid_run_falls_back_within_the_deadline(tmp_path, c
             assert time.monotonic() - t0 < deadline_ms / 4000       # no second fallback
 
 
-def test_receive_buffer_bounds_the_tokens_per_call():
-    assert tokens_per_call(128 << 20, 8, 7168, F32) == 64
-    assert tokens_per_call(4 << 20, 8, 7168, F32) == 9 and tokens_per_call(4 << 20, 8, 7168, BF16) == 18
-    assert tokens_per_call(425984, 8, 7168, F32) == 0          # net.core.rmem_max's default: warned about
+def test_receive_buffer_and_datagram_size_bound_the_requests():
+    """The cut of a forward (nothing sent): every duck's replies to the requests in
+    flight fit half the receive buffer; a request and its reply fit WIRE_MAX_FRAGMENTS
+    datagrams of the agreed size and of the fallback size (a NACK names every fragment
+    of a message that falls back: ~11.6 MB, whatever the path); requests are
+    made even; fewer in flight before fewer tokens per request."""
+    key = bytes(range(32))
+    addresses = [("127.0.0.1", 9)] * 8
+    with Fleet(addresses, key) as fleet:
+        room = lib.duck_transport_rcvbuf(fleet._t) // 2
+        plan = forward_plan(fleet, 4096, 7168)
+        assert plan["request_tokens"] == lib.WIRE_TOKENS_DEFAULT and plan["requests"] == 4096 // lib.WIRE_TOKENS_DEFAULT
+        assert plan["pipeline"] * 8 * (64 + 64 * 7168 * 4) <= room and not plan["rcvbuf_short"]
+        assert forward_plan(fleet, 100, 64)["request_tokens"] == 50          # 100 at 64: 50 + 50
+        assert forward_plan(fleet, 100, 64, request_tokens=7)["requests"] == 15
+        assert forward_plan(fleet, 1, 64, pipeline=4)["pipeline"] == 1
+        assert forward_plan(fleet, 4096, 64, request_tokens=1024)["request_tokens"] == 1024   # ducks that take 1024
+        assert forward_plan(fleet, 9000, 64, request_tokens=10000)["requests"] == 3   # 4096 at most: 3 x 3000
+    with Fleet(addresses[:1], key) as one:                                   # 256 KiB per token each way
+        assert one.datagram_sizes() == [lib.WIRE_MTU_DEFAULT]
+        fits = (lib.WIRE_MAX_FRAGMENTS * (1500 - 28 - 32 - 16) - 64) // (65536 * 4)   # 51 tokens in 13.5 MB
+        assert forward_plan(one, 64, 65536)["request_tokens"] == -(-64 // -(-64 // fits)) == 32
+        lib.duck_transport_agree(one._t, 0, 65535)                           # loopback datagrams, and yet:
+        assert forward_plan(one, 64, 65536)["request_tokens"] == 32          # a message must fit the fallback size
+    with Fleet(addresses, key, rcvbuf=1 << 20) as small:
+        room = lib.duck_transport_rcvbuf(small._t) // 2
+        plan = forward_plan(small, 256, 7168, pipeline=2)
+        assert plan["pipeline"] == 1 and 8 * (64 + plan["request_tokens"] * 7168 * 4) <= room
+        assert forward_plan(small, 256, 7168, y_dtype=BF16)["request_tokens"] >= 2 * plan["request_tokens"] - 1
+        assert forward_plan(small, 1, 65536)["rcvbuf_short"]                  # warned about by Session.forward
 
 
 def test_retransmit_timer_learns_a_slow_duck(tmp_path):

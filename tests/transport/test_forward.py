@@ -203,3 +203,78 @@ def test_the_sum_has_the_same_bits_whatever_the_arrival_order(tmp_path, delays_m
         in_order = np.empty((2, hidden), np.uint16)
         session.forward(0, x, ids, w, out=in_order)
     assert np.array_equal(bits, in_order)
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_many_requests_in_flight_give_the_bits_of_one_at_a_time(tmp_path, out_dtype):
+    """A forward of 200 tokens cut into requests of 16 (13 of them, the last 8): with 1, 2
+    and 4 in flight per duck the sum has the same bits (each token's partials are added in
+    duck order), equal to the local reference; each request streams each expert once."""
+    rng = np.random.default_rng(5)
+    hidden, n, n_experts = 128, 3, 6
+    per_duck = split_experts(make_layer(rng, n_experts, 64 * n, hidden), tp=n)
+    x = (rng.standard_normal((200, hidden)) * 0.5).astype(np.float32)
+    ids, w = routing(rng, 200, 2, n_experts)
+    with Ducks(n, tmp_path) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden, request_tokens=16)
+        outs = {}
+        for pipeline in (1, 2, 4):
+            session.pipeline = pipeline
+            outs[pipeline] = session.forward(0, x, ids, w, out=np.empty((200, hidden), out_dtype))
+            assert (session.last_requests, session.last_request_tokens, session.last_pipeline) == (13, 16, pipeline)
+        assert np.array_equal(outs[1], outs[2]) and np.array_equal(outs[1], outs[4])
+        session.request_tokens = 0                                   # as many as the ducks take (their hello)
+        limit = min(info.max_tokens for info in ducks.fleet.infos)
+        whole = session.forward(0, x, ids, w, out=np.empty((200, hidden), out_dtype))
+        cut = -(-200 // limit)                                       # requests, cut evenly
+        assert (session.last_requests, session.last_request_tokens) == (cut, -(-200 // cut))
+        stats = ducks.fleet.stats()
+        # one kernel run per request, unless a loaded host retransmitted (then the duck may compute one again)
+        retransmitted = ducks.fleet.transport_stats()["retransmits"] > 0
+        assert all(s["forwards"] == 3 * 13 + cut or (retransmitted and s["forwards"] > 39 + cut) for s in stats), stats
+    if out_dtype == np.float32:   # another cut groups other tokens in a kernel call: not the same bits
+        assert_close(whole, outs[1], SUMMATION_ORDER_RTOL, "the ducks' own cut vs requests of 16")
+        assert_close(outs[1], local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, "pipelined")
+
+
+def test_a_forward_longer_than_the_deadline_is_neither_resent_nor_failed(tmp_path):
+    """A duck that computes a request for longer than the host's failure deadline: the
+    host expects it (the duck's measured time per token times the request's tokens), so
+    it neither retransmits nor gives up; a RESEND that arrives while the duck computes
+    would be answered by the reply the duck sends anyway."""
+    from native.transport import Fleet
+    from native.transport.session import Session
+
+    rng = np.random.default_rng(9)
+    hidden, inter, deadline_ms = 2048, 8192, 30
+    per_duck = split_experts([(grid_weights(rng, (inter, hidden)), grid_weights(rng, (inter, hidden)),
+                               grid_weights(rng, (hidden, inter)))], tp=1)
+    x = (rng.standard_normal((64, hidden)) * 0.1).astype(np.float32)
+    ones = (np.zeros((64, 1), np.int32), np.ones((64, 1), np.float32))
+    with Ducks(1, tmp_path, deadline_ms=5000) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        want = session.forward(0, x, *ones)
+        with Fleet([ducks[0].address], ducks.key, retransmit_ms=2, deadline_ms=deadline_ms) as fast:
+            fast.hello()
+            quick = Session(fast, session.id, hidden, {0})
+            quick.forward(0, x[:1], ones[0][:1], ones[1][:1])          # the duck's time per token, measured
+            before = fast.transport_stats()["retransmits"]
+            y = quick.forward(0, x, *ones)
+            assert quick.kernel_us_max / 1000 > deadline_ms, "the request was not longer than the deadline"
+            assert fast.transport_stats()["retransmits"] == before and quick.retransmits == 0
+        assert np.array_equal(y, want)
+
+
+def test_a_prefill_sized_forward_is_cut_to_what_the_messages_carry(tmp_path):
+    """1024 tokens at hidden 4096 in fp32 are 16 MiB each way: more than a message may be at
+    the fallback datagram size (a NACK names every fragment), so the forward goes as requests
+    that fit, not as an error; the sum is that of the experts (here: none, zeros)."""
+    hidden, n = 4096, 1024
+    with Ducks(2, tmp_path) as ducks:
+        session = ducks.fleet.open_session({0: [[], []]}, hidden)
+        x = np.ones((n, hidden), np.float32)
+        y = session.forward(0, x, np.full((n, 1), -1, np.int32), np.zeros((n, 1), np.float32))
+        assert np.array_equal(y, np.zeros_like(x))
+        assert session.last_requests >= 2 and session.last_request_tokens * session.last_requests >= n
