@@ -299,12 +299,10 @@ def run_config(args, kind: str, device, dtype) -> dict:
         runner.decode(runner.prefill(8, 4)["cache"], 8, 2)   # warm-up: allocations, first touches
         out["prompts"] = []
         for p in args.prompts:
-            pre = runner.prefill(p, 5 * args.steps + 4, args.prefill_chunk)
+            pre = runner.prefill(p, 6 * args.steps + 4, args.prefill_chunk)
             cache = pre.pop("cache")
             single = runner.decode(cache, p, args.steps)
             entry = {**pre, "decode": single}
-            if single.get("driver") == "c" and p == args.prompts[0]:   # the same steps driven from Python, beside
-                entry["decode_python_driver"] = runner.decode(cache, p, args.steps, python_driver=True)
             out["prompts"].append(entry)
             if p == args.prompts[0] and args.pairs:
                 pair = runner.decode(cache, p + args.steps, args.steps, tokens=2)
@@ -318,6 +316,10 @@ def run_config(args, kind: str, device, dtype) -> dict:
                     "pair_over_single_batch": pair["step_ms"] / single["step_ms"],
                     "pair_over_single_lanes": dual["step_ms"] / single["step_ms"],
                     "batch": pair, "lanes": dual}
+            if single.get("driver") == "c" and p == args.prompts[0]:   # the same steps driven from Python, beside:
+                after = p + (5 if args.pairs else 1) * args.steps   # where the steps before ended: a linear
+                entry["decode_python_driver"] = runner.decode(cache, after, args.steps,  # state continues there only
+                                                              python_driver=True)
         out["decode_tok_s"] = out["prompts"][0]["decode"]["tok_s"]
         out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, top_k)
         if kind == "fleet":
