@@ -67,7 +67,9 @@ class Duck:
             id=self.id, address=f"{host}:{port}" if host else "", subnet=self.spec.subnet, state=int(self.state),
             reason=self.reason, time_to_link_ms=self.time_to_link_ms, rtt_us=self.rtt_us, gbps=self.gbps,
             kernel_ms=self.kernel_ms, cache_entries=self.cache_entries, cache_hits=self.cache_hits,
-            errors=c.get("malformed", 0) + c.get("unauthenticated", 0) + c.get("errors", 0),
+            # every datagram the duck refused (malformed, no or a wrong MAC, stale: a message of no open
+            # session or a replay) and every request it failed: a forged flood shows here
+            errors=c.get("malformed", 0) + c.get("unauthenticated", 0) + c.get("stale", 0) + c.get("errors", 0),
             bytes_streamed=c.get("bytes_streamed", 0), requests=c.get("requests", 0),
             retransmits=c.get("resends", 0), drops=c.get("injected_drops", 0), restarts=self.restarts)
 

@@ -137,3 +137,25 @@ def test_cache_invalidate_keeps_what_the_session_uses(duckd_daemon):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr and "no-such-model" in r.stderr
     text, _ = duckd_daemon.chat("Which city is the capital of France?", max_tokens=12)
     assert "Paris" in text                                               # still serving
+
+
+def test_refused_datagrams_show_as_errors_in_status(duckd_daemon):
+    """Forged FORWARD fragments (valid CRC, no key, a session that is not open) that never
+    complete are dropped by the duck as stale, and `duckctl status` counts them in the
+    duck's errors (it did not: a flood was invisible)."""
+    import socket
+
+    from native._native import lib
+    from tests.firmware.test_wire import seal
+
+    duck = duckd_daemon.ducks()[0]
+    host, port = duck.address.rsplit(":", 1)
+    before = duck.errors
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for i in range(40):   # first fragments of 2-fragment messages: never complete, pushed out as stale
+            s.sendto(seal(b"\0" * 64, None, mtype=lib.WIRE_T_FORWARD, session=0x5EED, sequence=1000 + i,
+                          frag_count=2, total=128), (host, int(port)))
+    deadline = time.monotonic() + 10
+    while duckd_daemon.ducks()[0].errors < before + 40 - 4:   # the last 4 may still be held
+        assert time.monotonic() < deadline, f"errors {duckd_daemon.ducks()[0].errors}, were {before}"
+        time.sleep(0.2)
