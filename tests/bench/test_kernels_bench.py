@@ -36,9 +36,10 @@ def test_bench_kernels_reports_every_case_with_its_peer(capsys):
         {(k, t, n) for k in r["kernel_sets"] for t in (8, 32, 128) for n in (1, 2)}
     for c in gemm:   # measured against the FMA peak of its own instruction set and thread count
         peak = peaks[(c["fma_peak_isa"], c["threads"])]
-        assert peak["gflops"] > 0 and peak["gflops_per_core"] == pytest.approx(peak["gflops"] / c["threads"], rel=1e-3)
+        assert peak["gflops"] > 0   # per core printed to 0.1: a loaded host's small peak needs the abs
+        assert peak["gflops_per_core"] == pytest.approx(peak["gflops"] / c["threads"], rel=1e-3, abs=0.05)
         assert c["ratio_to_fma_peak"] == pytest.approx(c["gflops"] / peak["gflops"], rel=1e-2)   # one round
-        assert c["gflops_per_core"] == pytest.approx(c["gflops"] / c["threads"], rel=1e-3)
+        assert c["gflops_per_core"] == pytest.approx(c["gflops"] / c["threads"], rel=1e-3, abs=0.05)
     (wake,) = r["pool_wake"]
     assert wake["threads"] == 2 and wake["blocked"]["wake_us"] > 0 and wake["shared_blocked"]["run_us"] > 0
 

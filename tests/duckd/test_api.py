@@ -159,3 +159,13 @@ def test_refused_datagrams_show_as_errors_in_status(duckd_daemon):
     while duckd_daemon.ducks()[0].errors < before + 40 - 4:   # the last 4 may still be held
         assert time.monotonic() < deadline, f"errors {duckd_daemon.ducks()[0].errors}, were {before}"
         time.sleep(0.2)
+
+
+def test_duckctl_bench_e2e_with_concurrent_streams(duckd_daemon):
+    """`duckctl bench e2e --streams N --json`: one stream's decode, then N at once, every token counted."""
+    r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
+                "bench", "e2e", "--runs", "1", "--tokens", "8", "--streams", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)["concurrent"]
+    assert c["streams"] == 4 and c["errors"] == 0 and c["tokens_out"] > 4
+    assert c["aggregate_tok_s"] > 0 and c["sum_of_stream_decode_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p99_s"]
