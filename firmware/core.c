@@ -11,9 +11,14 @@
 
 #define SEND_BATCH 64
 
+/* Messages that change the duck's state or tell what it holds need the fleet
+ * key; HELLO is open (an unauthenticated asker gets only what a link check
+ * needs: handlers.c on_hello), PING too (an echo). */
 static int needs_mac(const duck_core *c, unsigned type)
 {
     switch (type) {
+    case WIRE_T_STATS:
+    case WIRE_T_CACHE_QUERY:
     case WIRE_T_CACHE_INVALIDATE:
     case WIRE_T_UPLOAD:
     case WIRE_T_SYNTH:

@@ -50,19 +50,24 @@ __attribute__((format(printf, 3, 4))) static reply_slot *fail(reply_slot *r, int
     return r;
 }
 
-static reply_slot *on_hello(duck_core *c, reply_slot *r)
+/* Without the fleet key's MAC the asker learns what a link and version check
+ * needs (ABI, firmware version, datagram size, token limit, flags), nothing of
+ * the duck's identity, memory, cache or session. */
+static reply_slot *on_hello(duck_core *c, reply_slot *r, int authenticated)
 {
     wire_hello_reply hr = {0};
-    hr.duck_id = c->cfg.duck_id;
     hr.fw_version = DUCKFW_VERSION_MAJOR << 16 | DUCKFW_VERSION_MINOR;
     hr.abi = WIRE_ABI;
-    hr.cores = (uint16_t)c->cores;
-    hr.threads = (uint16_t)c->cfg.threads;
-    hr.mem_bytes = c->mem_bytes;
-    hr.cache_bytes = cache_used(c->cache);
-    hr.cache_capacity = cache_capacity(c->cache);
-    hr.cache_entries = cache_count(c->cache);
-    hr.session = c->session.id;
+    if (authenticated) {
+        hr.duck_id = c->cfg.duck_id;
+        hr.cores = (uint16_t)c->cores;
+        hr.threads = (uint16_t)c->cfg.threads;
+        hr.mem_bytes = c->mem_bytes;
+        hr.cache_bytes = cache_used(c->cache);
+        hr.cache_capacity = cache_capacity(c->cache);
+        hr.cache_entries = cache_count(c->cache);
+        hr.session = c->session.id;
+    }
     hr.mtu = c->cfg.mtu;
     hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
     snprintf(hr.name, sizeof hr.name, "%s", DUCKFW_NAME);
@@ -318,7 +323,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
         return NULL;
     memset(body(r), 0, n);
     switch (h->type) {
-    case WIRE_T_HELLO: r = on_hello(c, r); break;
+    case WIRE_T_HELLO: r = on_hello(c, r, (h->flags & WIRE_F_MAC) != 0); break;
     case WIRE_T_PING: r = on_ping(c, r, payload, len); break;
     case WIRE_T_STATS: memcpy(body(r), &c->stats, sizeof c->stats); break;
     case WIRE_T_CACHE_QUERY: r = on_cache_query(c, r, payload, len); break;

@@ -281,10 +281,12 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int no
     return finished;
 }
 
+/* Everything but a forward (unless the ducks ask) and a ping carries the MAC:
+ * a duck answers an unauthenticated HELLO with the bare minimum and refuses
+ * STATS and CACHE_QUERY without one (firmware/core.c needs_mac). */
 static int needs_mac(const duck_transport *t, uint32_t type)
 {
-    return type == WIRE_T_FORWARD ? t->cfg.mac_data
-         : type != WIRE_T_HELLO && type != WIRE_T_PING && type != WIRE_T_STATS && type != WIRE_T_CACHE_QUERY;
+    return type == WIRE_T_FORWARD ? t->cfg.mac_data : type != WIRE_T_PING;
 }
 
 /* The agreed size did not get through (nothing of the reply, no request
