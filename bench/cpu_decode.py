@@ -84,7 +84,7 @@ class Round:
 
 def measure(backend: str, args, prompt_text: str = PROMPT) -> dict:
     from engine.loader import load_model
-    from bench.e2e_synthetic import TimedFfn
+    from bench.timed_ffn import TimedFfn
 
     options = {"local_ducks": args.ducks} if backend == "fleet" else {}
     lm = load_model("default", device="cpu", backend=backend, backend_options=options)

@@ -41,7 +41,7 @@ class NativeStep:
         x, y = _wire_view(io.x, writable=False), _wire_view(io.y, writable=True)
         if x is None or y is None or io.ids.dtype.itemsize != 4 or not io.x.is_pinned():
             raise ValueError("the step's buffers must be pinned host tensors in the wire's types (engine.host_ffn)")
-        self.session, self.n_calls, self.ntok = session, len(calls), ntok
+        self.session, self.ntok = session, ntok
         self.topk = max((k for _, k in calls), default=1)
         n = len(graphs)
         self._keep = [ffi.new("uint64_t[]", graphs), ffi.new("uint32_t[]", [layer for layer, _ in calls] or [0]),
@@ -63,7 +63,7 @@ class NativeStep:
         s.gpu_ns, s.ffn_ns, s.kernel_us = self._gpu_ns, self._ffn_ns, self._kernel_us
         self._io = io   # the buffers live as long as the step
         self._res = ffi.new("duck_step_result *")
-        self._calls = calls
+        self.calls = calls   # (layer, topk) of each FFN call, in order
 
     def run(self) -> StepTimes:
         session, res = self.session, self._res
@@ -78,10 +78,10 @@ class NativeStep:
         session.bytes_streamed += res.bytes_streamed
         session.kernel_us_total += res.kernel_us_sum
         session.wake_ns_max = res.wake_ns_max
-        n, per = self.n_calls, self.ntok * self.topk
+        n, per = len(self.calls), self.ntok * self.topk
         kernel = [self._kernel_us[i] * 1e-6 for i in range(n)]
         if kernel and max(kernel) * 1e6 > session.kernel_us_max:
             session.kernel_us_max = int(max(kernel) * 1e6)
         return StepTimes(gpu=[self._gpu_ns[i] * 1e-9 for i in range(n + 1)],
                          ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel,
-                         ids=[list(self._ids[i * per:i * per + self.ntok * k]) for i, (_, k) in enumerate(self._calls)])
+                         ids=[list(self._ids[i * per:i * per + self.ntok * k]) for i, (_, k) in enumerate(self.calls)])

@@ -92,8 +92,13 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
                          size_t *lens);
 void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have);
 void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s);
-/* The retransmit timeout of a duck's next call (see transport_run.c). */
+/* The retransmit timeout of a duck's next call (transport_timing.c). */
 uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck);
+/* A completed call's samples: its duck's round trip (unless retransmitted or
+ * queued) and time per token. */
+void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now);
+/* A call's retransmit interval, its cap and its failure deadline, from now. */
+void tr_start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now);
 int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx);
 /* From a done callback: sends calls [first, first + count) again, each with
  * its (new) payload and a new sequence number (shared by calls of one

@@ -1,22 +1,7 @@
 /* The scatter/gather loop: send every call's request (calls with one payload
  * and one datagram size are sealed once), then receive, reassemble and
  * retransmit until each call has its reply or has passed the failure deadline.
- *
- * The retransmit timer of a duck follows its measured round trips as TCP's
- * does (RFC 6298): srtt += (r - srtt) / 8, rttvar += (|r - srtt| - rttvar) / 4,
- * RTO = srtt + 4 rttvar, never below the configured retransmit_us (also the
- * value before any sample) nor above a quarter of the deadline. The samples
- * leave out the compute time a forward's reply reports, so that a long
- * prefill request does not slow the recovery of a lost decode datagram; a
- * call's own expected compute (duck_call.work_ns: for a forward, its tokens
- * times the duck's measured time per token plus 4 times its variation) is
- * added to its timer instead, and four times to its failure deadline: a duck
- * is not sent duplicates, nor declared dead, while it computes a large chunk;
- * a call queued behind others to the same duck expects theirs too. A call
- * that needed retransmits gives no sample (which transmission did the reply
- * answer?) but leaves the interval it completed in as the duck's floor until
- * a call completes without one (Karn); nor does a call that waited behind
- * another to the same duck. */
+ * The timers are transport_timing.c's. */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
@@ -33,95 +18,6 @@
  * them this long before blocking, rather than pay a sleep and a wake-up per
  * datagram (a context switch and an IPI on a VM: about 4 us each). */
 #define GATHER_SPIN_US 50
-
-uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck)
-{
-    const duck_link *l = &t->link[duck];
-    uint64_t floor = (uint64_t)t->cfg.retransmit_us * 1000u, ceiling = (uint64_t)t->cfg.deadline_us * 250u;
-    uint64_t rto = l->srtt_ns ? l->srtt_ns + 4 * l->rttvar_ns : 0;
-    if (rto < l->backoff_ns)
-        rto = l->backoff_ns;
-    if (rto > ceiling)
-        rto = ceiling;
-    return rto > floor ? rto : floor;
-}
-
-uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck)
-{
-    return duck < t->cfg.n_ducks ? (uint32_t)(tr_rto_ns(t, duck) / 1000u) : 0;
-}
-
-uint64_t tr_forward_kernel_ns(const duck_call *c)
-{
-    wire_reply_head head;
-    wire_forward_reply fr;
-    if (c->type != WIRE_T_FORWARD || c->reply_len < sizeof head + sizeof fr)
-        return 0;
-    memcpy(&head, c->reply, sizeof head);
-    memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
-    return head.status == WIRE_OK ? (uint64_t)fr.kernel_us * 1000u : 0;
-}
-
-/* The duck's time per token and its variation from a forward's reply,
- * smoothed as the round trip is (RFC 6298's gains). */
-static void rate_sample(duck_link *l, const duck_call *c)
-{
-    wire_forward_reply fr;
-    uint64_t kernel = tr_forward_kernel_ns(c);
-    if (!kernel)
-        return;
-    memcpy(&fr, (const uint8_t *)c->reply + sizeof(wire_reply_head), sizeof fr);
-    if (!fr.ntok)
-        return;
-    uint64_t per = kernel / fr.ntok;
-    if (!l->ns_per_token) {
-        l->ns_per_token = per;
-        l->ns_per_token_var = per / 2;
-        return;
-    }
-    uint64_t err = per > l->ns_per_token ? per - l->ns_per_token : l->ns_per_token - per;
-    l->ns_per_token_var = (3 * l->ns_per_token_var + err) / 4;
-    l->ns_per_token = (7 * l->ns_per_token + per) / 8;
-}
-
-uint64_t tr_work_ns(const duck_transport *t, uint32_t duck, uint32_t ntok)
-{
-    const duck_link *l = &t->link[duck];
-    return (l->ns_per_token ? l->ns_per_token + 4 * l->ns_per_token_var : DUCK_NS_PER_TOKEN_UNKNOWN) * ntok;
-}
-
-static void rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now)
-{
-    rate_sample(l, c);
-    if (c->retransmits) {
-        l->backoff_ns = s->interval;
-        return;
-    }
-    if (s->queued)
-        return;
-    uint64_t r = now - s->t_start, kernel = tr_forward_kernel_ns(c);
-    r = r > kernel ? r - kernel : 0;
-    if (!l->srtt_ns) {
-        l->srtt_ns = r;
-        l->rttvar_ns = r / 2;
-    } else {
-        uint64_t err = r > l->srtt_ns ? r - l->srtt_ns : l->srtt_ns - r;
-        l->rttvar_ns = (3 * l->rttvar_ns + err) / 4;
-        l->srtt_ns = (7 * l->srtt_ns + r) / 8;
-    }
-    l->backoff_ns = 0;
-}
-
-static void start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now)
-{
-    uint64_t rto = tr_rto_ns(t, c->duck), half = (uint64_t)t->cfg.deadline_us * 500u;
-    s->interval = rto + s->work_ns;
-    s->cap = 8 * rto < half ? 8 * rto : half;
-    if (s->cap < s->interval)
-        s->cap = s->interval;
-    s->deadline_ns = (uint64_t)t->cfg.deadline_us * 1000u + 4 * s->work_ns;
-    s->t_next = now + s->interval;
-}
 
 /* --- receiving --------------------------------------------------------- */
 
@@ -228,7 +124,7 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     c->reply_len = s->rep_total;
     c->rtt_ns = now - s->t_start;
     s->done = 1;
-    rtt_sample(&t->link[d], c, s, now);
+    tr_rtt_sample(&t->link[d], c, s, now);
     if (done)
         done(t, calls, ci, ctx);
     return 1;
@@ -301,7 +197,7 @@ static void fall_back(duck_transport *t, duck_call *c, call_state *s, uint64_t n
     s->req_frags = wire_frag_count(c->payload_len, small);
     s->seq = ++t->seq;
     s->rep_count = s->rep_have = s->rep_total = 0;
-    start_timer(t, c, s, now);
+    tr_start_timer(t, c, s, now);
     t->stats.mtu_fallbacks++;
     c->retransmits++;
     tr_send_request(t, c, s, NULL);
@@ -367,7 +263,7 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
             s->queued = 1;
         }
         s->work_ns = c->work_ns + ahead;
-        start_timer(t, c, s, now);
+        tr_start_timer(t, c, s, now);
         if (!same_msg || s->mtu != t->st[i - 1].mtu) {
             tr_tx_flush(t);   /* what is queued points into the seal buffer */
             nseal = tr_seal_request(t, c, s, NULL, lens);

@@ -60,7 +60,7 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
 
 
 def test_routing_spread_counts_what_repeats():
-    from bench.e2e_synthetic import routing_spread
+    from bench.timed_ffn import routing_spread
 
     steps = [[(0, (1, 2)), (1, (5, 6))], [(0, (1, 3)), (1, (5, 6))], [(0, (4, 7)), (1, (5, 6))]]
     r = routing_spread(steps, n_experts=8)
