@@ -1,10 +1,11 @@
-"""GPU stage time per decoder layer of a Qwen3-30B-A3B-shaped model (synthetic weights,
-bench.synthetic) with the fused Triton ops (engine.ops) and with their torch references
+"""GPU stage time per decoder layer of a Qwen3-30B-A3B-shaped model (or another --synthetic
+shape; synthetic weights, bench.synthetic) with the fused Triton ops (engine.ops) and with their torch references
 (DUCK_TRITON_OPS=0): eager and replayed from CUDA graphs (bench.gpu_stage.stage_times:
 CUDA events around the GPU work between two FFN calls, FFN calls answered with zeros),
 and the CUDA kernels one layer launches (torch.profiler).
 
-    python bench/gpu_ops.py [--layers 4] [--tokens 1,2] [--max-model-len 2048] [--json out.json]
+    python bench/gpu_ops.py [--synthetic qwen3.5-35b-a3b] [--layers 4] [--tokens 1,2] [--max-model-len 2048]
+                            [--json out.json]
     python bench/gpu_ops.py --smoke    # CPU, TRITON_INTERPRET=1, a tiny model: checks the script runs
 
 --smoke times eager forwards by the wall clock (the Triton kernels interpreted: slow) and
@@ -35,6 +36,7 @@ SMOKE_CONFIG = {"model_type": "qwen3_moe", "vocab_size": 97, "hidden_size": 64, 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", default="qwen3-30b-a3b", help="the model's shape (bench.synthetic's names)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (>= 3: a middle one is counted)")
     p.add_argument("--tokens", default="1,2", help="comma-separated tokens per step (1: decode, 2: MTP pair)")
     p.add_argument("--max-model-len", type=int, default=2048, help="static KV cache length the graphs attend")
@@ -101,7 +103,7 @@ def run_cuda(args, torch) -> list[dict]:
     from bench.synthetic import build_host_model, synthetic_config
 
     device = torch.device("cuda")
-    config = synthetic_config("qwen3-30b-a3b", layers=args.layers)
+    config = synthetic_config(args.synthetic, layers=args.layers)
     model = build_host_model(config, device, torch.bfloat16)
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -111,7 +113,8 @@ def run_cuda(args, torch) -> list[dict]:
             times = stage_times(model, None, steps=args.steps, tokens=tokens, max_model_len=args.max_model_len,
                                 position=position)
             count = kernels_per_layer(torch, model, tokens, args.max_model_len, position)
-            rows.append(dict(ops=name, tokens=tokens, max_model_len=args.max_model_len, position=position,
+            rows.append(dict(ops=name, synthetic=args.synthetic, tokens=tokens, max_model_len=args.max_model_len,
+                             position=position,
                              per_layer_eager_ms=times["per_layer_eager_ms"],
                              per_layer_graph_ms=times["per_layer_graph_ms"],
                              kernels_per_layer=count["count"], kernels=count["names"], kernel_us=count["us"],
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if not args.smoke else f"cpu (interpreter) {platform.processor()}"
     import triton
 
-    print(f"{name}: torch {torch.__version__}, triton {triton.__version__}; qwen3-30b-a3b shapes, bf16"
+    print(f"{name}: torch {torch.__version__}, triton {triton.__version__}; {args.synthetic} shapes, bf16"
           if not args.smoke else f"{name}: tiny qwen3_moe, fp32, wall clock")
     print_table(rows)
     if args.json:

@@ -8,10 +8,12 @@
                                                    attention over a whole static cache, masked
                                                    to slots <= each row's position
     router_topk(logits, top_k, normalize)          softmax router -> ids int32, weights fp32
+    gated_delta_decode(qkv, z, b, a, ...)          Qwen3.5's DeltaNet mixer for a few tokens: conv,
+                                                   gates, the delta rule, the gated norm (one kernel)
 
 Each `*_ref` is plain torch with the math of Hugging Face transformers' Llama / Qwen3 /
 Qwen3-MoE, rounding to the model dtype where they round. The Triton kernels
-(engine.gpu.ops_triton, engine.gpu.decode_attention) run instead when the tensors are
+(engine.gpu.ops_triton, engine.gpu.decode_attention, engine.gpu.delta_triton) run instead when the tensors are
 on CUDA (or on any device under TRITON_INTERPRET=1: the tests) and triton imports;
 DUCK_TRITON_OPS=0 keeps the references everywhere. tests/engine/test_ops_triton.py
 holds each kernel to its reference.
@@ -52,33 +54,36 @@ def triton_runs_on(x: torch.Tensor) -> bool:
 
 
 # -- RMSNorm ------------------------------------------------------------------------------
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x * (1.0 + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., N]: computed in fp32, cast to x's dtype, times weight."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N]: computed in fp32, cast to x's dtype, times weight;
+    zero_centered (Qwen3.5): times (1 + weight) in fp32, then cast."""
     if triton_runs_on(x):
         rows = x.reshape(-1, x.shape[-1])
-        return _kernels()[0].rms_norm(rows, weight, eps)[0].view(x.shape)
-    return rms_norm_ref(x, weight, eps)
+        return _kernels()[0].rms_norm(rows, weight, eps, zero_centered=zero_centered)[0].view(x.shape)
+    return rms_norm_ref(x, weight, eps, zero_centered)
 
 
-def add_rms_norm_ref(x, residual, weight, eps):
+def add_rms_norm_ref(x, residual, weight, eps, zero_centered: bool = False):
     stream = x if residual is None else residual + x
-    return rms_norm_ref(stream, weight, eps), stream
+    return rms_norm_ref(stream, weight, eps, zero_centered), stream
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + x), residual + x) for x, residual [T, N]; residual None: x is the
     whole stream (the first layer). The sum is rounded to the model dtype, as HF's residual add is."""
     if residual is not None and triton_runs_on(x):
-        return _kernels()[0].rms_norm(x, weight, eps, residual)
-    return add_rms_norm_ref(x, residual, weight, eps)
+        return _kernels()[0].rms_norm(x, weight, eps, residual, zero_centered)
+    return add_rms_norm_ref(x, residual, weight, eps, zero_centered)
 
 
 # -- q/k norm, rotary, KV-cache write -----------------------------------------------------
@@ -152,3 +157,21 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
     if triton_runs_on(logits):
         return _kernels()[0].router_topk(logits, top_k, normalize)
     return router_topk_ref(logits, top_k, normalize)
+
+
+# -- the gated DeltaNet mixer (Qwen3.5), decode ------------------------------------------
+def gated_delta_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       conv_state: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                       dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                       heads: tuple[int, int, int, int]) -> torch.Tensor:
+    """engine.delta_rule.gated_delta_mixer (token by token) for a few tokens: one kernel
+    where Triton runs, the torch reference elsewhere. conv_state and state change in place."""
+    from engine.delta_rule import gated_delta_mixer
+
+    args = (qkv, z, b, a, conv_state, conv_weight, a_log, dt_bias, norm_weight, eps, state, heads)
+    if triton_runs_on(qkv):
+        from engine.gpu import delta_triton
+
+        if delta_triton.takes(qkv.shape[0], conv_weight.shape[-1]):
+            return delta_triton.gated_delta_decode(*args)
+    return gated_delta_mixer(*args)

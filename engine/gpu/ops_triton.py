@@ -62,7 +62,8 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
                          stride_x, stride_res, stride_out, stride_res_out,
-                         DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                         ZERO_CENTERED: tl.constexpr = False):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -73,7 +74,10 @@ if triton is not None:
             tl.store(res_out_ptr + row * stride_res_out + cols, x.to(DTYPE), mask=ok)
         rstd = _rsqrt(tl.sum(x * x, axis=0) / N + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _round(_round(x * rstd, DTYPE) * w, DTYPE)
+        if ZERO_CENTERED:    # the weight stored as w for a scale (1 + w), the product in fp32
+            y = _round(x * rstd * (1.0 + w), DTYPE)
+        else:
+            y = _round(_round(x * rstd, DTYPE) * w, DTYPE)
         tl.store(out_ptr + row * stride_out + cols, y.to(DTYPE), mask=ok)
 
     @triton.jit
@@ -190,9 +194,10 @@ def _row_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, N] (+ residual [T, N]) -> (normed [T, N], x + residual or None)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, N] (+ residual [T, N]) -> (normed [T, N], x + residual or None); zero_centered:
+    the scale is (1 + weight) (Qwen3.5)."""
     _same_dtype("rms_norm", x, weight=weight, residual=residual)
     n = x.shape[-1]
     if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (n,) or not weight.is_contiguous():
@@ -213,7 +218,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
             n, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             out.stride(0), DTYPE=tl_dtype(x, "rms_norm"), HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=_row_warps(block))
+            ZERO_CENTERED=zero_centered, num_warps=_row_warps(block))
     return out, res_out
 
 

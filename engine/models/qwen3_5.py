@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.config import ConfigError, ModelConfig
+from engine.delta_rule import gated_delta_mixer, gated_rms_norm
 from engine.layers import KVCache, cached_attention, static_decode_active
+from engine.merged_linear import MergedLinear
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
 from engine.weights import WeightSpec
 
@@ -75,9 +78,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, zero_centered=True)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x), as engine.layers.RMSNorm.add."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, zero_centered=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -89,66 +94,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * F.silu(z.float())).to(x.dtype)
-
-
-# -- the gated delta rule ------------------------------------------------------
-# Per value head, state S [Dk, Dv]: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
-def gated_delta_recurrent(q, k, v, g, beta, state):
-    """One token at a time. q, k [H, T, Dk], v [H, T, Dv], g, beta [H, T], state [H, Dk, Dv] (fp32)
-    -> out [H, T, Dv], new state."""
-    out = []
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[:, None, None]                              # [H, Dk, Dv]
-        u = beta[:, t, None] * (v[:, t] - torch.einsum("hk,hkv->hv", k[:, t], state))  # [H, Dv]
-        state = state + k[:, t, :, None] * u[:, None, :]
-        out.append(torch.einsum("hk,hkv->hv", q[:, t], state))                    # [H, Dv]
-    return torch.stack(out, dim=1), state
-
-
-def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower-triangular L [..., C, C], row by row (forward substitution):
-    on CPU ~9x faster than batched torch.linalg.solve_triangular for these small systems."""
-    c = lower.shape[-1]
-    inv = -lower  # row i: X[i, :i] = -L[i, :i] - sum_j L[i, j] X[j, :i], with X[j, j] = 1
-    for i in range(1, c):
-        inv[..., i, :i] += (inv[..., i, :i, None] * inv[..., :i, :i]).sum(-2)
-    return inv + torch.eye(c, dtype=lower.dtype, device=lower.device)
-
-
-def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """The same recurrence, C tokens per step: within a chunk the delta updates are
-    solved as one unit-lower-triangular system (the UT transform), so the sequential
-    part is T/C small matmuls. Shapes as gated_delta_recurrent."""
-    h, t, dk = k.shape
-    pad = -t % chunk  # padded tokens have beta = 0, k = 0, g = 0: they leave the state alone
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (t + pad) // chunk
-    q, k, v = (x.reshape(h, n, chunk, -1) for x in (q, k, v))                   # [H, N, C, D]
-    g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)
-    cum = g.cumsum(-1)                                                           # [H, N, C]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
-    kb = k * beta[..., None]
-    inverse = _unit_lower_inverse(((kb @ k.transpose(-1, -2)) * decay).tril(-1))  # [H, N, C, C]
-    u0 = inverse @ (v * beta[..., None])                                         # [H, N, C, Dv]
-    w = inverse @ (kb * cum.exp()[..., None])                                    # [H, N, C, Dk]
-    attn = (q @ k.transpose(-1, -2)) * decay                                     # [H, N, C, C]
-    q_decayed = q * cum.exp()[..., None]                                         # [H, N, C, Dk]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]                        # [H, N, C, Dk]
-    out = torch.empty_like(u0)
-    for c in range(n):
-        u = u0[:, c] - w[:, c] @ state                                           # [H, C, Dv]
-        out[:, c] = q_decayed[:, c] @ state + attn[:, c] @ u
-        state = state * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
-    return out.reshape(h, n * chunk, -1)[:, :t], state
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # eps inside the root, as the reference kernels
+        return gated_rms_norm(x, z, self.weight, self.eps)
 
 
 @dataclass(slots=True)
@@ -200,9 +146,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, s.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, s.num_v_heads, bias=False)
+        self.in_proj = MergedLinear()     # qkv, z, b, a: one matmul
+        self.heads = (s.num_k_heads, s.head_k_dim, s.num_v_heads, s.head_v_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        s, t, slot = self.s, x.shape[0], cache.slot[self.layer_idx]
+        t, slot = x.shape[0], cache.slot[self.layer_idx]
         static = static_decode_active()   # no host sync: whoever runs static decode keeps cache.consumed
         if not static:
             if cache.consumed is None:
@@ -212,23 +160,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                                  f"{cache.consumed[slot]}, got position {int(positions[0])}; its state cannot "
                                  f"rewind (use a fresh cache)")
             cache.consumed[slot] = int(positions[-1]) + 1
-        mixed = torch.cat((cache.conv[slot], self.in_proj_qkv(x).T), dim=-1)      # [C, K-1+T]
-        cache.conv[slot] = mixed[:, mixed.shape[1] - (s.conv_kernel - 1):]
-        mixed = F.silu(F.conv1d(mixed[None], self.conv1d.weight, groups=mixed.shape[0]))[0].T  # [T, C]
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = s.num_v_heads // s.num_k_heads  # each q/k head serves `rep` consecutive value heads
-        q = q.reshape(t, s.num_k_heads, s.head_k_dim).repeat_interleave(rep, dim=1).transpose(0, 1).float()
-        k = k.reshape(t, s.num_k_heads, s.head_k_dim).repeat_interleave(rep, dim=1).transpose(0, 1).float()
-        v = v.reshape(t, s.num_v_heads, s.head_v_dim).transpose(0, 1).float()      # [Hv, T, Dv]
-        q = _l2norm(q) * s.head_k_dim ** -0.5                                      # [Hv, T, Dk]
-        k = _l2norm(k)
-        beta = self.in_proj_b(x).float().sigmoid().T                               # [Hv, T]
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).T  # [Hv, T]
-        rule = gated_delta_recurrent if t == 1 or static else gated_delta_chunked   # static: a few tokens
-        out, cache.recurrent[slot] = rule(q, k, v, g, beta, cache.recurrent[slot])
-        z = self.in_proj_z(x).reshape(t, s.num_v_heads, s.head_v_dim)
-        out = self.norm(out.transpose(0, 1).to(x.dtype), z)                         # [T, Hv, Dv]
-        return self.out_proj(out.reshape(t, self.value_dim))
+        qkv, z, b, a = self.in_proj(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        args = (qkv, z, b, a, cache.conv[slot], self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                self.norm.eps, cache.recurrent[slot], self.heads)
+        # static decode: a few tokens, the fused kernel where it runs; a prompt: the chunked rule
+        out = ops.gated_delta_decode(*args) if t == 1 or static else gated_delta_mixer(*args, chunked=True)
+        return self.out_proj(out)
 
 
 class Qwen3_5Attention(nn.Module):
@@ -286,11 +223,14 @@ class Qwen3_5MoeSparseMoeBlock(RoutedExperts):
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, True)
         self.shared_expert = SharedExpert(config.hidden_size, s.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_in = MergedLinear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)                                       # [T, k], [T, k]
-        routed = self.routed(x, ids, weights)                             # [T, H]
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        e = self.shared_expert
+        gate, up, shared_gate = self.shared_in(x, e.gate_proj, e.up_proj, self.shared_expert_gate)  # one matmul
+        shared = torch.sigmoid(shared_gate) * e.down_proj(F.silu(gate) * up)
+        return self.routed(x, ids, weights) + shared                       # [T, H]
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -306,10 +246,14 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """As engine.models.llama's layer: x the last sublayer's output, the stream residual + x;
+        each residual add fused into the norm that follows it."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), positions, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, residual = self.input_layernorm.add(x, residual)
+        x, residual = self.post_attention_layernorm.add(mixer(x, positions, cache), residual)
+        return self.mlp(x), residual
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -320,10 +264,10 @@ class Qwen3_5TextModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x, residual = self.embed_tokens(input_ids), None   # [T, H]; the stream is residual + x
         for layer in self.layers:
-            x = layer(x, positions, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cache)
+        return self.norm.add(x, residual)[0]
 
 
 class Qwen3_5ForConditionalGeneration(CausalLM):

@@ -23,6 +23,7 @@ from tests.engine.test_fp8_triton import assert_close_to_exact, stack_bytes
 FP32_RTOL = 1e-5            # fp32: max |kernel - reference| / max |reference| (fp32 sums in another order)
 BF16_ONE_ULP = 2.0 ** -7    # bf16 norms and rotary: within one bf16 ulp of the largest |reference| value...
 BF16_MIN_EXACT = 0.99       # ...and bit-identical almost everywhere (same roundings in the same order)
+DELTA_GPU_BF16_RTOL = 2e-2  # DeltaNet kernel vs reference on CUDA in bf16 (the conv's roundings, see the check)
 ROUTER_ATOL = 1e-6          # router weights (fp32, in [0, 1]): exp and the sums in another order
 PROBS_BF16_ATOL = 2.0 ** -8  # GPU attention in bf16: the probabilities rounded to bf16, times max |v|
 MODEL_RTOL = 1e-5           # tiny models in fp32, logits: kernels vs references
@@ -62,21 +63,22 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert exact >= BF16_MIN_EXACT, f"{what}: only {exact:.1%} of the elements bit-identical"
 
 
-def check_rms_norm(t: int, n: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> None:
+def check_rms_norm(t: int, n: int, dtype: torch.dtype, seed: int, device: str = "cpu",
+                   zero_centered: bool = False) -> None:
     from engine.gpu import ops_triton
 
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(t, n + 9, generator=gen).to(device, dtype)
     x = wide[:, 3:n + 3]                                     # a view: row stride > N
     residual = (torch.randn(t, n, generator=gen) * 4).to(device, dtype)
-    weight = (1 + 0.2 * torch.randn(n, generator=gen)).to(device, dtype)
-    what = f"rms_norm T={t} N={n} {dtype}"
+    weight = ((0 if zero_centered else 1) + 0.2 * torch.randn(n, generator=gen)).to(device, dtype)
+    what = f"rms_norm T={t} N={n} {dtype}" + " zero-centered" * zero_centered
     with poisoned_outputs():
-        plain, none = ops_triton.rms_norm(x, weight, 1e-6)
-        normed, stream = ops_triton.rms_norm(x, weight, 1e-6, residual)
+        plain, none = ops_triton.rms_norm(x, weight, 1e-6, zero_centered=zero_centered)
+        normed, stream = ops_triton.rms_norm(x, weight, 1e-6, residual, zero_centered)
     assert none is None
-    assert_matches(plain, ops.rms_norm_ref(x, weight, 1e-6), what)
-    want_normed, want_stream = ops.add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert_matches(plain, ops.rms_norm_ref(x, weight, 1e-6, zero_centered), what)
+    want_normed, want_stream = ops.add_rms_norm_ref(x, residual, weight, 1e-6, zero_centered)
     assert torch.equal(stream, want_stream), f"{what}: residual + x differs from torch's sum"
     assert_matches(normed, want_normed, what + " after the residual add")
 
@@ -165,6 +167,51 @@ ATTENTION_CASES = [  # T, H, KVH, D, S, positions, dtype, split_tiles (None: the
     (5, 8, 1, 64, 100, [3, 50, 51, 90, 99], torch.bfloat16, 1),       # groups 8, rows ending in other splits
     (5, 4, 4, 128, 77, [40, 41, 42, 43, 44], torch.bfloat16, 100),   # one split over the whole cache
     (2, 16, 2, 64, 260, [130, 259], torch.float32, 2),
+]
+
+
+def check_gated_delta(t: int, hk: int, dk: int, hv: int, dv: int, kernel: int, dtype: torch.dtype, seed: int,
+                      device: str = "cpu") -> None:
+    """Qwen3.5's DeltaNet mixer for a few tokens: the fused kernel against engine.delta_rule's
+    token-by-token reference, from the same conv and recurrent states, both updated in place."""
+    from engine.delta_rule import gated_delta_mixer
+    from engine.gpu import delta_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    channels = 2 * hk * dk + hv * dv
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dt)
+
+    merged = rand(t, channels + hv * dv + 2 * hv + 3, scale=2)          # one matmul's output, as the model has
+    qkv, z, b, a, _ = merged.split([channels, hv * dv, hv, hv, 3], dim=-1)
+    conv, weight = rand(channels, kernel - 1, scale=2), rand(channels, 1, kernel, scale=0.5)
+    a_log, dt_bias, norm_w = rand(hv), rand(hv), 1 + rand(dv, scale=0.2)
+    state = rand(hv, dk, dv, scale=0.3, dt=torch.float32)
+    heads = (hk, dk, hv, dv)
+    want_conv, want_state = conv.clone(), state.clone()
+    with poisoned_outputs():
+        got = delta_triton.gated_delta_decode(qkv, z, b, a, conv, weight, a_log, dt_bias, norm_w, 1e-6, state, heads)
+    want = gated_delta_mixer(qkv, z, b, a, want_conv, weight, a_log, dt_bias, norm_w, 1e-6, want_state, heads)
+    what = f"gated_delta T={t} Hk={hk} Dk={dk} Hv={hv} Dv={dv} K={kernel} {dtype}"
+    assert torch.equal(conv, want_conv), f"{what}: the conv state differs"
+    err = ((state - want_state).abs().max() / want_state.abs().max()).item()
+    if device != "cpu" and dtype == torch.bfloat16:
+        # on the GPU the reference's conv is cuDNN's: its fp32 sums in another order can round a conv
+        # output to the neighbouring bf16 value, which the state and the output then carry
+        assert err <= DELTA_GPU_BF16_RTOL, f"{what}: recurrent state rel err {err:.1e}"
+        out_err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert out_err <= DELTA_GPU_BF16_RTOL, f"{what}: output rel err {out_err:.1e}"
+        return
+    assert err <= FP32_RTOL, f"{what}: recurrent state rel err {err:.1e}"
+    assert_matches(got, want, what)
+
+
+DELTA_CASES = [  # T, Hk, Dk, Hv, Dv, conv kernel, dtype
+    (1, 2, 16, 4, 16, 4, torch.float32),
+    (2, 2, 12, 4, 20, 4, torch.bfloat16),     # sizes no power of two: masked lanes
+    (3, 1, 16, 3, 8, 3, torch.float32),       # one key head for three value heads, more tokens than K-1
+    (1, 2, 32, 2, 32, 2, torch.bfloat16),
 ]
 
 
@@ -260,6 +307,15 @@ def test_rms_norm_kernel(interpreted, t, n, dtype):
     interpreted(check_rms_norm, t, n, dtype, 10 * t + n)
 
 
+def test_zero_centered_rms_norm_kernel(interpreted):
+    interpreted(check_rms_norm, 2, 200, torch.bfloat16, 7, "cpu", True)
+
+
+@pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: "T{}-{}x{}-{}x{}-K{}-{}".format(*c[:6], str(c[6])[6:]))
+def test_gated_delta_kernel(interpreted, case):
+    interpreted(check_gated_delta, *case, DELTA_CASES.index(case))
+
+
 def test_qk_norm_rope_kernel(interpreted):
     """Norms and rotary of q and k from strided views of one qkv output, and the cache write."""
     interpreted(check_all_qk_norm_rope)
@@ -331,7 +387,7 @@ def test_kernels_compile_for_hopper_without_spills():
     """What the interpreter cannot show: the kernels lower for sm_90 at Qwen3-30B-A3B's
     shapes (hidden 2048, head_dim 128, 32/4 heads, 128 experts) and none spills registers
     (the rotary kernel's stack is sin/cos's table); the attention's bf16 dots are tensor-core MMAs."""
-    from engine.gpu import decode_attention, ops_triton
+    from engine.gpu import decode_attention, delta_triton, ops_triton
 
     if ops_triton.INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 is set for the whole run: nothing here is compiled")
@@ -355,6 +411,13 @@ def test_kernels_compile_for_hopper_without_spills():
         (decode_attention._combine_kernel, {"o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "pos_ptr": "*i64",
                                             "out_ptr": bf16},
          dict(SPLITS=32, D=128, BLOCK_D=128, BLOCK_SPLITS=32, CHUNK=8, DTYPE=tl.bfloat16), 1),
+        # Qwen3.5-35B-A3B's DeltaNet: 16 key heads, 32 value heads, 128 x 128 states, conv 4; T = 1 and 2 (MTP)
+        *((delta_triton._gated_delta_kernel, {n: bf16 for n in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "conv_ptr",
+                                                                 "conv_w_ptr", "a_log_ptr", "dt_bias_ptr",
+                                                                 "norm_w_ptr", "out_ptr")}
+           | {"state_ptr": "*fp32", "q_scale": "fp32", "eps": "fp32"},
+           dict(T=t, K=4, HK=16, HV=32, DK=128, DV=128, BK=128, BV=128, DTYPE=tl.bfloat16), delta_triton.NUM_WARPS)
+          for t in (1, 2)),
     ]
     for kernel, signature, constexprs, warps in launches:
         compiled = _compile_sm90(kernel, signature, constexprs, warps)

@@ -17,10 +17,12 @@ from engine.config import ModelConfig
 from engine.fleet import FleetFfn
 from engine.generate import SamplingParams, forward_logits, generate
 from engine.loader import load_model
-from engine.models.qwen3_5 import HybridSettings, gated_delta_chunked, gated_delta_recurrent
+from engine.delta_rule import gated_delta_chunked, gated_delta_recurrent
+from engine.models.qwen3_5 import HybridSettings
 from engine.tokenizer import Tokenizer
 from engine.weights import WeightError
 from tests.engine.conftest import write_word_tokenizer
+from tests.engine.test_ops_triton import check_model_matches_reference
 from tests.engine.test_tokenizer import CONVERSATIONS, TEXTS, _data, _reference
 
 FP32_LOGITS_RTOL = 1e-4          # max |ours - transformers| / max |transformers|
@@ -88,6 +90,14 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_with_kernels_matches_references(interpreted, checkpoint, report, kind):
+    """The CUDA path's ops under the interpreter (zero-centered norms, the fused DeltaNet decode
+    kernel, the router) against DUCK_TRITON_OPS=0: a prefill, then static decode steps."""
+    folder, _ = checkpoint(kind)
+    report(interpreted(check_model_matches_reference, str(folder)))
 
 
 def test_config_reads_the_multimodal_wrapper(checkpoint):

@@ -21,8 +21,10 @@ from engine.layers import static_decode
 from engine.loader import load_model
 from tests.engine.test_ops_triton import (
     ATTENTION_CASES,
+    DELTA_CASES,
     check_all_qk_norm_rope,
     check_decode_attention,
+    check_gated_delta,
     check_model_matches_reference,
     check_rms_norm,
     check_router,
@@ -58,6 +60,19 @@ def test_decode_attention_on_cuda(case):
     check_decode_attention(*case, seed=7, device="cuda")
 
 
+@pytest.mark.parametrize("case", DELTA_CASES + [
+    (1, 16, 128, 32, 128, 4, torch.bfloat16),    # Qwen3.5-35B-A3B's DeltaNet, decode
+    (2, 16, 128, 32, 128, 4, torch.bfloat16),    # the MTP pair
+    (1, 16, 128, 32, 128, 4, torch.float32),
+])
+def test_gated_delta_on_cuda(case):
+    check_gated_delta(*case, seed=5, device="cuda")
+
+
+def test_zero_centered_rms_norm_on_cuda():
+    check_rms_norm(2, 2048, torch.bfloat16, 3, device="cuda", zero_centered=True)
+
+
 @pytest.mark.parametrize("t,e,k,normalize,dtype", [
     (1, 7, 3, True, torch.float32), (2, 128, 8, True, torch.bfloat16), (64, 128, 8, True, torch.bfloat16),
     (5, 60, 1, False, torch.bfloat16)])
@@ -66,7 +81,7 @@ def test_router_on_cuda(t, e, k, normalize, dtype):
 
 
 @pytest.mark.parametrize("dtype,rtol", [("bfloat16", BF16_MODEL_RTOL), ("float32", FP32_MODEL_RTOL)])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama", "qwen3_5_moe"])
 def test_model_with_kernels_matches_references_on_cuda(kind, dtype, rtol, tiny_family):
     log.info(check_model_matches_reference(str(tiny_family(kind)), device="cuda", dtype=dtype, rtol=rtol))
 
