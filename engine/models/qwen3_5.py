@@ -181,6 +181,7 @@ class Qwen3_5Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
+        self.qkv = MergedLinear()
         self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps)
         self.rotary_dim = s.rotary_dim
@@ -200,10 +201,11 @@ class Qwen3_5Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * hd).split(hd, dim=-1)  # [T, H, D] each
+        q, k, v = self.qkv(x, self.q_proj, self.k_proj, self.v_proj)            # one matmul; views of its output
+        q, gate = q.view(t, self.num_heads, 2 * hd).split(hd, dim=-1)           # [T, H, D] each
         q = self.rotate(self.q_norm(q), positions)
-        k = self.rotate(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, hd)), positions)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, hd)
+        k = self.rotate(self.k_norm(k.view(t, self.num_kv_heads, hd)), positions)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, hd)
         out = cached_attention(cache.slot[self.layer_idx], cache.kv, positions, q, k, v, self.scale)  # [T, H*D]
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
