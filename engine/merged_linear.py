@@ -20,9 +20,15 @@ def _storage_key(linears) -> tuple:
                  for m in linears for p in (m.weight, m.bias) if p is not None)
 
 
+def _plain(m: nn.Module) -> bool:
+    """A plain nn.Linear, or a module whose output is one (a router's logits: MERGEABLE)."""
+    return type(m) is nn.Linear or getattr(type(m), "MERGEABLE", False)
+
+
 class MergedLinear:
     """merged(x, q_proj, k_proj, v_proj) -> (q_proj(x), k_proj(x), v_proj(x)) by one matmul.
-    Linears other than plain nn.Linear (Fp8Linear, ...) are called one by one."""
+    Linears other than plain nn.Linear (Fp8Linear, ...) are called one by one; a MERGEABLE
+    module (a router) gives its linear part, F.linear(x, m.weight)."""
 
     def __init__(self):
         self._key: tuple | None = None
@@ -31,9 +37,9 @@ class MergedLinear:
         self._sizes: list[int] = []
 
     def __call__(self, x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-        if not all(type(m) is nn.Linear for m in linears) or len({m.bias is None for m in linears}) > 1:
+        if not all(_plain(m) for m in linears) or len({m.bias is None for m in linears}) > 1:
             self._key = self._weight = self._bias = None   # e.g. swapped for Fp8Linear: keep no dense copy alive
-            return tuple(m(x) for m in linears)
+            return tuple(F.linear(x, m.weight, m.bias) if _plain(m) else m(x) for m in linears)
         if _storage_key(linears) != self._key:
             self._stack(linears)
         return F.linear(x, self._weight, self._bias).split(self._sizes, dim=-1)

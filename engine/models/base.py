@@ -81,13 +81,23 @@ class TopKRouter(nn.Module):
     """Softmax router: gate logits [T, E] -> top-k ids [T, k] int32 and weights [T, k]
     fp32, the wire's types (an FFN backend sends them as they are)."""
 
+    MERGEABLE = True     # its logits are a plain linear: engine.merged_linear may stack it with others
+    bias = None
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.router_topk(logits, self.top_k, self.norm_topk_prob)   # [T, k], [T, k]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.router_topk(F.linear(x, self.weight), self.top_k, self.norm_topk_prob)   # [T, k], [T, k]
+        return self.route(F.linear(x, self.weight))
 
 
 class DecoderStack(nn.Module):

@@ -225,12 +225,12 @@ class Qwen3_5MoeSparseMoeBlock(RoutedExperts):
         self.gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, True)
         self.shared_expert = SharedExpert(config.hidden_size, s.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.shared_in = MergedLinear()
+        self.shared_in = MergedLinear()   # the router's logits and the shared expert's gate, up and gate: one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)                                       # [T, k], [T, k]
         e = self.shared_expert
-        gate, up, shared_gate = self.shared_in(x, e.gate_proj, e.up_proj, self.shared_expert_gate)  # one matmul
+        logits, gate, up, shared_gate = self.shared_in(x, self.gate, e.gate_proj, e.up_proj, self.shared_expert_gate)
+        ids, weights = self.gate.route(logits)                            # [T, k], [T, k]
         shared = torch.sigmoid(shared_gate) * e.down_proj(F.silu(gate) * up)
         return self.routed(x, ids, weights) + shared                       # [T, H]
 
