@@ -156,7 +156,8 @@ class FfnWorker:
             t0 = time.perf_counter()
             k0 = _kernel_us(self.backend)
             try:
-                y = self.backend.forward(req.layer, req.x, req.ids, req.weights, out=req.out)
+                with torch.inference_mode():   # a thread starts outside it; the request's buffers may be inference tensors
+                    y = self.backend.forward(req.layer, req.x, req.ids, req.weights, out=req.out)
             except BaseException as e:  # noqa: BLE001 - the waiter raises it
                 fut.set_exception(e)
                 continue
