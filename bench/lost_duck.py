@@ -56,7 +56,10 @@ def _serving_again(daemon) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cases", default="kill9,sigstop10s,two_kills,loss5,replicas_kill",
+                    help="comma-separated; the undisturbed runs always come first")
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
     root = Path(tempfile.mkdtemp(prefix="duck-lost-"))
     rows: dict[str, list[dict]] = {}
 
@@ -73,29 +76,31 @@ def main() -> None:
             record("undisturbed", ref, tokens, times, stats)
         for case, action in (("kill9", lambda: _kill(daemon, 2)), ("sigstop10s", lambda: _sigstop(daemon, 1)),
                              ("two_kills", lambda: _two(daemon))):
-            for _ in range(args.reps):
+            for _ in range(args.reps if case in cases else 0):
                 tokens, times, stats = stream(daemon, AT_TOKEN, action())
                 back = _serving_again(daemon)
                 record(case, ref, tokens, times, stats, serving_again_s=back,
                        restarts=sum(d.restarts for d in daemon.ducks()))
     finally:
         daemon.stop()
-    lossy = start(root, "lossy", fault_drop_rate=0.05)
+    lossy = start(root, "lossy", fault_drop_rate=0.05) if "loss5" in cases else None
     try:
-        for _ in range(args.reps):
+        for _ in range(args.reps if lossy else 0):
             tokens, times, stats = stream(lossy)
             record("loss5", ref, tokens, times, stats, drops=sum(d.drops for d in lossy.ducks()))
     finally:
-        lossy.stop()
-    replicas = start(root, "replicas", replicas=2, host_cover_mb=0)
+        if lossy:
+            lossy.stop()
+    replicas = start(root, "replicas", replicas=2, host_cover_mb=0) if "replicas_kill" in cases else None
     try:
-        for i in range(args.reps):
+        for i in range(args.reps if replicas else 0):
             all_serving(replicas, timeout=120)
             tokens, times, stats = stream(replicas, AT_TOKEN, _kill(replicas, i % 4))
             record("replicas_kill", ref, tokens, times, stats,
                    after_over_before=rate(times, AT_TOKEN + 5) / rate(times, 2, AT_TOKEN))
     finally:
-        replicas.stop()
+        if replicas:
+            replicas.stop()
     base = statistics.mean(r["decode"] for r in rows["undisturbed"])
     print(f"\nsummary over {args.reps} runs each (undisturbed decode {base:.1f} tok/s):")
     for case, rs in rows.items():

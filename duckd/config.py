@@ -148,7 +148,7 @@ class FleetConfig:
     spin: bool = False                 # ducks spin-then-block when idle: dedicated hardware only
     spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
-    retransmit_ms: float = 1.0         # the floor of the host's retransmit timer (it follows each duck's round trip)
+    retransmit_ms: float = 0.5         # the floor of the host's retransmit timer (it follows each duck's round trip)
     replicas: int = 1                  # 2: each slice also on the next duck, which computes it when its duck is lost
     host_cover_mb: int = 4096          # the most MB of lost ducks' slices the host computes (0: none; the request fails)
     host_cover_threads: int = 1        # threads computing them (1: the forwarding thread alone)
