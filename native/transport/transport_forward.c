@@ -27,7 +27,6 @@
 
 _Static_assert(DUCK_DT_F32 == WIRE_DT_F32 && DUCK_DT_BF16 == WIRE_DT_BF16, "transport and wire dtypes differ");
 
-#define REPLY_HEAD (sizeof(wire_reply_head) + sizeof(wire_forward_reply))
 #define MAX_FORWARD_TOKENS (1u << 24)
 
 static int reserve(uint8_t **buf, size_t *cap, size_t need)
@@ -55,59 +54,6 @@ static int fail(duck_forward_result *res, int32_t duck, int32_t result, int32_t 
     vsnprintf(res->message, sizeof res->message, fmt, ap);
     va_end(ap);
     return result;
-}
-
-/* --- the plan: tokens per request, requests in flight --------------------- */
-
-static size_t request_bytes(const duck_forward_args *a, uint64_t n)
-{
-    return sizeof(wire_forward) + 8 * n * a->topk + n * a->hidden * wire_dtype_bytes(a->x_dtype);
-}
-
-static size_t reply_bytes(const duck_forward_args *a, uint64_t n)
-{
-    return REPLY_HEAD + n * a->hidden * wire_dtype_bytes(a->y_dtype);
-}
-
-/* The most tokens per request: the ducks' limit, then every duck's message
- * bound at its datagram size and at the fallback size (both ways), then the receive buffer, which must
- * hold every duck's reply twice over (the kernel's bookkeeping); then the
- * requests in flight that the buffer holds at that size. Requests are made
- * even: 100 tokens at 64 go as 50 + 50. */
-void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
-{
-    uint32_t nd = t->cfg.n_ducks, n = a->request_tokens ? a->request_tokens : WIRE_TOKENS_DEFAULT;
-    n = n < WIRE_MAX_TOKENS ? n : WIRE_MAX_TOKENS;
-    /* a message must also fit the fragments of the fallback datagram size (a NACK names them all) */
-    uint32_t limit = wire_max_message(tr_small_mtu(t));
-    for (uint32_t d = 0; d < nd; d++) {
-        uint32_t own = wire_max_message(t->link[d].mtu);
-        limit = own < limit ? own : limit;
-    }
-    if (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit)) {
-        uint64_t per = (uint64_t)a->hidden * (wire_dtype_bytes(a->x_dtype) > wire_dtype_bytes(a->y_dtype)
-                                              ? wire_dtype_bytes(a->x_dtype) : wire_dtype_bytes(a->y_dtype)) + 8u * a->topk;
-        uint64_t fit = (limit - sizeof(wire_forward) - REPLY_HEAD) / per;
-        n = fit < n ? (fit > 1 ? (uint32_t)fit : 1) : n;
-        while (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit))
-            n--;
-    }
-    uint64_t room = t->rcvbuf / 2, per_token = (uint64_t)nd * a->hidden * wire_dtype_bytes(a->y_dtype);
-    if (n > 1 && nd * reply_bytes(a, n) > room) {
-        uint64_t fit = (room > nd * REPLY_HEAD ? room - nd * REPLY_HEAD : 0) / per_token;
-        n = fit > 1 ? (uint32_t)fit : 1;
-    }
-    res->rcvbuf_short = nd * reply_bytes(a, n) > room;
-    uint32_t nreq = (a->ntok + n - 1) / n;
-    n = (a->ntok + nreq - 1) / nreq;
-    uint32_t w = a->pipeline ? a->pipeline : DUCK_PIPELINE_DEFAULT;
-    w = w > DUCK_PIPELINE_MAX ? DUCK_PIPELINE_MAX : w;
-    w = w > nreq ? nreq : w;
-    while (w > 1 && w * nd * reply_bytes(a, n) > room)
-        w--;
-    res->request_tokens = n;
-    res->requests = nreq;
-    res->pipeline = w;
 }
 
 /* --- requests in flight and their sums ------------------------------------ */
@@ -170,7 +116,7 @@ static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t r
         c->type = WIRE_T_FORWARD;
         c->session = a->session;
         c->payload = p;
-        c->payload_len = (uint32_t)request_bytes(a, ntok);
+        c->payload_len = (uint32_t)tr_request_bytes(a, ntok);
         c->reply = t->replies[slot * nd + d];
         c->reply_cap = t->reply_caps[slot * nd + d];
         if (route == DUCK_ROUTE_HOST) {
@@ -201,15 +147,15 @@ static int reply_ok(const duck_transport *t, const duck_forward_args *a, const f
     uint32_t layer = c->duck == slice || c->local ? a->layer : a->layer + t->cover.replica_layer_offset;
     wire_reply_head head;
     wire_forward_reply fr;
-    if (c->reply_len < REPLY_HEAD)
+    if (c->reply_len < TR_REPLY_HEAD)
         return 0;
     memcpy(&head, c->reply, sizeof head);
     memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
     int zero = (head.flags & WIRE_R_ZERO) != 0;
-    if (head.status != WIRE_OK || c->reply_len != (zero ? REPLY_HEAD : reply_bytes(a, sum->ntok)) ||
+    if (head.status != WIRE_OK || c->reply_len != (zero ? TR_REPLY_HEAD : tr_reply_bytes(a, sum->ntok)) ||
         fr.layer != layer || fr.ntok != sum->ntok || fr.hidden != a->hidden || fr.y_dtype != a->y_dtype)
         return 0;
-    *partial = zero ? NULL : (const uint8_t *)c->reply + REPLY_HEAD;
+    *partial = zero ? NULL : (const uint8_t *)c->reply + TR_REPLY_HEAD;
     return 1;
 }
 
@@ -323,7 +269,7 @@ static int slot_failure(duck_transport *t, const fwd_run *run, uint32_t slot, du
         const uint8_t *p;
         if (!reply_ok(t, a, sum, c, d, &p)) {
             wire_forward_reply fr = {0};
-            if (c->reply_len >= REPLY_HEAD)
+            if (c->reply_len >= TR_REPLY_HEAD)
                 memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
             return fail(res, (int32_t)c->duck, DUCK_T_EDUCK, WIRE_E_MALFORMED, "duck %u: forward reply of %u bytes "
                         "for layer %u, %u tokens, hidden %u, dtype %u does not match the request (layer %u, %u tokens, "
@@ -358,13 +304,13 @@ static int reserve_slots(duck_transport *t, const duck_forward_args *a, uint32_t
         t->fwd_slots = w;
     }
     for (uint32_t s = 0; s < w; s++) {
-        if (reserve(&t->fwd[s].payload, &t->fwd[s].cap, request_bytes(a, n)) != 0)
+        if (reserve(&t->fwd[s].payload, &t->fwd[s].cap, tr_request_bytes(a, n)) != 0)
             return -1;
-        if (t->route && reserve(&t->fwd[s].replica_payload, &t->fwd[s].replica_cap, request_bytes(a, n)) != 0)
+        if (t->route && reserve(&t->fwd[s].replica_payload, &t->fwd[s].replica_cap, tr_request_bytes(a, n)) != 0)
             return -1;
         for (uint32_t d = 0; d < nd; d++) {
             size_t cap = t->reply_caps[s * nd + d];
-            if (reserve(&t->replies[s * nd + d], &cap, reply_bytes(a, n)) != 0)
+            if (reserve(&t->replies[s * nd + d], &cap, tr_reply_bytes(a, n)) != 0)
                 return -1;
             t->reply_caps[s * nd + d] = (uint32_t)cap;
         }
@@ -438,7 +384,7 @@ static int forward_once(duck_transport *t, const duck_forward_args *a, duck_forw
         return DUCK_T_OK;
     duck_transport_plan(t, a, res);
     uint32_t nd = t->cfg.n_ducks, w = res->pipeline;
-    if (request_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE || reply_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE)
+    if (tr_request_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE || tr_reply_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE)
         return fail(res, -1, DUCK_T_EARG, 0, "forward of hidden %u with %u experts per token does not fit the "
                     "%u-byte message bound even for one token", a->hidden, a->topk, WIRE_MAX_MESSAGE);
     if (reserve_slots(t, a, w, res->request_tokens) != 0)

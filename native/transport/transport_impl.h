@@ -86,6 +86,17 @@ struct duck_transport {
     char cover_err[WIRE_MAX_ERROR_TEXT + 1];   /* why some slice has no route */
 };
 
+/* A forward request of n tokens and its reply, in bytes (transport_plan.c, transport_forward.c). */
+#define TR_REPLY_HEAD (sizeof(wire_reply_head) + sizeof(wire_forward_reply))
+static inline size_t tr_request_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return sizeof(wire_forward) + 8 * n * a->topk + n * a->hidden * wire_dtype_bytes(a->x_dtype);
+}
+static inline size_t tr_reply_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return TR_REPLY_HEAD + n * a->hidden * wire_dtype_bytes(a->y_dtype);
+}
+
 /* Called by tr_run when call i has its complete reply (result DUCK_T_OK).
  * It may give calls that are done a new request and start them again
  * (tr_restart): a pipeline of requests within one run. */
