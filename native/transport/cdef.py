@@ -137,7 +137,8 @@ typedef struct duck_step {
 } duck_step;
 typedef struct duck_step_result {
     int32_t failed_call; int32_t cuda_error; uint64_t kernel_us_sum; uint64_t bytes_streamed; uint32_t retransmits;
-    uint32_t wake_ns_max; uint32_t mtu_fallbacks; duck_forward_result call; char message[...]; ...;
+    uint32_t wake_ns_max; uint32_t mtu_fallbacks; uint32_t lost_new; uint64_t host_ns; uint32_t host_slices;
+    duck_forward_result call; char message[...]; ...;
 } duck_step_result;
 int duck_step_cuda_available(char *err, uint32_t errlen);
 int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res);

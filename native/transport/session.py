@@ -151,7 +151,7 @@ class Session:
                         rcvbuf, fleet.n_ducks, self.hidden)
         if res.lost_new or fleet.lost_changed:
             fleet.lost_changed = False
-            self._report_lost(res)
+            self._report_lost(res.lost_new, res.host_ns / 1e6)
         if rc:
             self._raise(rc, res)
         if res.host_slices:
@@ -166,15 +166,16 @@ class Session:
         del keep_i, keep_w
         return out
 
-    def _report_lost(self, res) -> None:
+    def _report_lost(self, lost_new: int, host_ms: float) -> None:
+        """Tells on_lost who is lost now and what a forward of their slices costs here (ms)."""
         lost = self.fleet.lost()
-        if res.lost_new:
+        if lost_new:
             routes = self.fleet.routes()
-            log.warning("%d duck(s) found lost in a forward; lost now: %s; slices computed by %s", res.lost_new,
+            log.warning("%d duck(s) found lost in a forward; lost now: %s; slices computed by %s", lost_new,
                         lost, ["host" if r == lib.DUCK_ROUTE_HOST else "nobody" if r == lib.DUCK_ROUTE_NONE
                                else f"duck {r}" for r in routes])
         if self.on_lost is not None:
-            self.on_lost(lost, res.host_ns / 1e6)
+            self.on_lost(lost, host_ms)
 
     @property
     def host_ms_per_forward(self) -> float:
