@@ -292,10 +292,10 @@ class Fleet:
         return [d for d in range(self.n_ducks) if lib.duck_transport_lost(t, d)]
 
     def routes(self) -> list[int]:
-        """Who computes each slice now: a duck index, HOST (-1) or NOBODY (-2)."""
-        with self._lock:
-            t = self._open()
-            return [lib.duck_transport_route(t, d) for d in range(self.n_ducks)]
+        """Who computes each slice now: a duck index, HOST (-1) or NOBODY (-2). Like lost(), read
+        without waiting for a forward in flight (routes change in place, under the lock)."""
+        t = self._open()
+        return [lib.duck_transport_route(t, d) for d in range(self.n_ducks)]
 
     def lost_after_ms(self, duck: int, ntok: int = 1) -> float:
         """The silence after which a forward of ntok tokens marks this duck lost now."""

@@ -364,8 +364,8 @@ int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_f
         res->result = res->duck_status = 0;
         res->message[0] = 0;
         int rc = forward_once(t, a, res);
-        if (rc == DUCK_T_OK || !t->cover.forward)
-            return rc;
+        if ((rc != DUCK_T_ETIMEOUT && rc != DUCK_T_EDUCK) || !t->cover.forward)
+            return rc;   /* done, or failed before any call was made */
         uint32_t lost = tr_lose_failed(t, t->fcalls, res->pipeline * t->cfg.n_ducks);
         if (!lost)
             return rc;
