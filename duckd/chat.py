@@ -173,7 +173,7 @@ class ChatService:
         if d.cfg.model.backend != "fleet":
             return
         for duck in d.fleet.ducks:
-            if duck.state != State.SERVING:
+            if duck.state != State.SERVING and not d.lost.covers(duck.id):
                 why = f": {duck.reason}" if duck.reason else ""
                 raise Unavailable(f"duck {duck.id} is {duck.state.name}{why}; a chat needs every duck SERVING, "
                                   "retry shortly")
@@ -384,7 +384,8 @@ class ChatService:
                 yield self._finish(DoneEvent(stats, "cancelled"))
                 return
             elif kind == "unavailable":
-                raise Unavailable(f"the fleet failed during the chat: {value}")
+                hint = " (fleet.host_cover_mb sets that budget)" if "cover budget" in value else ""
+                raise Unavailable(f"the fleet failed during the chat: {value}{hint}")
             elif kind == "refused":
                 raise value
             else:

@@ -148,6 +148,11 @@ class FleetConfig:
     spin: bool = False                 # ducks spin-then-block when idle: dedicated hardware only
     spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
+    retransmit_ms: float = 0.5         # the floor of the host's retransmit timer (it follows each duck's round trip)
+    replicas: int = 1                  # 2: each slice also on the next duck, which computes it when its duck is lost
+    host_cover_mb: int = 4096          # the most MB of lost ducks' slices the host computes (0: none; the request fails)
+    host_cover_threads: int = 1        # threads computing them (1: the forwarding thread alone)
+    fault_drop_rate: float = 0.0       # tests only: each duck drops this fraction of datagrams (fault injection)
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
 
@@ -175,6 +180,16 @@ class FleetConfig:
             raise ConfigError(f"fleet.spin_us = {self.spin_us!r}: expected 1..1000000")
         if not 0 <= self.host_spin_us <= 100000:
             raise ConfigError(f"fleet.host_spin_us = {self.host_spin_us!r}: expected 0..100000")
+        if not 0.1 <= self.retransmit_ms <= self.fail_after_s * 1000:
+            raise ConfigError(f"fleet.retransmit_ms = {self.retransmit_ms!r}: expected 0.1 .. fail_after_s in ms")
+        if self.replicas not in (1, 2) or (self.replicas == 2 and self.ducks < 2):
+            raise ConfigError(f"fleet.replicas = {self.replicas!r}: expected 1, or 2 with at least two ducks")
+        if not 0 <= self.host_cover_mb <= 1 << 24:
+            raise ConfigError(f"fleet.host_cover_mb = {self.host_cover_mb!r}: expected 0 (no host cover) .. 16777216")
+        if not 1 <= self.host_cover_threads <= 1024:
+            raise ConfigError(f"fleet.host_cover_threads = {self.host_cover_threads!r}: expected 1..1024")
+        if not 0 <= self.fault_drop_rate < 1:
+            raise ConfigError(f"fleet.fault_drop_rate = {self.fault_drop_rate!r}: expected 0 <= rate < 1 (tests only)")
         if self.restart_delay_s < 0:
             raise ConfigError(f"fleet.restart_delay_s = {self.restart_delay_s!r}: expected >= 0")
         for name in ("link_timeout_s", "health_interval_s", "fail_after_s"):

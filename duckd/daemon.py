@@ -16,6 +16,7 @@ from duck_proto.client import RUNTIME_FILE
 from duckd.drivers import make_driver
 from duckd.events import EventLog
 from duckd.fleet import FleetManager, State
+from duckd.lost import LostDucks
 from duckd.model_host import ModelHost
 from duckd.packcache import PackCache, model_key
 from duckd.cache import CacheService
@@ -40,8 +41,9 @@ class Daemon:
         key = read_key_file(self.key_file) if self.key_file.exists() else write_key_file(self.key_file)
         self.driver = make_driver(cfg.fleet, self.state_dir, self.key_file)
         self.key = key
-        self.fleet = FleetManager(cfg.fleet, self.driver, key, self.events,
-                                  on_ready=self._duck_ready)
+        self.lost = LostDucks(self)
+        self.fleet = FleetManager(cfg.fleet, self.driver, key, self.events, on_ready=self._duck_ready,
+                                  on_failed=self.lost.failed, on_healthy=self.lost.healthy)
         self.model = ModelHost(cfg.model, cfg.fleet, self.state_dir)
         self.packs: PackCache | None = None
         self.transport = None
@@ -77,6 +79,7 @@ class Daemon:
             from native._native import lib
             self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
                                    deadline_ms=self.cfg.fleet.fail_after_s * 1000,
+                                   retransmit_ms=self.cfg.fleet.retransmit_ms,
                                    spin_us=self.cfg.fleet.host_spin_us)
             path = self._model_path()
             self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
@@ -89,6 +92,7 @@ class Daemon:
             for d in self.fleet.ducks:
                 d.cache_hits = self.model.ffn.cache_hits[d.id]
             self._write_manifest()
+            self.lost.attach()
         for d in self.fleet.ducks:
             if d.state in (State.READY, State.SYNCING):
                 self.fleet.set_state(d, State.SERVING)
@@ -128,6 +132,7 @@ class Daemon:
         self.events.add("upload", "cache hit: nothing to upload" if uploaded == 0 else
                         f"uploaded {uploaded / 1e6:.1f} MB", duck.id)
         self.fleet.set_state(duck, State.SERVING)
+        self.lost.back(duck)
 
     async def stop(self) -> None:
         self.stopping.set()

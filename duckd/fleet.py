@@ -75,10 +75,13 @@ class Duck:
 
 
 class FleetManager:
-    def __init__(self, cfg, driver: Driver, key: bytes, events: EventLog, on_ready=None):
+    def __init__(self, cfg, driver: Driver, key: bytes, events: EventLog, on_ready=None, on_failed=None,
+                 on_healthy=None):
         self.cfg, self.driver, self.key, self.events = cfg, driver, key, events
         self.ducks = [Duck(spec) for spec in driver.specs()]
         self.on_ready = on_ready            # async (duck) -> None: sync and serve
+        self.on_failed = on_failed          # (duck) -> None: it just failed (its slices go elsewhere)
+        self.on_healthy = on_healthy        # async (duck) -> None: a health check it passed
         self._monitor: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.stopping = False
@@ -184,6 +187,13 @@ class FleetManager:
             duck.gbps = max(0, dbytes) / dt / 1e9
             duck.kernel_ms = dkern / 1e6 / dfwd if dfwd > 0 else 0.0
         duck.counters, duck.rtt_us, duck.last_ok = counters, rtt, now
+        if self.on_healthy is not None and duck.state == State.SERVING:
+            await self.on_healthy(duck)
+
+    def check_soon(self, duck: Duck) -> None:
+        """A health check now, not at the next round (a forward found the duck lost)."""
+        if duck.state in LIVE and not self.stopping:
+            self._spawn(self._check(duck, self.cfg.health_interval_s))
 
     def fail(self, duck: Duck, reason: str) -> None:
         """Marks a duck FAILED and, where the driver can, brings it back."""
@@ -191,6 +201,8 @@ class FleetManager:
             return
         self.set_state(duck, State.FAILED, reason)
         duck.gbps = 0.0
+        if self.on_failed is not None:
+            self.on_failed(duck)
         if self.cfg.restart and self.driver.can_restart and not duck.recovering:
             self._spawn(self._recover(duck))
 

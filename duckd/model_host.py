@@ -37,8 +37,8 @@ class SyncedFleetFfn(FleetFfn):
     """The fleet backend with the daemon's pack cache, upload progress and
     per-duck resync after a restart."""
 
-    def __init__(self, fleet, packs: PackCache, progress: Progress, n_layers: int, multiple_of: int):
-        super().__init__(fleet=fleet, multiple_of=multiple_of)
+    def __init__(self, fleet, packs: PackCache, progress: Progress, n_layers: int, multiple_of: int, **options):
+        super().__init__(fleet=fleet, multiple_of=multiple_of, **options)
         self.packs, self.progress, self.n_layers = packs, progress, n_layers
         self.cache_hits = [0] * fleet.n_ducks
         self.uploaded_bytes = [0] * fleet.n_ducks
@@ -60,9 +60,6 @@ class SyncedFleetFfn(FleetFfn):
         if self.progress.done % max(1, self.n_layers // 10) == 0 or self.progress.done == self.n_layers:
             log.info("packing: %d/%d layers (%d from the pack cache)", self.progress.done, self.n_layers,
                      self.packs.hits // tp)
-
-    def tensors(self, duck: int):
-        return [t for layer in sorted(self.layers) for e in self.layers[layer][duck] for t in (e.gate_up, e.down)]
 
     def sync(self, ducks: list[int] | None = None) -> dict:
         """Uploads what the ducks' caches lack, layer by layer, with progress."""
@@ -92,16 +89,7 @@ class SyncedFleetFfn(FleetFfn):
 
     def finish_loading(self) -> None:
         self.sync()
-        self.session = self.fleet.open_session(self.layers, self.hidden)
-
-    def reopen(self) -> None:
-        """A new session on every duck (after one restarted and lost its own)."""
-        if self.session is not None:
-            try:
-                self.session.close()
-            except Exception as e:      # the restarted duck does not know the old session
-                log.debug("closing the old session: %s", e)
-        self.session = self.fleet.open_session(self.layers, self.hidden)
+        self.open_session()
 
     def ffn_bytes_per_token(self, experts_per_token: int) -> int:
         per_layer = []
@@ -134,17 +122,26 @@ class ModelHost:
         if backend == "fleet":
             from engine.config import ModelConfig  # noqa: F401  (layer count for progress)
             n_layers = _layer_count(path)
-            backend = SyncedFleetFfn(fleet, packs, self.progress, n_layers, self.fleet_cfg.multiple_of)
+            fc = self.fleet_cfg
+            backend = SyncedFleetFfn(fleet, packs, self.progress, n_layers, fc.multiple_of, replicas=fc.replicas,
+                                     cover_bytes=fc.host_cover_mb << 20, cover_threads=fc.host_cover_threads)
         t0 = time.monotonic()
         self.loaded = load_model(path, device=device, backend=backend)
         self.ffn = self.loaded.ffn
         log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
 
     def resync(self, duck: int) -> dict:
+        """A restarted duck: what its cache lacks uploaded (beside any generation: the transport
+        takes one call at a time), then, between two steps, the session on it and its slices back."""
+        result = self.ffn.sync([duck])
         with self.lock:
-            result = self.ffn.sync([duck])
-            self.ffn.reopen()
-            return result
+            self.ffn.take_back(duck)
+        return result
+
+    def take_back(self, duck: int) -> None:
+        """A lost duck that still serves computes its slices again, between two steps."""
+        with self.lock:
+            self.ffn.take_back(duck)
 
     def close(self) -> None:
         with self.lock:

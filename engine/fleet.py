@@ -25,9 +25,13 @@ class FleetFfn(HostFfn):
     name = "fleet"
 
     def __init__(self, fleet=None, *, addresses=None, key: bytes | None = None, key_file: str | None = None,
-                 multiple_of: int = 64, local_ducks: int = 0, **fleet_options):
+                 multiple_of: int = 64, local_ducks: int = 0, replicas: int = 1, cover_bytes: int | None = None,
+                 cover_threads: int = 1, **fleet_options):
         """fleet: an open native.transport.Fleet; or addresses [(host, port)] with key /
-        key_file; or local_ducks=N to start N duckfw processes on this host (development)."""
+        key_file; or local_ducks=N to start N duckfw processes on this host (development).
+        replicas: 2 keeps each slice on a second duck (the next one), which computes it
+        when its duck is lost; cover_bytes: the most bytes of lost ducks' slices this host
+        computes (native/transport/cover.py); None: none (a lost duck fails the forward)."""
         from native.transport import Fleet, read_key_file
 
         super().__init__()
@@ -44,6 +48,13 @@ class FleetFfn(HostFfn):
             fleet = Fleet(addresses, key, **fleet_options)
         self.fleet = fleet
         self.multiple_of = multiple_of
+        if replicas not in (1, 2) or (replicas == 2 and fleet.n_ducks < 2):
+            raise ValueError(f"replicas = {replicas}: expected 1, or 2 with at least two ducks "
+                             f"(the fleet has {fleet.n_ducks})")
+        n = fleet.n_ducks
+        self.replica_of = [(d + 1) % n for d in range(n)] if replicas == 2 else None   # slice d's second duck
+        self.cover_bytes, self.cover_threads, self.cover = cover_bytes, cover_threads, None
+        self.on_lost = None        # (lost ducks, host ms in that forward), from the forwarding thread
         self.hidden = 0
         self.layers: dict[int, list] = {}
         self.session = None
@@ -85,14 +96,43 @@ class FleetFfn(HostFfn):
         self.layers[index] = synth_experts(n_experts, hidden, intermediate, self.fleet.n_ducks, self.multiple_of,
                                            seed=synth_seed(seed, index), name=f"layers.{index}")
 
+    def holders(self, d: int) -> list[int]:
+        """The ducks that hold slice d: its own, and its replica."""
+        return [d] + ([self.replica_of[d]] if self.replica_of else [])
+
+    def tensors(self, duck: int):
+        """What the duck holds: its slice of every layer, and the slice it is the replica of."""
+        held = [d for d in range(self.fleet.n_ducks) if duck in self.holders(d)]
+        return [t for layer in sorted(self.layers) for d in held for e in self.layers[layer][d]
+                for t in (e.gate_up, e.down)]
+
     def finish_loading(self) -> None:
-        per_duck = [[t for slices in self.layers.values() for e in slices[d] for t in (e.gate_up, e.down)]
-                    for d in range(self.fleet.n_ducks)]
-        done = self.fleet.upload(per_duck)
+        done = self.fleet.upload([self.tensors(d) for d in range(self.fleet.n_ducks)])
         log.info("fleet of %d ducks: %d tensors uploaded (%.1f MB), %d synthesized (%.1f MB), %d already cached",
                  self.fleet.n_ducks, done["uploaded"], done["bytes"] / 1e6, done["synthesized"],
                  done["synth_bytes"] / 1e6, done["skipped"])
-        self.session = self.fleet.open_session(self.layers, self.hidden)
+        self.open_session()
+
+    def open_session(self) -> None:
+        """The session on every duck, and the cover for lost ducks where one is asked for."""
+        from native.transport.cover import HostCover
+        from native.transport.session import REPLICA_LAYER_OFFSET
+
+        self.session = self.fleet.open_session(self.layers, self.hidden, replicas=self.replica_of)
+        self.session.on_lost = self._lost
+        if self.cover is None and (self.cover_bytes is not None or self.replica_of):
+            self.cover = HostCover(self.fleet, self.layers, self.hidden, self.cover_bytes or 0,
+                                   replicas=self.replica_of, replica_layer_offset=REPLICA_LAYER_OFFSET,
+                                   threads=self.cover_threads)
+
+    def _lost(self, ducks: list[int], host_ms: float) -> None:
+        if self.on_lost is not None:
+            self.on_lost(ducks, host_ms)
+
+    def take_back(self, duck: int) -> None:
+        """A lost duck serves again: the session on it, then its slices back (between two forwards)."""
+        self.session.reopen_duck(duck)
+        self.fleet.set_lost(duck, False)
 
     def run(self, layer, x, ids, weights, out):
         self.session.forward(layer, x, ids, weights, out=out)   # partials in out's dtype, summed in fp32

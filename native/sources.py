@@ -20,7 +20,9 @@ KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "nat
 KERNEL_PROBES = ["native/kernels/bench.c"]
 WIRE = ["native/wire/wire.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
-             "native/transport/transport_timing.c", "native/transport/transport_forward.c", "native/transport/step.c"]
+             "native/transport/transport_timing.c", "native/transport/transport_plan.c",
+             "native/transport/transport_forward.c",
+             "native/transport/transport_lost.c", "native/transport/cover.c", "native/transport/step.c"]
 HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",
         "native/host/host_kernels.c", "native/host/host_ops.c", "native/host/host_decoder.c"]
 C_TESTS = ["native/kernels/test_native.c"]

@@ -10,7 +10,7 @@ from console.fleet_state import format_clock
 from duck_proto import duck_pb2 as pb
 
 KIND_STYLE = {
-    "failed": "bold red", "error": "bold red", "link": "green", "boot": "cyan", "restart": "yellow",
+    "failed": "bold red", "error": "bold red", "lost": "bold yellow", "link": "green", "boot": "cyan", "restart": "yellow",
     "upload": "magenta", "sync": "magenta", "invalidate": "yellow", "console": "dim italic",
 }
 

@@ -3,7 +3,7 @@ native/build_ffi.py. Constants are declared with `...` so their values come
 from the C headers at build time: Python never holds a second copy of the
 wire format. Struct layouts end in `...;` so cffi checks them against C."""
 
-INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n#include "step.h"\n'
+INCLUDES = '#include "wire.h"\n#include "wire_synth.h"\n#include "transport.h"\n#include "cover.h"\n#include "step.h"\n'
 
 _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
@@ -11,7 +11,7 @@ WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM W
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16
-DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
+DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 """.split()
 
@@ -80,7 +80,7 @@ typedef struct duck_transport_config {
 typedef struct duck_call {
     uint32_t duck; uint32_t type; uint32_t session; uint32_t payload_len; const void *payload; void *reply;
     uint32_t reply_cap; uint32_t reply_len; int32_t result; uint32_t retransmits; uint64_t rtt_ns;
-    uint64_t work_ns; ...;
+    uint64_t work_ns; uint32_t local; ...;
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
@@ -105,11 +105,30 @@ typedef struct duck_forward_args {
 typedef struct duck_forward_result {
     int32_t failed_duck; int32_t result; int32_t duck_status; uint32_t kernel_us_max; uint64_t bytes_streamed;
     uint32_t retransmits; uint32_t wake_ns_max; uint32_t mtu_fallbacks; uint32_t requests; uint32_t request_tokens;
-    uint32_t pipeline; uint64_t kernel_us_sum; int32_t rcvbuf_short; char message[...]; ...;
+    uint32_t pipeline; uint64_t kernel_us_sum; int32_t rcvbuf_short; uint32_t lost_new; uint64_t host_ns;
+    uint32_t host_slices; uint32_t replica_slices; char message[...]; ...;
 } duck_forward_result;
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
+
+typedef uint32_t (*duck_cover_fn)(void *ctx, uint32_t slice, const duck_forward_args *a, uint32_t t0,
+                                  uint32_t ntok, void *reply, uint32_t cap);
+typedef struct duck_cover_config {
+    duck_cover_fn forward; void *ctx; const uint64_t *slice_bytes; uint64_t budget_bytes; const int32_t *replica;
+    uint32_t replica_layer_offset; uint32_t lost_calls; uint32_t lost_floor_us; ...;
+} duck_cover_config;
+int duck_transport_set_cover(duck_transport *t, const duck_cover_config *c, char *err, uint32_t errlen);
+int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *err, uint32_t errlen);
+int duck_transport_lost(const duck_transport *t, uint32_t duck);
+int32_t duck_transport_route(const duck_transport *t, uint32_t slice);
+uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok);
+typedef struct duck_cover duck_cover;
+duck_cover *duck_cover_create(uint32_t n_slices, duck_pool *pool, const duck_kernels *kernels);
+void duck_cover_destroy(duck_cover *c);
+int duck_cover_set_layer(duck_cover *c, uint32_t slice, uint32_t layer, const duck_expert_slice *experts,
+                         uint32_t n_experts);
+void duck_cover_attach(duck_cover *c, duck_cover_config *cfg);
 
 typedef struct duck_step {
     uint64_t stream; uint32_t n_segments; const uint64_t *graphs; const uint32_t *layers; const uint32_t *topks;
@@ -118,7 +137,8 @@ typedef struct duck_step {
 } duck_step;
 typedef struct duck_step_result {
     int32_t failed_call; int32_t cuda_error; uint64_t kernel_us_sum; uint64_t bytes_streamed; uint32_t retransmits;
-    uint32_t wake_ns_max; uint32_t mtu_fallbacks; duck_forward_result call; char message[...]; ...;
+    uint32_t wake_ns_max; uint32_t mtu_fallbacks; uint32_t lost_new; uint64_t host_ns; uint32_t host_slices;
+    duck_forward_result call; char message[...]; ...;
 } duck_step_result;
 int duck_step_cuda_available(char *err, uint32_t errlen);
 int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res);

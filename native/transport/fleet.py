@@ -95,6 +95,8 @@ class Fleet:
         self._lock = threading.Lock()
         self.infos: list[DuckInfo] = []
         self.last_rtt_us: list[float] = []
+        self._cover = None       # a HostCover the C transport calls into (native/transport/cover.py)
+        self.lost_changed = False
 
     @property
     def n_ducks(self) -> int:
@@ -240,12 +242,13 @@ class Fleet:
         """For each duck, which of the given hex digests its cache holds."""
         reqs = []
         for d, digests in enumerate(digests_per_duck):
-            payload = len(digests).to_bytes(4, "little") + b"".join(bytes.fromhex(h) for h in digests)
-            reqs.append((d, lib.WIRE_T_CACHE_QUERY, payload, 4 + len(digests) // 8 + 1))
-        out = []
-        for (_, body), digests in zip(self.call(reqs), digests_per_duck):
+            if digests:   # a duck asked nothing is not asked (it may be down)
+                payload = len(digests).to_bytes(4, "little") + b"".join(bytes.fromhex(h) for h in digests)
+                reqs.append((d, lib.WIRE_T_CACHE_QUERY, payload, 4 + len(digests) // 8 + 1))
+        out: list[set[str]] = [set() for _ in digests_per_duck]
+        for (d, *_), (_, body) in zip(reqs, self.call(reqs) if reqs else []):
             bits = np.unpackbits(np.frombuffer(body[4:], np.uint8), bitorder="little")
-            out.append({h for i, h in enumerate(digests) if bits[i]})
+            out[d] = {h for i, h in enumerate(digests_per_duck[d]) if bits[i]}
         return out
 
     def invalidate(self, digest: str | None = None, ducks=None) -> list[int]:
@@ -268,6 +271,36 @@ class Fleet:
         Returns {'uploaded': n, 'skipped': n, 'bytes': n, 'synthesized': n,
         'synth_bytes': n, 'seconds': s}."""
         return _upload.upload(self, tensors_per_duck)
+
+    # -- lost ducks (native/transport/cover.py) -------------------------------
+    def set_lost(self, duck: int, lost: bool) -> None:
+        """Marks a duck lost (its slices go to a replica or this host) or gives it its slices
+        back. Raises DuckError when what is lost can no longer be computed (the duck stays marked)."""
+        err = ffi.new("char[256]")
+        with self._lock:
+            rc = lib.duck_transport_set_lost(self._open(), duck, int(lost), err, 256)
+            self.lost_changed = True   # the next forward reports who computes what (Session.on_lost)
+        if rc == lib.DUCK_T_EARG:
+            raise ValueError(ffi.string(err).decode())
+        if rc != 0:
+            raise DuckError(ffi.string(err).decode(), duck)
+
+    def lost(self) -> list[int]:
+        """The ducks marked lost now. Reads flags only, without waiting for a forward in flight
+        (the health checks ask often, from the daemon's event loop)."""
+        t = self._open()
+        return [d for d in range(self.n_ducks) if lib.duck_transport_lost(t, d)]
+
+    def routes(self) -> list[int]:
+        """Who computes each slice now: a duck index, HOST (-1) or NOBODY (-2). Like lost(), read
+        without waiting for a forward in flight (routes change in place, under the lock)."""
+        t = self._open()
+        return [lib.duck_transport_route(t, d) for d in range(self.n_ducks)]
+
+    def lost_after_ms(self, duck: int, ntok: int = 1) -> float:
+        """The silence after which a forward of ntok tokens marks this duck lost now."""
+        with self._lock:
+            return lib.duck_transport_lost_after_us(self._open(), duck, ntok) / 1000.0
 
     def open_session(self, layers: dict[int, list[list[ExpertSlice]]], hidden: int,
                      session_id: int | None = None, **options) -> _session.Session:

@@ -75,6 +75,7 @@ class Session:
     def __init__(self, fleet: Fleet, session_id: int, hidden: int, layers: set[int], request_tokens: int = 0,
                  pipeline: int = 0):
         self.fleet, self.id, self.hidden, self.layers = fleet, session_id, hidden, set(layers)
+        self.plans: list = []      # each duck's [(wire layer, expert slices)], for reopen_duck
         self._args = ffi.new("duck_forward_args *")
         self._args.session, self._args.hidden = session_id, hidden
         self._res = ffi.new("duck_forward_result *")
@@ -90,6 +91,11 @@ class Session:
         self.last_request_tokens = 0
         self.last_pipeline = 0
         self._warned_rcvbuf = False
+        self.host_ns_total = 0     # time this host spent computing lost ducks' slices (native/transport/cover.py)
+        self.host_forwards = 0     # forwards with a slice computed here
+        # called (from the forwarding thread) with the ducks a forward found lost and what their
+        # slices cost this host in that forward, in ms: on_lost(ducks, host_ms)
+        self.on_lost = None
 
     def forward(self, layer: int, x, expert_ids, expert_weights, out=None):
         """x [T, H] fp32 or bf16: numpy (bf16 as uint16 bits) or a CPU torch tensor,
@@ -143,8 +149,14 @@ class Session:
                         "from %d ducks at hidden %d: replies will be dropped and resent; raise "
                         "net.core.rmem_max (sysctl -w net.core.rmem_max=67108864)",
                         rcvbuf, fleet.n_ducks, self.hidden)
+        if res.lost_new or fleet.lost_changed:
+            fleet.lost_changed = False
+            self._report_lost(res.lost_new, res.host_ns / 1e6)
         if rc:
             self._raise(rc, res)
+        if res.host_slices:
+            self.host_ns_total += res.host_ns
+            self.host_forwards += 1
         self.bytes_streamed += res.bytes_streamed
         self.kernel_us_max = max(self.kernel_us_max, res.kernel_us_max)
         self.kernel_us_total += res.kernel_us_sum
@@ -153,6 +165,22 @@ class Session:
                                                                             res.pipeline)
         del keep_i, keep_w
         return out
+
+    def _report_lost(self, lost_new: int, host_ms: float) -> None:
+        """Tells on_lost who is lost now and what a forward of their slices costs here (ms)."""
+        lost = self.fleet.lost()
+        if lost_new:
+            routes = self.fleet.routes()
+            log.warning("%d duck(s) found lost in a forward; lost now: %s; slices computed by %s", lost_new,
+                        lost, ["host" if r == lib.DUCK_ROUTE_HOST else "nobody" if r == lib.DUCK_ROUTE_NONE
+                               else f"duck {r}" for r in routes])
+        if self.on_lost is not None:
+            self.on_lost(lost, host_ms)
+
+    @property
+    def host_ms_per_forward(self) -> float:
+        """What computing lost ducks' slices costs this host per forward (a layer), on average."""
+        return self.host_ns_total / 1e6 / self.host_forwards if self.host_forwards else 0.0
 
     def _log_fallback(self, layer: int) -> None:
         sizes = self.fleet.datagram_sizes()
@@ -164,28 +192,66 @@ class Session:
         d = res.failed_duck
         if d >= 0:
             msg = msg.replace(f"duck {d}", self.fleet.name(d), 1)
-        cls = DuckTimeout if rc == lib.DUCK_T_ETIMEOUT else DuckError
+        cls = DuckTimeout if rc == lib.DUCK_T_ETIMEOUT else DuckError   # DUCK_T_ECOVER: lost beyond the cover
         raise cls(msg, d if d >= 0 else None, res.duck_status)
 
+    def reopen_duck(self, duck: int) -> None:
+        """This session and its plans on one duck again (a restarted duck lost them)."""
+        plan_ducks(self.fleet, self.plans, self.hidden, self.id, [duck])
+
     def close(self) -> None:
-        """Releases the plans on every duck (their cache entries stay)."""
-        self.fleet._all(lib.WIRE_T_SESSION_CLOSE, session=self.id)
+        """Releases the plans on every duck not lost (their cache entries stay)."""
+        lost = set(self.fleet.lost())
+        self.fleet._all(lib.WIRE_T_SESSION_CLOSE, session=self.id,
+                        ducks=[d for d in range(self.fleet.n_ducks) if d not in lost])
 
 
-def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int, session_id: int, **options):
+# A replica holds slice d of layer L as its layer L + this (the wire's layer numbers are < WIRE_MAX_LAYERS).
+REPLICA_LAYER_OFFSET = lib.WIRE_MAX_LAYERS // 2
+
+
+def duck_plans(layers: dict[int, list[list[ExpertSlice]]], n_ducks: int, replicas: list[int] | None = None):
+    """Each duck's layer plans [(wire layer, expert slices)]: its own slice of every layer,
+    and, where replicas[d] names it, slice d's as layer + REPLICA_LAYER_OFFSET."""
+    plans: list[list[tuple[int, list[ExpertSlice]]]] = [[] for _ in range(n_ducks)]
+    for layer, per_duck in sorted(layers.items()):
+        if len(per_duck) != n_ducks:
+            raise ValueError(f"layer {layer}: slices for {len(per_duck)} ducks, the fleet has {n_ducks}")
+        if replicas and layer >= REPLICA_LAYER_OFFSET:
+            raise ValueError(f"layer {layer}: replicas need layer numbers below {REPLICA_LAYER_OFFSET}")
+        for d, experts in enumerate(per_duck):
+            plans[d].append((layer, experts))
+            if replicas and replicas[d] >= 0:
+                plans[replicas[d]].append((layer + REPLICA_LAYER_OFFSET, experts))
+    return plans
+
+
+def plan_ducks(fleet, plans, hidden: int, session_id: int, ducks) -> None:
+    """Opens the session on these ducks and makes their plans resident (one plan per duck per round trip)."""
+    ducks = list(ducks)
     so = ffi.new("wire_session_open *")
     so.hidden = hidden
-    fleet._all(lib.WIRE_T_SESSION_OPEN, bytes(ffi.buffer(so)), session=session_id)
-    for layer, per_duck in sorted(layers.items()):
-        if len(per_duck) != fleet.n_ducks:
-            raise ValueError(f"layer {layer}: slices for {len(per_duck)} ducks, the fleet has {fleet.n_ducks}")
+    fleet._all(lib.WIRE_T_SESSION_OPEN, bytes(ffi.buffer(so)), ducks=ducks, session=session_id)
+    for i in range(max((len(plans[d]) for d in ducks), default=0)):
         reqs = []
-        for d, experts in enumerate(per_duck):
+        for d in ducks:
+            if i >= len(plans[d]):
+                continue
+            layer, experts = plans[d][i]
             lp = ffi.new("wire_layer_plan *")
             lp.layer, lp.n_experts, lp.hidden = layer, len(experts), hidden
             digests = b"".join(bytes.fromhex(e.gate_up.digest()) + bytes.fromhex(e.down.digest()) for e in experts)
             reqs.append((d, lib.WIRE_T_LAYER_PLAN, bytes(ffi.buffer(lp)) + digests, 0))
         fleet.call(reqs, session=session_id)
-    log.info("session %08x open on %d ducks: %d layers, hidden %d; datagrams of %s bytes", session_id,
-             fleet.n_ducks, len(layers), hidden, fleet.datagram_sizes())
-    return Session(fleet, session_id, hidden, set(layers), **options)
+
+
+def open_session(fleet, layers: dict[int, list[list[ExpertSlice]]], hidden: int, session_id: int,
+                 replicas: list[int] | None = None, **options):
+    plans = duck_plans(layers, fleet.n_ducks, replicas)
+    plan_ducks(fleet, plans, hidden, session_id, range(fleet.n_ducks))
+    log.info("session %08x open on %d ducks: %d layers%s, hidden %d; datagrams of %s bytes", session_id,
+             fleet.n_ducks, len(layers), " (each slice on two ducks)" if replicas else "", hidden,
+             fleet.datagram_sizes())
+    session = Session(fleet, session_id, hidden, set(layers), **options)
+    session.plans = plans
+    return session

@@ -141,6 +141,9 @@ int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res)
         uint64_t t2 = now_ns();
         res->retransmits += fr->retransmits;
         res->mtu_fallbacks += fr->mtu_fallbacks;
+        res->lost_new += fr->lost_new;
+        res->host_ns += fr->host_ns;
+        res->host_slices += fr->host_slices;
         if (frc != DUCK_T_OK) {
             res->failed_call = (int32_t)i;
             snprintf(res->message, sizeof res->message, "%s", fr->message);

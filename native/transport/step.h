@@ -49,6 +49,9 @@ typedef struct duck_step_result {
     uint32_t retransmits;
     uint32_t wake_ns_max;
     uint32_t mtu_fallbacks;
+    uint32_t lost_new;            /* over the calls: ducks found lost (their slices went elsewhere) */
+    uint64_t host_ns;             /* over the calls: this host computing lost ducks' slices */
+    uint32_t host_slices;
     uint32_t reserved;
     duck_forward_result call;     /* the failed call's result (its message), else the last call's */
     char message[WIRE_MAX_ERROR_TEXT + 64];

@@ -71,6 +71,12 @@ class NativeStep:
         with fleet._lock:
             rc = lib.duck_step_run(fleet._open(), self._step, res)
         session.retransmits += res.retransmits
+        if res.lost_new or fleet.lost_changed:     # as Session.forward reports them
+            fleet.lost_changed = False
+            session._report_lost(res.lost_new, res.host_ns / 1e6 / max(1, len(self.calls)))
+        if res.host_slices:
+            session.host_ns_total += res.host_ns
+            session.host_forwards += len(self.calls)
         if rc == lib.DUCK_STEP_ENOCUDA or rc == lib.DUCK_STEP_ECUDA or rc == lib.DUCK_T_EARG and res.failed_call < 0:
             raise RuntimeError("native decode step: " + ffi.string(res.message).decode(errors="replace"))
         if rc:

@@ -116,8 +116,13 @@ void duck_transport_destroy(duck_transport *t)
         close(t->fd);
     for (uint32_t i = 0; t->replies && i < t->fwd_slots * t->cfg.n_ducks; i++)
         free(t->replies[i]);
-    for (uint32_t s = 0; t->fwd && s < t->fwd_slots; s++)
+    for (uint32_t s = 0; t->fwd && s < t->fwd_slots; s++) {
         free(t->fwd[s].payload);
+        free(t->fwd[s].replica_payload);
+    }
+    free(t->slice_bytes);
+    free(t->replica);
+    free(t->route);
     free(t->replies);
     free(t->reply_caps);
     free(t->fcalls);

@@ -38,6 +38,7 @@ typedef struct duck_transport_config {
 #define DUCK_T_EARG -3           /* bad call (duck index, sizes, two calls to one duck) */
 #define DUCK_T_ESOCKET -4        /* the socket failed (errno in the transport stats) */
 #define DUCK_T_EDUCK -5          /* the duck answered with an error status (forward) */
+#define DUCK_T_ECOVER -6         /* ducks are lost and neither a replica nor the host can compute their slices */
 
 /* One request to one duck. Calls that share payload, type and session in
  * one run are sealed once and share a sequence number (a forward's scatter). */
@@ -55,6 +56,8 @@ typedef struct duck_call {
     uint64_t rtt_ns;             /* out: send to last reply fragment */
     uint64_t work_ns;            /* the duck's expected compute for this call (0: none): the retransmit timer
                                     waits that much and the failure deadline 4x that much longer */
+    uint32_t local;              /* answered on the host (reply and result already set): nothing is sent */
+    uint32_t reserved;
 } duck_call;
 
 typedef struct duck_transport_stats {
@@ -134,7 +137,10 @@ typedef struct duck_forward_result {
     uint32_t pipeline;           /* requests in flight per duck */
     uint64_t kernel_us_sum;      /* the slowest duck's kernel time, summed over the requests */
     int32_t rcvbuf_short;        /* the receive buffer holds less than one request's replies of all ducks twice */
-    uint32_t reserved;
+    uint32_t lost_new;           /* ducks found lost in this call (their slices then went elsewhere) */
+    uint64_t host_ns;            /* time this host spent computing lost ducks' slices */
+    uint32_t host_slices;        /* slices (per request) this host computed */
+    uint32_t replica_slices;     /* slices (per request) a replica computed */
     char message[WIRE_MAX_ERROR_TEXT + 1];
 } duck_forward_result;
 
@@ -149,6 +155,49 @@ int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_f
 void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
 
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out);
+
+/* --- a lost duck's slices (transport_lost.c) ------------------------------
+ * A forward's slices are numbered like the ducks: slice d is duck d's share.
+ * With a cover set, a forward call that stays silent past its lost deadline
+ * does not fail the forward: its duck is marked lost, and its slices (then
+ * those of every later forward) are computed by a replica duck that holds
+ * them, else by the host through cover.forward, until the duck is set back
+ * (duck_transport_set_lost(t, d, 0): the caller's word that it serves again).
+ * The partials are summed in slice order whoever computed them, so the sum
+ * is the same bits as the undisturbed run's. */
+
+/* Computes slice `slice` of request [t0, t0 + ntok) of a forward on the host,
+ * exactly as its duck does, as the duck's complete reply (wire_reply_head,
+ * wire_forward_reply, the partial in a->y_dtype) of at most cap bytes;
+ * returns its length, 0 on failure (the forward fails naming the slice). */
+typedef uint32_t (*duck_cover_fn)(void *ctx, uint32_t slice, const duck_forward_args *a, uint32_t t0,
+                                  uint32_t ntok, void *reply, uint32_t cap);
+
+typedef struct duck_cover_config {
+    duck_cover_fn forward;       /* NULL: no cover (a silent duck fails the forward at the deadline) */
+    void *ctx;
+    const uint64_t *slice_bytes; /* [n_ducks]: the memory the host needs to compute each slice */
+    uint64_t budget_bytes;       /* the most bytes of slices the host computes at a time */
+    const int32_t *replica;      /* [n_ducks]: the other duck that holds slice d; -1: none (NULL: none at all) */
+    uint32_t replica_layer_offset; /* a replica holds slice d of layer L as its layer L + this */
+    uint32_t lost_calls;         /* a forward's silence that marks its duck lost: this many of the duck's
+                                    expected calls (measured round trip + compute, with 4 variations), */
+    uint32_t lost_floor_us;      /* at least this, at most the transport's deadline */
+} duck_cover_config;
+
+/* 0, or -1 with the reason in err (sizes, replicas out of range). Copies the arrays. */
+int duck_transport_set_cover(duck_transport *t, const duck_cover_config *c, char *err, uint32_t errlen);
+/* Marks a duck lost (its slices go to a replica or the host) or back (1 / 0).
+ * Returns 0, or DUCK_T_ECOVER with the reason in err when what is lost
+ * cannot be computed (the duck stays marked; forwards fail until it is back). */
+int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *err, uint32_t errlen);
+int duck_transport_lost(const duck_transport *t, uint32_t duck);
+/* Who computes slice s now: its duck, its replica (a duck index), -1: the host, -2: nobody. */
+#define DUCK_ROUTE_HOST -1
+#define DUCK_ROUTE_NONE -2
+int32_t duck_transport_route(const duck_transport *t, uint32_t slice);
+/* The silence after which a forward call of ntok tokens marks duck lost now, in microseconds. */
+uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok);
 
 #ifdef __cplusplus
 }

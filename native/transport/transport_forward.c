@@ -7,18 +7,26 @@
  * per datagram size); each partial is added into an fp32 sum as soon as it
  * and the partials of all lower-numbered ducks are in. Holding an early
  * partial until its turn keeps the order of the additions, and so the bits
- * of the sum, the same whatever order the replies arrive in. */
+ * of the sum, the same whatever order the replies arrive in.
+ *
+ * Slice d is duck d's, unless the duck is lost (transport_lost.c): then a
+ * replica duck computes it (the same request with its layer moved by the
+ * replica offset) or this host does, through the cover, which writes the
+ * reply the duck would have sent into the call (a local call: not sent). A
+ * call that stays silent past its lost deadline makes the forward start
+ * again with that duck lost; its partials then come from elsewhere, in the
+ * same order. */
 #define _GNU_SOURCE
 #include "transport_impl.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 _Static_assert(DUCK_DT_F32 == WIRE_DT_F32 && DUCK_DT_BF16 == WIRE_DT_BF16, "transport and wire dtypes differ");
 
-#define REPLY_HEAD (sizeof(wire_reply_head) + sizeof(wire_forward_reply))
 #define MAX_FORWARD_TOKENS (1u << 24)
 
 static int reserve(uint8_t **buf, size_t *cap, size_t need)
@@ -48,59 +56,6 @@ static int fail(duck_forward_result *res, int32_t duck, int32_t result, int32_t 
     return result;
 }
 
-/* --- the plan: tokens per request, requests in flight --------------------- */
-
-static size_t request_bytes(const duck_forward_args *a, uint64_t n)
-{
-    return sizeof(wire_forward) + 8 * n * a->topk + n * a->hidden * wire_dtype_bytes(a->x_dtype);
-}
-
-static size_t reply_bytes(const duck_forward_args *a, uint64_t n)
-{
-    return REPLY_HEAD + n * a->hidden * wire_dtype_bytes(a->y_dtype);
-}
-
-/* The most tokens per request: the ducks' limit, then every duck's message
- * bound at its datagram size and at the fallback size (both ways), then the receive buffer, which must
- * hold every duck's reply twice over (the kernel's bookkeeping); then the
- * requests in flight that the buffer holds at that size. Requests are made
- * even: 100 tokens at 64 go as 50 + 50. */
-void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
-{
-    uint32_t nd = t->cfg.n_ducks, n = a->request_tokens ? a->request_tokens : WIRE_TOKENS_DEFAULT;
-    n = n < WIRE_MAX_TOKENS ? n : WIRE_MAX_TOKENS;
-    /* a message must also fit the fragments of the fallback datagram size (a NACK names them all) */
-    uint32_t limit = wire_max_message(tr_small_mtu(t));
-    for (uint32_t d = 0; d < nd; d++) {
-        uint32_t own = wire_max_message(t->link[d].mtu);
-        limit = own < limit ? own : limit;
-    }
-    if (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit)) {
-        uint64_t per = (uint64_t)a->hidden * (wire_dtype_bytes(a->x_dtype) > wire_dtype_bytes(a->y_dtype)
-                                              ? wire_dtype_bytes(a->x_dtype) : wire_dtype_bytes(a->y_dtype)) + 8u * a->topk;
-        uint64_t fit = (limit - sizeof(wire_forward) - REPLY_HEAD) / per;
-        n = fit < n ? (fit > 1 ? (uint32_t)fit : 1) : n;
-        while (n > 1 && (request_bytes(a, n) > limit || reply_bytes(a, n) > limit))
-            n--;
-    }
-    uint64_t room = t->rcvbuf / 2, per_token = (uint64_t)nd * a->hidden * wire_dtype_bytes(a->y_dtype);
-    if (n > 1 && nd * reply_bytes(a, n) > room) {
-        uint64_t fit = (room > nd * REPLY_HEAD ? room - nd * REPLY_HEAD : 0) / per_token;
-        n = fit > 1 ? (uint32_t)fit : 1;
-    }
-    res->rcvbuf_short = nd * reply_bytes(a, n) > room;
-    uint32_t nreq = (a->ntok + n - 1) / n;
-    n = (a->ntok + nreq - 1) / nreq;
-    uint32_t w = a->pipeline ? a->pipeline : DUCK_PIPELINE_DEFAULT;
-    w = w > DUCK_PIPELINE_MAX ? DUCK_PIPELINE_MAX : w;
-    w = w > nreq ? nreq : w;
-    while (w > 1 && w * nd * reply_bytes(a, n) > room)
-        w--;
-    res->request_tokens = n;
-    res->requests = nreq;
-    res->pipeline = w;
-}
-
 /* --- requests in flight and their sums ------------------------------------ */
 
 typedef struct fwd_sum {
@@ -119,7 +74,18 @@ typedef struct fwd_run {
     fwd_sum sums[DUCK_PIPELINE_MAX];
 } fwd_run;
 
-/* Request `req` into pipeline slot `slot`: its payload, and the call of each duck. */
+/* Slice d of a request computed here: the duck's reply, written into the call by the cover. */
+static void host_slice(duck_transport *t, fwd_run *run, duck_call *c, uint32_t d, uint32_t t0, uint32_t ntok)
+{
+    uint64_t start = tr_now_ns();
+    c->local = 1;
+    c->reply_len = t->cover.forward(t->cover.ctx, d, run->a, t0, ntok, c->reply, c->reply_cap);
+    c->result = c->reply_len ? DUCK_T_OK : DUCK_T_EDUCK;
+    run->res->host_ns += tr_now_ns() - start;
+    run->res->host_slices++;
+}
+
+/* Request `req` into pipeline slot `slot`: its payload, and the call of each slice. */
 static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t req)
 {
     const duck_forward_args *a = run->a;
@@ -141,35 +107,55 @@ static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t r
     *sum = (fwd_sum){req, t0, ntok,
                      a->y_dtype == DUCK_DT_F32 ? (float *)a->y + (size_t)t0 * a->hidden : t->acc + slot * stride,
                      0, 1, 0};
+    int replica_filled = 0;
     for (uint32_t d = 0; d < nd; d++) {
         duck_call *c = &t->fcalls[slot * nd + d];
+        int32_t route = t->route ? t->route[d] : (int32_t)d;
         memset(c, 0, sizeof *c);
-        c->duck = d;
+        c->duck = route >= 0 ? (uint32_t)route : d;
         c->type = WIRE_T_FORWARD;
         c->session = a->session;
         c->payload = p;
-        c->payload_len = (uint32_t)request_bytes(a, ntok);
+        c->payload_len = (uint32_t)tr_request_bytes(a, ntok);
         c->reply = t->replies[slot * nd + d];
         c->reply_cap = t->reply_caps[slot * nd + d];
-        c->work_ns = tr_work_ns(t, d, ntok);
+        if (route == DUCK_ROUTE_HOST) {
+            host_slice(t, run, c, d, t0, ntok);
+            continue;
+        }
+        if (route != (int32_t)d) {
+            uint8_t *rp = t->fwd[slot].replica_payload;
+            if (!replica_filled) {
+                uint32_t layer = a->layer + t->cover.replica_layer_offset;
+                memcpy(rp, p, c->payload_len);
+                memcpy(rp + offsetof(wire_forward, layer), &layer, sizeof layer);
+                replica_filled = 1;
+            }
+            c->payload = rp;
+            run->res->replica_slices++;
+        }
+        c->work_ns = tr_work_ns(t, c->duck, ntok);
     }
 }
 
 /* Whether a complete reply is a good answer to its request; *partial is
  * its partial, NULL for an all-zero one (R_ZERO). */
-static int reply_ok(const duck_forward_args *a, const fwd_sum *sum, const duck_call *c, const uint8_t **partial)
+static int reply_ok(const duck_transport *t, const duck_forward_args *a, const fwd_sum *sum, const duck_call *c,
+                    uint32_t slice, const uint8_t **partial)
 {
+    /* a replica answers for the layer it holds the slice as */
+    uint32_t layer = c->duck == slice || c->local ? a->layer : a->layer + t->cover.replica_layer_offset;
     wire_reply_head head;
     wire_forward_reply fr;
-    if (c->reply_len < REPLY_HEAD)
+    if (c->reply_len < TR_REPLY_HEAD)
         return 0;
     memcpy(&head, c->reply, sizeof head);
     memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
     int zero = (head.flags & WIRE_R_ZERO) != 0;
-    if (head.status != WIRE_OK || c->reply_len != (zero ? REPLY_HEAD : reply_bytes(a, sum->ntok)) ||
-        fr.layer != a->layer || fr.ntok != sum->ntok || fr.hidden != a->hidden || fr.y_dtype != a->y_dtype)
+    if (head.status != WIRE_OK || c->reply_len != (zero ? TR_REPLY_HEAD : tr_reply_bytes(a, sum->ntok)) ||
+        fr.layer != layer || fr.ntok != sum->ntok || fr.hidden != a->hidden || fr.y_dtype != a->y_dtype)
         return 0;
-    *partial = zero ? NULL : (const uint8_t *)c->reply + REPLY_HEAD;
+    *partial = zero ? NULL : (const uint8_t *)c->reply + TR_REPLY_HEAD;
     return 1;
 }
 
@@ -234,7 +220,7 @@ static void on_reply(duck_transport *t, duck_call *calls, uint32_t i, void *ctx)
     fwd_sum *sum = &run->sums[slot];
     while (sum->next < nd && t->st[slot * nd + sum->next].done && calls[slot * nd + sum->next].result == DUCK_T_OK) {
         const uint8_t *p;
-        if (!reply_ok(run->a, sum, &calls[slot * nd + sum->next], &p)) {
+        if (!reply_ok(t, run->a, sum, &calls[slot * nd + sum->next], sum->next, &p)) {
             run->stopped = 1;
             return;
         }
@@ -261,29 +247,33 @@ static int slot_failure(duck_transport *t, const fwd_run *run, uint32_t slot, du
     uint32_t nd = t->cfg.n_ducks;
     for (uint32_t d = 0; d < nd; d++) {
         const duck_call *c = &t->fcalls[slot * nd + d];
+        if (c->local && c->result != DUCK_T_OK)
+            return fail(res, (int32_t)d, DUCK_T_ECOVER, 0, "this host could not compute duck %u's slice of layer %u "
+                        "(an expert id out of range, or out of memory)", d, a->layer);
         if (c->result == DUCK_T_ETIMEOUT)
-            return fail(res, (int32_t)d, c->result, 0, "duck %u did not answer forward of layer %u within %u ms "
-                        "(%u retransmits, datagrams of %u bytes)", d, a->layer, t->cfg.deadline_us / 1000,
-                        c->retransmits, t->link[d].mtu);
+            return fail(res, (int32_t)c->duck, c->result, 0, "duck %u did not answer forward of layer %u within "
+                        "%u ms (%u retransmits, datagrams of %u bytes)", c->duck, a->layer,
+                        (uint32_t)(tr_lost_ns(t, c->duck, c->work_ns) / 1000000u), c->retransmits,
+                        t->link[c->duck].mtu);
         if (c->result != DUCK_T_OK)
-            return fail(res, (int32_t)d, c->result, 0, "duck %u: transport error %d on forward of layer %u", d,
-                        c->result, a->layer);
+            return fail(res, (int32_t)c->duck, c->result, 0, "duck %u: transport error %d on forward of layer %u",
+                        c->duck, c->result, a->layer);
         wire_reply_head head;
         memcpy(&head, c->reply, sizeof head);
         if (head.status != WIRE_OK) {
             uint32_t n = c->reply_len - (uint32_t)sizeof head;
             n = n > WIRE_MAX_ERROR_TEXT ? WIRE_MAX_ERROR_TEXT : n;
-            return fail(res, (int32_t)d, DUCK_T_EDUCK, head.status, "duck %u refused forward of layer %u: %.*s", d,
-                        a->layer, (int)n, (const char *)c->reply + sizeof head);
+            return fail(res, (int32_t)c->duck, DUCK_T_EDUCK, head.status, "duck %u refused forward of layer %u: "
+                        "%.*s", c->duck, a->layer, (int)n, (const char *)c->reply + sizeof head);
         }
         const uint8_t *p;
-        if (!reply_ok(a, sum, c, &p)) {
+        if (!reply_ok(t, a, sum, c, d, &p)) {
             wire_forward_reply fr = {0};
-            if (c->reply_len >= REPLY_HEAD)
+            if (c->reply_len >= TR_REPLY_HEAD)
                 memcpy(&fr, (const uint8_t *)c->reply + sizeof head, sizeof fr);
-            return fail(res, (int32_t)d, DUCK_T_EDUCK, WIRE_E_MALFORMED, "duck %u: forward reply of %u bytes for "
-                        "layer %u, %u tokens, hidden %u, dtype %u does not match the request (layer %u, %u tokens, "
-                        "hidden %u, dtype %u)", d, c->reply_len, fr.layer, fr.ntok, fr.hidden, fr.y_dtype, a->layer,
+            return fail(res, (int32_t)c->duck, DUCK_T_EDUCK, WIRE_E_MALFORMED, "duck %u: forward reply of %u bytes "
+                        "for layer %u, %u tokens, hidden %u, dtype %u does not match the request (layer %u, %u tokens, "
+                        "hidden %u, dtype %u)", c->duck, c->reply_len, fr.layer, fr.ntok, fr.hidden, fr.y_dtype, a->layer,
                         sum->ntok, a->hidden, a->y_dtype);
         }
     }
@@ -314,11 +304,13 @@ static int reserve_slots(duck_transport *t, const duck_forward_args *a, uint32_t
         t->fwd_slots = w;
     }
     for (uint32_t s = 0; s < w; s++) {
-        if (reserve(&t->fwd[s].payload, &t->fwd[s].cap, request_bytes(a, n)) != 0)
+        if (reserve(&t->fwd[s].payload, &t->fwd[s].cap, tr_request_bytes(a, n)) != 0)
+            return -1;
+        if (t->route && reserve(&t->fwd[s].replica_payload, &t->fwd[s].replica_cap, tr_request_bytes(a, n)) != 0)
             return -1;
         for (uint32_t d = 0; d < nd; d++) {
             size_t cap = t->reply_caps[s * nd + d];
-            if (reserve(&t->replies[s * nd + d], &cap, reply_bytes(a, n)) != 0)
+            if (reserve(&t->replies[s * nd + d], &cap, tr_reply_bytes(a, n)) != 0)
                 return -1;
             t->reply_caps[s * nd + d] = (uint32_t)cap;
         }
@@ -332,10 +324,57 @@ static int reserve_slots(duck_transport *t, const duck_forward_args *a, uint32_t
     return 0;
 }
 
+/* Every slice on this host (every duck lost): the requests one after the other, no calls. */
+static void forward_on_host(duck_transport *t, fwd_run *run)
+{
+    uint32_t nd = t->cfg.n_ducks;
+    for (uint32_t req = 0; req < run->nreq; req++) {
+        fill_slot(t, run, 0, req);
+        fwd_sum *sum = &run->sums[0];
+        for (uint32_t d = 0; d < nd; d++) {
+            const uint8_t *p;
+            if (t->fcalls[d].result != DUCK_T_OK || !reply_ok(t, run->a, sum, &t->fcalls[d], d, &p))
+                return;
+            if (p)
+                add_partial(run->a, sum, p);
+        }
+        finish_request(t, run, 0);
+    }
+}
+
+static int all_on_host(const duck_transport *t)
+{
+    for (uint32_t d = 0; t->route && d < t->cfg.n_ducks; d++)
+        if (t->route[d] != DUCK_ROUTE_HOST)
+            return 0;
+    return t->route != NULL;
+}
+
+static int forward_once(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);
+
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
 {
     memset(res, 0, sizeof *res);
     res->failed_duck = -1;
+    for (;;) {
+        for (uint32_t d = 0; t->route && d < t->cfg.n_ducks; d++)
+            if (t->route[d] == DUCK_ROUTE_NONE)
+                return fail(res, (int32_t)d, DUCK_T_ECOVER, 0, "%s", t->cover_err);
+        res->failed_duck = -1;
+        res->result = res->duck_status = 0;
+        res->message[0] = 0;
+        int rc = forward_once(t, a, res);
+        if ((rc != DUCK_T_ETIMEOUT && rc != DUCK_T_EDUCK) || !t->cover.forward)
+            return rc;   /* done, or failed before any call was made */
+        uint32_t lost = tr_lose_failed(t, t->fcalls, res->pipeline * t->cfg.n_ducks);
+        if (!lost)
+            return rc;
+        res->lost_new += lost;   /* and again, their slices elsewhere */
+    }
+}
+
+static int forward_once(duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
+{
     if (!a || a->ntok > MAX_FORWARD_TOKENS || a->topk > WIRE_MAX_TOPK || a->hidden == 0 || a->hidden > (1u << 16) ||
         a->x_dtype > DUCK_DT_BF16 || a->y_dtype > DUCK_DT_BF16 ||
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights)))))
@@ -345,13 +384,17 @@ int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_f
         return DUCK_T_OK;
     duck_transport_plan(t, a, res);
     uint32_t nd = t->cfg.n_ducks, w = res->pipeline;
-    if (request_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE || reply_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE)
+    if (tr_request_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE || tr_reply_bytes(a, res->request_tokens) > WIRE_MAX_MESSAGE)
         return fail(res, -1, DUCK_T_EARG, 0, "forward of hidden %u with %u experts per token does not fit the "
                     "%u-byte message bound even for one token", a->hidden, a->topk, WIRE_MAX_MESSAGE);
     if (reserve_slots(t, a, w, res->request_tokens) != 0)
         return fail(res, -1, DUCK_T_EARG, 0, "out of memory for %u requests of %u tokens in flight", w,
                     res->request_tokens);
     fwd_run run = {a, res, res->requests, w, 0, 0, {{0}}};
+    if (all_on_host(t)) {
+        forward_on_host(t, &run);
+        return run.done_reqs == run.nreq ? DUCK_T_OK : slot_failure(t, &run, 0, res);
+    }
     for (uint32_t s = 0; s < w; s++)
         fill_slot(t, &run, s, s);
     uint64_t fallbacks = t->stats.mtu_fallbacks;

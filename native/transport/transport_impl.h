@@ -18,6 +18,7 @@ typedef struct duck_link {
     uint64_t backoff_ns;          /* the interval a retransmitted call completed in, kept until a clean sample */
     uint64_t ns_per_token;        /* the duck's kernel time per forward token (smoothed over its replies); 0: none */
     uint64_t ns_per_token_var;    /* and its variation, as rttvar is the round trip's */
+    int lost;                     /* its slices go to a replica or the host (transport_lost.c) */
 } duck_link;
 
 typedef struct call_state {
@@ -29,8 +30,11 @@ typedef struct call_state {
     uint32_t mtu;                 /* datagram size of this call, both ways */
     uint32_t req_frags;
     uint64_t t_start, t_heard, t_next, interval, cap;
+    uint64_t rto;                 /* the duck's retransmit timeout when the call started */
     uint64_t work_ns;             /* the duck's expected compute before it answers (queued calls' included) */
-    uint64_t deadline_ns;         /* silence that fails the call: the deadline plus 4 x work_ns */
+    uint64_t deadline_ns;         /* silence that fails the call: the deadline plus 4 x work_ns, or (a forward
+                                     with a cover) the lost deadline, once retransmitted LOST_RETRANSMITS times */
+    uint64_t hard_ns;             /* silence that fails it however few retransmits: the deadline plus 4 x work_ns */
     uint32_t rep_count, rep_have, rep_total;
     uint8_t bitmap[WIRE_MAX_FRAGMENTS / 8];
 } call_state;
@@ -39,6 +43,8 @@ typedef struct call_state {
 typedef struct fwd_slot {
     uint8_t *payload;
     size_t cap;
+    uint8_t *replica_payload;     /* the same request for replicas: layer + replica_layer_offset */
+    size_t replica_cap;
 } fwd_slot;
 
 struct duck_transport {
@@ -72,7 +78,24 @@ struct duck_transport {
     uint64_t rcvtimeo_us;         /* the socket's receive timeout now */
     int gathering;                /* replies of this run have started to arrive: poll briefly for the rest */
     duck_transport_stats stats;
+    /* lost ducks (transport_lost.c) */
+    duck_cover_config cover;      /* its arrays point at slice_bytes and replica below */
+    uint64_t *slice_bytes;
+    int32_t *replica;
+    int32_t *route;               /* slice -> the duck computing it, DUCK_ROUTE_HOST or DUCK_ROUTE_NONE */
+    char cover_err[WIRE_MAX_ERROR_TEXT + 1];   /* why some slice has no route */
 };
+
+/* A forward request of n tokens and its reply, in bytes (transport_plan.c, transport_forward.c). */
+#define TR_REPLY_HEAD (sizeof(wire_reply_head) + sizeof(wire_forward_reply))
+static inline size_t tr_request_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return sizeof(wire_forward) + 8 * n * a->topk + n * a->hidden * wire_dtype_bytes(a->x_dtype);
+}
+static inline size_t tr_reply_bytes(const duck_forward_args *a, uint64_t n)
+{
+    return TR_REPLY_HEAD + n * a->hidden * wire_dtype_bytes(a->y_dtype);
+}
 
 /* Called by tr_run when call i has its complete reply (result DUCK_T_OK).
  * It may give calls that are done a new request and start them again
@@ -109,5 +132,18 @@ uint64_t tr_forward_kernel_ns(const duck_call *c);
 /* The compute a forward of ntok tokens is expected to take on a duck (its
  * measured time per token, plus 4 times the variation; a guess before any). */
 uint64_t tr_work_ns(const duck_transport *t, uint32_t duck, uint32_t ntok);
+/* A forward call is lost only after this many retransmits went unanswered too: on a lossy link
+ * (5 %) a few datagrams in a row are lost now and then, a duck is seldom silent to four. */
+#define LOST_RETRANSMITS 3
+/* When a call that is still open fails for silence (transport_timing.c). */
+uint64_t tr_fail_at(const duck_call *c, const call_state *s);
+/* The silence that marks a forward call's duck lost (cover set), else the failure deadline (timing). */
+uint64_t tr_lost_ns(const duck_transport *t, uint32_t duck, uint64_t work_ns);
+/* Routes every slice (its duck, else its live replica, else the host within the budget); 0, or
+ * DUCK_T_ECOVER with t->cover_err set when some slice has none (transport_lost.c). */
+int tr_reroute(duck_transport *t);
+/* Marks lost the ducks of failed forward calls that show them gone (silent past the lost
+ * deadline, or without their session); reroutes; returns how many were newly lost. */
+uint32_t tr_lose_failed(duck_transport *t, const duck_call *calls, uint32_t n);
 
 #endif

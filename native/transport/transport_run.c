@@ -6,6 +6,7 @@
 #include "transport_impl.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -18,6 +19,9 @@
  * them this long before blocking, rather than pay a sleep and a wake-up per
  * datagram (a context switch and an IPI on a VM: about 4 us each). */
 #define GATHER_SPIN_US 50
+/* Waits shorter than this block in ppoll (exact); longer ones in the socket's
+ * receive timeout (one syscall per wake-up, to a scheduler tick). */
+#define PRECISE_WAIT_NS (20u * 1000000u)
 
 /* --- receiving --------------------------------------------------------- */
 
@@ -150,6 +154,23 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int no
                tr_now_ns() < until)
             sched_yield();
     }
+    if (n < 0 && wait_ns < PRECISE_WAIT_NS) {
+        /* a short wait (a retransmit timer of a few ms): the socket's receive
+         * timeout counts in scheduler ticks (4 ms at HZ=250, rounded up), which
+         * would turn a 1 ms timer into 4..8 ms; ppoll's is exact */
+        struct pollfd p = {t->fd, POLLIN, 0};
+        struct timespec ts = {(time_t)(wait_ns / 1000000000u), (long)(wait_ns % 1000000000u)};
+        int r = ppoll(&p, 1, &ts, NULL);
+        if (r < 0 && errno != EINTR) {
+            t->stats.last_errno = errno;
+            return -1;
+        }
+        if (r <= 0)
+            return 0;
+        n = recvmmsg(t->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+        if (n < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : (t->stats.last_errno = errno, -1);
+    }
     if (n < 0) {
         /* one blocking syscall per wake-up: the socket's receive timeout
          * (set only when the wait changes) bounds it for the timers */
@@ -222,6 +243,8 @@ static int reserve_states(duck_transport *t, uint32_t n)
 
 static int call_ok(const duck_transport *t, const duck_call *c)
 {
+    if (c->local)
+        return c->duck < t->cfg.n_ducks && c->reply;
     return c->duck < t->cfg.n_ducks && c->type != 0 && c->type < WIRE_T_COUNT && c->payload_len <= WIRE_MAX_MESSAGE &&
            (!c->payload_len || c->payload) && c->reply && c->reply_cap >= sizeof(wire_reply_head) &&
            wire_frag_count(c->payload_len, tr_small_mtu(t)) <= WIRE_MAX_FRAGMENTS;
@@ -230,28 +253,34 @@ static int call_ok(const duck_transport *t, const duck_call *c)
 /* Starts calls [first, first + count): fresh state, a sequence number (one
  * for consecutive calls of one payload to different ducks, a scatter, sealed
  * once per datagram size), the timer, the request sent. A call sent while
- * another to its duck is in flight expects that one's compute too. */
+ * another to its duck is in flight expects that one's compute too. A local
+ * call (answered on the host) is done as it is: nothing is sent. */
 static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint32_t count, uint64_t now)
 {
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
     uint32_t nseal = 0;
+    int64_t sealed = -1;   /* the last call sent: its sequence number and seal may be shared */
     for (uint32_t i = first; i < first + count; i++) {
         duck_call *c = &calls[i];
         call_state *s = &t->st[i];
-        const duck_call *prev = i > first ? &calls[i - 1] : NULL;
+        int32_t next = s->next;
+        memset(s, 0, offsetof(call_state, bitmap));
+        s->next = next;
+        if (c->local) {
+            s->done = 1;
+            continue;
+        }
+        const duck_call *prev = sealed >= 0 ? &calls[sealed] : NULL;
         int same_msg = prev && c->payload == prev->payload && c->payload_len == prev->payload_len &&
                        c->type == prev->type && c->session == prev->session && c->duck != prev->duck;
         c->result = DUCK_T_EARG;
         c->reply_len = 0;
         c->retransmits = 0;
         c->rtt_ns = 0;
-        int32_t next = s->next;
-        memset(s, 0, offsetof(call_state, bitmap));
-        s->next = next;
         s->with_mac = needs_mac(t, c->type);
         s->mtu = t->link[c->duck].mtu;
         s->req_frags = wire_frag_count(c->payload_len, s->mtu);
-        s->seq = same_msg ? t->st[i - 1].seq : ++t->seq;
+        s->seq = same_msg ? t->st[sealed].seq : ++t->seq;
         s->t_start = s->t_heard = now;
         uint64_t ahead = 0;   /* until the duck is through the calls in flight before this one */
         for (int32_t j = t->active[c->duck]; j >= 0; j = t->st[j].next) {
@@ -264,12 +293,13 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
         }
         s->work_ns = c->work_ns + ahead;
         tr_start_timer(t, c, s, now);
-        if (!same_msg || s->mtu != t->st[i - 1].mtu) {
+        if (!same_msg || s->mtu != t->st[sealed].mtu) {
             tr_tx_flush(t);   /* what is queued points into the seal buffer */
             nseal = tr_seal_request(t, c, s, NULL, lens);
             if (!nseal)
                 return -1;
         }
+        sealed = i;
         for (uint32_t f = 0; f < nseal; f++)
             tr_tx_add(t, c->duck, t->seal + (size_t)f * t->seal_stride, lens[f]);
     }
@@ -306,7 +336,8 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
         t->active[d] = -1;
     for (uint32_t i = n; i-- > 0;) {   /* each duck's calls chained in order */
         duck_call *c = &calls[i];
-        c->result = DUCK_T_EARG;
+        if (!c->local)
+            c->result = DUCK_T_EARG;
         if (!call_ok(t, c)) {
             for (uint32_t d = 0; d < nd; d++)
                 t->active[d] = -1;
@@ -333,7 +364,7 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
          * scheduled for a while must not retransmit for, or give up on, replies it holds) */
         int due = 0;
         for (uint32_t i = 0; i < n && !drained && !due; i++)
-            due = !t->st[i].done && (now >= t->st[i].t_next || now - t->st[i].t_heard >= t->st[i].deadline_ns);
+            due = !t->st[i].done && (now >= t->st[i].t_next || now >= tr_fail_at(&calls[i], &t->st[i]));
         if (due) {
             drained = 1;
             if (receive(t, calls, 0, 1, done, ctx) >= 0)
@@ -347,7 +378,8 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
             duck_call *c = &calls[i];
             if (s->done)
                 continue;
-            if (now - s->t_heard >= s->deadline_ns) {
+            uint64_t fail_at = tr_fail_at(c, s);
+            if (now >= fail_at) {
                 c->result = DUCK_T_ETIMEOUT;
                 s->done = 1;
                 t->stats.timeouts++;
@@ -371,8 +403,8 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
                 wake = s->t_next;
             if (s->mtu > small && !s->progress && c->retransmits && fallback_at < wake)
                 wake = fallback_at > now ? fallback_at : now;
-            if (s->t_heard + s->deadline_ns < wake)
-                wake = s->t_heard + s->deadline_ns;
+            if (fail_at < wake)
+                wake = fail_at;
         }
         if (!remaining)
             break;

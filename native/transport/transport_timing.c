@@ -15,7 +15,20 @@
  * that needed retransmits gives no sample (which transmission did the reply
  * answer?) but leaves the interval it completed in as the duck's floor until
  * a call completes without one (Karn); nor does a call that waited behind
- * another to the same duck. */
+ * another to the same duck. That floor is at most twice the timeout the call
+ * started with, so a run of lost datagrams on a lossy link does not leave
+ * the timer doubled several times; a duck slower than its timer shows in its
+ * time per token (the compute added to every timer), not in this floor.
+ *
+ * With a cover for lost ducks (transport_lost.c), a forward call's failure
+ * deadline is not the configured constant but what the duck measurably
+ * takes: lost_calls times its expected call (srtt + 4 rttvar + the call's
+ * expected compute), at least lost_floor_us and at most the configured
+ * deadline, and only once LOST_RETRANSMITS retransmits went unanswered too
+ * (a lossy link). A slow duck's measurements grow with it (it is not
+ * dropped); a dead one is caught within a few of its normal step times and its slices
+ * are computed elsewhere, so an early verdict costs a little work, not the
+ * request. */
 #define _GNU_SOURCE   /* struct mmsghdr in transport_impl.h */
 #include "transport_impl.h"
 
@@ -81,7 +94,9 @@ void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64
 {
     rate_sample(l, c);
     if (c->retransmits) {
-        l->backoff_ns = s->interval;
+        /* at most twice the timeout it started with: one lost datagram must not leave a timer that
+         * doubled through a run of losses (a slow duck shows in its time per token, not here) */
+        l->backoff_ns = s->interval < 2 * s->rto ? s->interval : 2 * s->rto;
         return;
     }
     if (s->queued)
@@ -102,10 +117,35 @@ void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64
 void tr_start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now)
 {
     uint64_t rto = tr_rto_ns(t, c->duck), half = (uint64_t)t->cfg.deadline_us * 500u;
+    s->rto = rto;
     s->interval = rto + s->work_ns;
     s->cap = 8 * rto < half ? 8 * rto : half;
     if (s->cap < s->interval)
         s->cap = s->interval;
-    s->deadline_ns = (uint64_t)t->cfg.deadline_us * 1000u + 4 * s->work_ns;
+    s->hard_ns = (uint64_t)t->cfg.deadline_us * 1000u + 4 * s->work_ns;
+    s->deadline_ns = c->type == WIRE_T_FORWARD ? tr_lost_ns(t, c->duck, s->work_ns) : s->hard_ns;
     s->t_next = now + s->interval;
+}
+
+uint64_t tr_fail_at(const duck_call *c, const call_state *s)
+{
+    int tried = s->deadline_ns >= s->hard_ns || c->retransmits >= LOST_RETRANSMITS;
+    return s->t_heard + (tried ? s->deadline_ns : s->hard_ns);
+}
+
+uint64_t tr_lost_ns(const duck_transport *t, uint32_t duck, uint64_t work_ns)
+{
+    const duck_link *l = &t->link[duck];
+    uint64_t deadline = (uint64_t)t->cfg.deadline_us * 1000u + 4 * work_ns;
+    if (!t->cover.forward || !t->cover.lost_calls || !l->srtt_ns || !l->ns_per_token)
+        return deadline;   /* nothing measured yet: the configured deadline */
+    uint64_t lost = (l->srtt_ns + 4 * l->rttvar_ns + work_ns) * t->cover.lost_calls;
+    uint64_t floor = (uint64_t)t->cover.lost_floor_us * 1000u;
+    lost = lost > floor ? lost : floor;
+    return lost < deadline ? lost : deadline;
+}
+
+uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok)
+{
+    return duck < t->cfg.n_ducks ? (uint32_t)(tr_lost_ns(t, duck, tr_work_ns(t, duck, ntok)) / 1000u) : 0;
 }

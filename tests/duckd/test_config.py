@@ -26,7 +26,13 @@ def test_spin_is_spin_then_block_for_spin_us():
 
 @pytest.mark.parametrize("fleet,text", [({"mtu": 1000}, "fleet.mtu = 1000: expected 0"),
                                         ({"spin_us": 0}, "fleet.spin_us = 0"),
-                                        ({"host_spin_us": -1}, "fleet.host_spin_us = -1")])
+                                        ({"host_spin_us": -1}, "fleet.host_spin_us = -1"),
+                                        ({"replicas": 3}, "fleet.replicas = 3: expected 1, or 2"),
+                                        ({"replicas": 2, "ducks": 1}, "fleet.replicas = 2"),
+                                        ({"host_cover_mb": -1}, "fleet.host_cover_mb = -1"),
+                                        ({"host_cover_threads": 0}, "fleet.host_cover_threads = 0"),
+                                        ({"fault_drop_rate": 1.0}, "fleet.fault_drop_rate = 1.0"),
+                                        ({"retransmit_ms": 0.0}, "fleet.retransmit_ms = 0.0")])
 def test_bad_values_are_named(fleet, text):
     with pytest.raises(ConfigError, match=text):
         FleetConfig(**fleet)
@@ -38,3 +44,9 @@ def test_prefill_chunk_is_checked(chunk):
     assert ModelConfig().prefill_chunk == 512
     with pytest.raises(ConfigError, match=f"model.prefill_chunk = {chunk!r}: expected 1..65536"):
         ModelConfig(prefill_chunk=chunk)
+
+
+def test_fault_drop_rate_turns_on_the_ducks_fault_injection():
+    assert "--enable-fault-injection" not in command()
+    cmd = command(fault_drop_rate=0.05)
+    assert "--enable-fault-injection" in cmd and cmd[cmd.index("--drop-rate") + 1] == "0.05"

@@ -1,6 +1,7 @@
 """A duck killed with SIGKILL: FAILED with a reason within 2 s, chats fail
-with UNAVAILABLE naming it, the daemon restarts it and it serves again from
-its cache (no upload)."""
+with UNAVAILABLE naming it when the host may not cover it (host_cover_mb = 0;
+tests/duckd/test_lost_duck.py has the cover), the daemon restarts it and it
+serves again from its cache (no upload)."""
 import os
 import signal
 import time
@@ -17,7 +18,8 @@ from tests.duckd_fixture import RunningDaemon, write_config
 def daemon(tmp_path):
     state = tmp_path / "duck"
     # a slow restart leaves a window in which the duck is known to be down
-    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=3, restart_delay_s=4.0), state).start()
+    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=3, restart_delay_s=4.0,
+                                    host_cover_mb=0), state).start()
     yield d
     d.stop()
 
