@@ -148,6 +148,7 @@ class FleetConfig:
     spin: bool = False                 # ducks spin-then-block when idle: dedicated hardware only
     spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
+    data_mac: bool = True              # forwards and partials carry the link MAC; false only on trusted links
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
 

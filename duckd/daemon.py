@@ -41,7 +41,7 @@ class Daemon:
         self.driver = make_driver(cfg.fleet, self.state_dir, self.key_file)
         self.key = key
         self.fleet = FleetManager(cfg.fleet, self.driver, key, self.events,
-                                  on_ready=self._duck_ready)
+                                  on_ready=self._duck_ready, session=self._session_id)
         self.model = ModelHost(cfg.model, cfg.fleet, self.state_dir)
         self.packs: PackCache | None = None
         self.transport = None
@@ -77,7 +77,7 @@ class Daemon:
             from native._native import lib
             self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
                                    deadline_ms=self.cfg.fleet.fail_after_s * 1000,
-                                   spin_us=self.cfg.fleet.host_spin_us)
+                                   spin_us=self.cfg.fleet.host_spin_us, mac_data=self.cfg.fleet.data_mac)
             path = self._model_path()
             self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
                                                                         self.cfg.fleet.multiple_of, lib.WIRE_ABI))
@@ -114,6 +114,12 @@ class Daemon:
                     for d in range(self.transport.n_ducks)]
         (self.state_dir / "manifest.json").write_text(json.dumps({"key": self.packs.key, "model": self.model.name,
                                                                   "ducks": per_duck}))
+
+    def _session_id(self) -> int:
+        """The session the daemon holds open on its ducks (0: none yet)."""
+        ffn = self.model.ffn
+        session = getattr(ffn, "session", None) if self.ready else None
+        return session.id if session is not None else 0
 
     async def _duck_ready(self, duck) -> None:
         """A restarted duck is READY: sync what it lacks, reopen the session."""

@@ -142,6 +142,7 @@ class ModelHost:
 
     def resync(self, duck: int) -> dict:
         with self.lock:
+            self.ffn.fleet.hello()   # a restarted duck holds no run: open ours again (a new challenge)
             result = self.ffn.sync([duck])
             self.ffn.reopen()
             return result

@@ -26,6 +26,8 @@ def duckfw_command(cfg, duck_id: int, bind: str, port: int, workdir: Path, key_f
     cmd += ["--idle", "spin", "--spin-us", str(cfg.spin_us)] if cfg.spin else ["--idle", "block"]
     if cfg.cache_capacity_mb:
         cmd += ["--cache-capacity", f"{cfg.cache_capacity_mb}M"]
+    if not cfg.data_mac:
+        cmd += ["--no-data-mac"]   # fleet.data_mac = false: trusted links only
     return cmd
 
 
