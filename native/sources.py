@@ -18,7 +18,7 @@ KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "nat
            "native/kernels/kernels.c",
            "native/kernels/pool.c", "native/kernels/ffn.c"]
 KERNEL_PROBES = ["native/kernels/bench.c"]
-WIRE = ["native/wire/wire.c", "native/wire/poly1305.c"]
+WIRE = ["native/wire/wire.c", "native/wire/poly1305.c", "native/wire/poly1305_avx2.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
              "native/transport/transport_timing.c", "native/transport/transport_forward.c", "native/transport/step.c"]
 HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",

@@ -65,6 +65,7 @@ typedef struct wire_run_open { uint8_t run[...]; uint8_t challenge[...]; ...; } 
 int wire_mac_kind(unsigned type);
 void wire_link_set(wire_key *key, const uint8_t *run, const uint8_t *challenge);
 void wire_poly1305(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);
+void wire_poly1305_ref(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);
 void wire_link_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t *out);
 
 uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);

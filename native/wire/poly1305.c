@@ -4,15 +4,15 @@
  * modulo p = 2^130 - 5 folds what is above bit 130 back in times 5 (2^130 =
  * 5 mod p), and a limb product that lands at bit 132 comes back times 20.
  * Tests hold it to the RFC's vectors and to a Python big-integer reference
- * (tests/firmware/test_poly1305.py). */
+ * (tests/firmware/test_poly1305.py). This is the portable reference
+ * (wire_poly1305_ref); wire_poly1305 hands runs of 64 blocks and more to the
+ * AVX2 lanes (poly1305_avx2.c) where the CPU has them. */
 #include "wire.h"
+#include "poly1305_impl.h"
 
 #include <string.h>
 
-#define M44 0xFFFFFFFFFFFull
-#define M42 0x3FFFFFFFFFFull
-
-typedef unsigned __int128 u128;
+typedef poly_u128 u128;
 
 static inline uint64_t le64(const uint8_t *p)
 {
@@ -25,10 +25,12 @@ typedef struct poly_state {
     uint64_t r0, r1, r2, s1, s2;   /* r in limbs; s1, s2: r1, r2 times 20 */
     uint64_t h0, h1, h2;
     uint64_t pad0, pad1;           /* s, added at the end */
+    int ref;                       /* the portable loop only */
 } poly_state;
 
-static void poly_init(poly_state *st, const uint8_t key[32])
+static void poly_init(poly_state *st, const uint8_t key[32], int ref)
 {
+    st->ref = ref;
     uint64_t t0 = le64(key), t1 = le64(key + 8);
     /* clamp: r &= 0x0ffffffc0ffffffc0ffffffc0fffffff */
     t0 &= 0x0FFFFFFC0FFFFFFFull;
@@ -89,7 +91,15 @@ static void poly_update(poly_state *st, uint8_t *tail, size_t *tail_n, const uin
         poly_blocks(st, tail, 1, 1ull << 40);
         *tail_n = 0;
     }
-    poly_blocks(st, m, len / 16, 1ull << 40);
+    size_t n = len / 16, done = 0;
+    if (!st->ref) {
+        uint64_t h[3] = {st->h0, st->h1, st->h2}, r[3] = {st->r0, st->r1, st->r2};
+        done = poly1305_avx2_blocks(h, r, m, n);
+        st->h0 = h[0];
+        st->h1 = h[1];
+        st->h2 = h[2];
+    }
+    poly_blocks(st, m + 16 * done, n - done, 1ull << 40);
     memcpy(tail, m + (len & ~(size_t)15), len & 15);
     *tail_n = len & 15;
 }
@@ -132,15 +142,26 @@ static void poly_finish(poly_state *st, uint8_t *tail, size_t tail_n, uint8_t ou
     memcpy(out + 8, &o1, 8);
 }
 
-void wire_poly1305(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen,
-                   uint8_t out[16])
+static void poly1305(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen, uint8_t out[16],
+                     int ref)
 {
     poly_state st;
     uint8_t tail[16];
     size_t tail_n = 0;
-    poly_init(&st, key);
+    poly_init(&st, key, ref);
     poly_update(&st, tail, &tail_n, a, alen);
     if (blen)
         poly_update(&st, tail, &tail_n, b, blen);
     poly_finish(&st, tail, tail_n, out);
+}
+
+void wire_poly1305(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen, uint8_t out[16])
+{
+    poly1305(key, a, alen, b, blen, out, 0);
+}
+
+void wire_poly1305_ref(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen,
+                       uint8_t out[16])
+{
+    poly1305(key, a, alen, b, blen, out, 1);
 }

@@ -407,8 +407,11 @@ static inline int wire_mac_kind(unsigned type)
 /* Link key = BLAKE2b-256 keyed with the fleet key over "duck-link-v1" ||
  * run || challenge; sets key's link (key->bytes, len: the fleet key). */
 void wire_link_set(wire_key *key, const uint8_t run[WIRE_NONCE_BYTES], const uint8_t challenge[WIRE_NONCE_BYTES]);
-/* Poly1305 (RFC 8439) of a || b under a one-time 32-byte key (r || s). */
+/* Poly1305 (RFC 8439) of a || b under a one-time 32-byte key (r || s);
+ * _ref: the portable loop alone (the reference of the AVX2 lanes). */
 void wire_poly1305(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen, uint8_t out[16]);
+void wire_poly1305_ref(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen,
+                       uint8_t out[16]);
 /* The link MAC of one datagram: Poly1305 of header || payload under the
  * one-time key BLAKE2b-256(link key, header), the header with checksum 0. */
 void wire_link_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t out[WIRE_MAC_BYTES]);

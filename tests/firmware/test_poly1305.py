@@ -86,3 +86,24 @@ def test_link_key_and_mac_follow_the_spec():
     lib.wire_link_mac(key, hdr, payload, len(payload), out)
     otk = hashlib.blake2b(hdr, key=link, digest_size=32).digest()
     assert bytes(out) == poly1305_ref(otk, hdr + payload)
+
+
+def test_avx2_lanes_match_the_portable_reference():
+    """wire_poly1305 takes runs of 64 blocks and more in four AVX2 lanes (where the CPU has
+    them); wire_poly1305_ref is the portable loop alone. Same tags for every length around
+    the lane boundaries, split points, and keys with r and s at their extremes."""
+    rng = random.Random(20261201)
+    lengths = [0, 15, 16, 255, 1023, 1024, 1025, 1039, 1040, 1087, 1088, 1089, 1400, 4097, 28672, 65459]
+    keys = [b"\xff" * 32, bytes(32), b"\x01" + bytes(31)] + [bytes(rng.getrandbits(8) for _ in range(32))
+                                                             for _ in range(6)]
+    for n in lengths:
+        msg = bytes(rng.getrandbits(8) for _ in range(n)) if n % 2 else b"\xff" * n   # all-ones: every carry
+        for key in keys:
+            for split in {0, 32, min(n, 17), n}:
+                a, b = msg[:split], msg[split:]
+                ref, fast = ffi.new("uint8_t[16]"), ffi.new("uint8_t[16]")
+                lib.wire_poly1305_ref(key, a, len(a), b, len(b), ref)
+                lib.wire_poly1305(key, a, len(a), b, len(b), fast)
+                assert bytes(fast) == bytes(ref), (n, key.hex(), split)
+            if n <= 4097:
+                assert bytes(ref) == poly1305_ref(key, msg), (n, key.hex())
