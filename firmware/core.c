@@ -224,6 +224,7 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
 static void refuse(duck_core *c, uint64_t *counter, const char *why, const duck_peer *from, size_t len)
 {
     uint64_t n = ++*counter;
+    c->dropped = 1;
     /* a flood of garbage must not become a flood of log lines */
     if (n <= 10 || (n & (n - 1)) == 0)
         dlog(DLOG_WARN, "dropped a %zu-byte datagram from port %u: %s (%llu so far)", len,
@@ -245,6 +246,7 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
     const uint8_t *payload = NULL;
     c->stats.datagrams_rx++;
     c->mid_message = 0;
+    c->dropped = 0;
     int rc = wire_check(buf, len, &c->cfg.key, 0, &h, &payload);
     if (rc != WIRE_CHECK_OK) {
         uint64_t *counter = rc == WIRE_CHECK_MAC ? &c->stats.unauthenticated

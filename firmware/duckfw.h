@@ -182,6 +182,7 @@ typedef struct duck_core {
     uint64_t rng;
     int shutdown;              /* a SHUTDOWN was accepted */
     int mid_message;           /* the last datagram left a message incomplete */
+    int dropped;               /* the last datagram was dropped: under a flood the next is microseconds away */
     uint64_t rx_ns;            /* CLOCK_MONOTONIC arrival of the datagram in hand, set by the
                                   platform from the kernel's timestamp; 0: unknown */
     uint64_t cores, mem_bytes;

@@ -18,7 +18,7 @@ from tests.firmware.test_wire import seal
 log = logging.getLogger(__name__)
 
 RATE = 30000          # datagrams per second
-BURST = 300           # sent back to back, then a sleep to the next 10 ms tick
+BURST = 50            # sent back to back, then a sleep to the next tick (every 1.7 ms)
 
 
 class Flood:
