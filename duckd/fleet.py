@@ -175,6 +175,7 @@ class FleetManager:
             rtt = (await self._probe(duck.probe.ping))[0]
             counters = (await self._probe(duck.probe.stats))[0]
             duck.checks += 1
+            before = self.session() if self.session else 0   # the daemon's session when the hello was asked
             info = (await self._probe(duck.probe.hello_only))[0]
             duck.cache_entries = info.cache_entries
         except DuckError as e:
@@ -193,13 +194,16 @@ class FleetManager:
             duck.gbps = max(0, dbytes) / dt / 1e9
             duck.kernel_ms = dkern / 1e6 / dfwd if dfwd > 0 else 0.0
         duck.counters, duck.rtt_us, duck.last_ok = counters, rtt, now
-        self._check_session(duck, info.session)
+        self._check_session(duck, info.session, before)
 
-    def _check_session(self, duck: Duck, reported: int) -> None:
+    def _check_session(self, duck: Duck, reported: int, before: int) -> None:
         """A serving duck whose hello names a session that is not the daemon's (it restarted,
-        or another host opened one there) gets the daemon's back: run, weights, session."""
+        or another host opened one there) gets the daemon's back: run, weights, session. Not
+        while a duck is being brought back: that opens a new session on every duck, and a
+        hello may name the new one before the daemon does, or the old one after."""
         ours = self.session() if self.session else 0
-        if not ours or reported == ours or duck.state != State.SERVING or duck.recovering or not self.on_ready:
+        if not ours or reported in (ours, before) or duck.state != State.SERVING or not self.on_ready or \
+                any(d.recovering for d in self.ducks):
             return
         self.events.add("session", f"reports session {reported:08x}, not the daemon's {ours:08x} (restarted, or "
                         "another host opened one): reopening", duck.id, logging.WARNING)
