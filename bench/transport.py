@@ -26,6 +26,14 @@ request's arrival at a duck (kernel timestamp) to the start of its kernel,
 for the slowest duck of each call (median, p99) and the mean over all.
 Ducks run one worker thread each and block when idle, as on a shared host
 (--duck-spin-us N: spin-then-block, yielding, for N us).
+
+The data MAC (docs/wire.md, Authentication): every case runs with it (the
+default: forwards and partials carry the link MAC, Poly1305) and says so
+(data_mac); ..._no_data_mac repeat the hidden-7168 cases without it (the ducks
+run --no-data-mac, which takes both). data_mac_cost: the MAC alone in C over a
+layer's activation and partial (Poly1305 with its one-time key, and the fleet
+MAC's BLAKE2b for comparison), what one layer costs the host and a duck for it,
+and the difference the end-to-end cases show.
 """
 from __future__ import annotations
 
@@ -61,7 +69,7 @@ def start_ducks(n: int, workdir: Path, threads: int, mtu: int, spin_us: int = 0)
         procs.append(subprocess.Popen(
             [str(duckfw_path()), "--port-file", str(port_file), "--id", str(i), "--cache-dir", str(workdir / f"c{i}"),
              "--key-file", str(key_file), "--threads", str(threads), "--mtu", str(mtu or "auto"), *idle,
-             "--log-level", "warn"], stderr=subprocess.DEVNULL))
+             "--no-data-mac", "--log-level", "warn"], stderr=subprocess.DEVNULL))
     return key, procs
 
 
@@ -151,21 +159,21 @@ def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials
     return r
 
 
-def overhead(addresses, key, args, hidden: int, host_spin_us: int) -> dict:
+def overhead(addresses, key, args, hidden: int, host_spin_us: int, mac: bool = True) -> dict:
     """One token, no expert routed: the protocol and scheduling cost of a layer."""
     n = len(addresses)
-    with Fleet(addresses, key, mtu=args.mtu, spin_us=host_spin_us) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, spin_us=host_spin_us, mac_data=mac) as fleet:
         session = fleet.open_session({0: [[] for _ in range(n)]}, hidden)
         x = np.ones((1, hidden), np.float32)
         ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
         out = np.empty((1, hidden), np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
                       "none")
-        r.update(hidden=hidden)
+        r.update(hidden=hidden, data_mac=mac)
         return r
 
 
-def partials(addresses, key, args, host_spin_us: int, bf16: bool) -> dict:
+def partials(addresses, key, args, host_spin_us: int, bf16: bool, mac: bool = True) -> dict:
     """One token, one expert of 64 units per duck: a real partial of hidden 7168 back from every duck."""
     n = len(addresses)
     rng = np.random.default_rng(1)
@@ -174,14 +182,47 @@ def partials(addresses, key, args, host_spin_us: int, bf16: bool) -> dict:
     per_duck = split_experts([expert], tp=n)
     x = (rng.standard_normal((1, HIDDEN)) * 0.1).astype(np.float32)
     ids, w = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
-    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us, mac_data=mac) as fleet:
         fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
         session = fleet.open_session({0: per_duck}, HIDDEN)
         out = np.empty((1, HIDDEN), np.uint16 if bf16 else np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
                       "bf16" if bf16 else "fp32")
-        r.update(hidden=HIDDEN, partial_bytes_per_duck=HIDDEN * (2 if bf16 else 4))
+        r.update(hidden=HIDDEN, partial_bytes_per_duck=HIDDEN * (2 if bf16 else 4), data_mac=mac)
         return r
+
+
+def mac_us(fn, nbytes: int, iters: int = 400) -> float:
+    """Median microseconds of one MAC over nbytes (the C call; cffi's own cost is below 1 us)."""
+    from native._native import ffi
+    data, out = ffi.new("uint8_t[]", nbytes), ffi.new("uint8_t[16]")
+    hdr = bytes(32)
+    t = np.empty(iters)
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        fn(hdr, data, nbytes, out)
+        t[i] = time.perf_counter_ns() - t0
+    return round(float(np.median(t)) / 1000.0, 2)
+
+
+def data_mac_cost(result: dict, n: int) -> dict:
+    """The data MAC per layer: in C alone, and as the end-to-end cases show it."""
+    from native._native import ffi, lib
+    key = ffi.new("wire_key *")
+    key.bytes[0:32], key.len = bytes(range(32)), 32
+    lib.wire_link_set(key, bytes(16), bytes(16))
+    x, y = HIDDEN * 4, HIDDEN * 2          # a token's activation in fp32 out, its partial in bf16 back
+    link = {nb: mac_us(lambda h, d, k, o: lib.wire_link_mac(key, h, d, k, o), nb) for nb in (x, y)}
+    blake = mac_us(lambda h, d, k, o: lib.wire_mac(key, h, d, k, o), x)
+    out = {"link_mac_us_activation_fp32": link[x], "link_mac_us_partial_bf16": link[y],
+           "blake2b_mac_us_activation_fp32": blake, "activation_bytes": x, "partial_bytes": y,
+           # the host seals a request to and checks a reply from every duck; a duck checks one and seals one
+           f"host_us_per_layer_{n}_ducks": round(n * (link[x] + link[y]), 1),
+           "duck_us_per_layer": round(link[x] + link[y], 1)}
+    for case in (f"overhead_{n}_ducks_hidden{HIDDEN}", f"partials_{n}_ducks_hidden{HIDDEN}_fp32"):
+        if case in result and f"{case}_no_data_mac" in result:
+            out[f"{case}_median_us_added"] = round(result[case]["median_us"] - result[f"{case}_no_data_mac"]["median_us"], 1)
+    return out
 
 
 def deepseek_slice(addresses, key, args, host_spin_us: int) -> dict:
@@ -228,9 +269,14 @@ def run(args) -> dict:
             result[f"{name}_hidden{HIDDEN}"] = overhead(addresses, key, args, HIDDEN, args.spin_us)
             if n > 1:
                 result[f"{name}_hidden{HIDDEN}_host_polling"] = overhead(addresses, key, args, HIDDEN, args.poll_us)
+                result[f"{name}_hidden{HIDDEN}_no_data_mac"] = overhead(addresses, key, args, HIDDEN, args.spin_us,
+                                                                        mac=False)
                 for dt in ("fp32", "bf16"):
                     result[f"partials_{n}_ducks_hidden{HIDDEN}_{dt}"] = partials(addresses, key, args, args.spin_us,
                                                                                 dt == "bf16")
+                result[f"partials_{n}_ducks_hidden{HIDDEN}_fp32_no_data_mac"] = partials(
+                    addresses, key, args, args.spin_us, False, mac=False)
+    result["data_mac_cost"] = data_mac_cost(result, args.ducks)
     if not args.skip_deepseek:
         for n in (1, args.ducks):
             with local_ducks(n, args) as (addresses, key):
@@ -246,7 +292,7 @@ def format_table(result: dict) -> str:
              f"{'case':44s} {'median':>8s} {'p99':>8s}  {'datagram':>8s} {'dgrams':>6s} {'y':4s} {'host':8s} "
              f"{'retx':>4s} {'wake med':>8s} {'wake p99':>8s} {'kernel':>8s}"]
     for name, r in result.items():
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or name == "data_mac_cost":
             continue
         wake = r.get("duck_wake_us_slowest", {})
         lines.append(f"{name:44s} {r['median_us']:8.1f} {r['p99_us']:8.1f}  {str(r['datagram_bytes']):>8s} "
@@ -256,6 +302,9 @@ def format_table(result: dict) -> str:
         if "kernel_gbps_per_duck" in r:
             lines.append(f"{'':44s} kernel {r['kernel_gbps_per_duck']} GB/s per duck, end to end "
                          f"{r['end_to_end_gbps_per_duck']}, local 1 thread {r['local_kernel_gbps_1_thread']}")
+    cost = result.get("data_mac_cost")
+    if cost:
+        lines.append("data MAC (Poly1305, one-time key per datagram): " + ", ".join(f"{k} {v}" for k, v in cost.items()))
     return "\n".join(lines)
 
 

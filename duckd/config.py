@@ -153,6 +153,7 @@ class FleetConfig:
     host_cover_mb: int = 4096          # the most MB of lost ducks' slices the host computes (0: none; the request fails)
     host_cover_threads: int = 1        # threads computing them (1: the forwarding thread alone)
     fault_drop_rate: float = 0.0       # tests only: each duck drops this fraction of datagrams (fault injection)
+    data_mac: bool = True              # forwards and partials carry the link MAC; false only on trusted links
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
 

@@ -43,7 +43,7 @@ class Daemon:
         self.key = key
         self.lost = LostDucks(self)
         self.fleet = FleetManager(cfg.fleet, self.driver, key, self.events, on_ready=self._duck_ready,
-                                  on_failed=self.lost.failed, on_healthy=self.lost.healthy)
+                                  on_failed=self.lost.failed, on_healthy=self.lost.healthy, session=self._session_id)
         self.model = ModelHost(cfg.model, cfg.fleet, self.state_dir)
         self.packs: PackCache | None = None
         self.transport = None
@@ -80,7 +80,7 @@ class Daemon:
             self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
                                    deadline_ms=self.cfg.fleet.fail_after_s * 1000,
                                    retransmit_ms=self.cfg.fleet.retransmit_ms,
-                                   spin_us=self.cfg.fleet.host_spin_us)
+                                   spin_us=self.cfg.fleet.host_spin_us, mac_data=self.cfg.fleet.data_mac)
             path = self._model_path()
             self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
                                                                         self.cfg.fleet.multiple_of, lib.WIRE_ABI))
@@ -118,6 +118,12 @@ class Daemon:
                     for d in range(self.transport.n_ducks)]
         (self.state_dir / "manifest.json").write_text(json.dumps({"key": self.packs.key, "model": self.model.name,
                                                                   "ducks": per_duck}))
+
+    def _session_id(self) -> int:
+        """The session the daemon holds open on its ducks (0: none yet)."""
+        ffn = self.model.ffn
+        session = getattr(ffn, "session", None) if self.ready else None
+        return session.id if session is not None else 0
 
     async def _duck_ready(self, duck) -> None:
         """A restarted duck is READY: sync what it lacks, reopen the session."""

@@ -37,6 +37,9 @@ class State(enum.IntEnum):
 
 LIVE = (State.READY, State.SYNCING, State.SERVING)
 
+# every reason a duck drops a datagram (firmware/core.c): summed as a duck's `drops`
+DROP_REASONS = ("malformed", "unauthenticated", "bad_mac", "replayed", "no_run", "stale", "injected_drops")
+
 
 @dataclass(slots=True)
 class Duck:
@@ -60,6 +63,11 @@ class Duck:
     def id(self) -> int:
         return self.spec.index
 
+    @property
+    def dropped(self) -> int:
+        """Datagrams the duck dropped, for any reason (DROP_REASONS)."""
+        return sum(self.counters.get(k, 0) for k in DROP_REASONS)
+
     def status(self) -> pb.DuckStatus:
         c = self.counters
         host, port = self.spec.address or ("", 0)
@@ -67,21 +75,22 @@ class Duck:
             id=self.id, address=f"{host}:{port}" if host else "", subnet=self.spec.subnet, state=int(self.state),
             reason=self.reason, time_to_link_ms=self.time_to_link_ms, rtt_us=self.rtt_us, gbps=self.gbps,
             kernel_ms=self.kernel_ms, cache_entries=self.cache_entries, cache_hits=self.cache_hits,
-            # every datagram the duck refused (malformed, no or a wrong MAC, stale: a message of no open
-            # session or a replay) and every request it failed: a forged flood shows here
-            errors=c.get("malformed", 0) + c.get("unauthenticated", 0) + c.get("stale", 0) + c.get("errors", 0),
+            # every datagram the duck refused (malformed, no or a wrong MAC, a replay, no run, stale) and every
+            # request it failed: a forged flood shows here; drops: the datagrams alone (DROP_REASONS)
+            errors=self.dropped - c.get("injected_drops", 0) + c.get("errors", 0),
             bytes_streamed=c.get("bytes_streamed", 0), requests=c.get("requests", 0),
-            retransmits=c.get("resends", 0), drops=c.get("injected_drops", 0), restarts=self.restarts)
+            retransmits=c.get("resends", 0), drops=self.dropped, restarts=self.restarts)
 
 
 class FleetManager:
     def __init__(self, cfg, driver: Driver, key: bytes, events: EventLog, on_ready=None, on_failed=None,
-                 on_healthy=None):
+                 on_healthy=None, session=None):
         self.cfg, self.driver, self.key, self.events = cfg, driver, key, events
         self.ducks = [Duck(spec) for spec in driver.specs()]
         self.on_ready = on_ready            # async (duck) -> None: sync and serve
         self.on_failed = on_failed          # (duck) -> None: it just failed (its slices go elsewhere)
         self.on_healthy = on_healthy        # async (duck) -> None: a health check it passed
+        self.session = session              # () -> the daemon's open session id (0: none), or None
         self._monitor: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.stopping = False
@@ -136,8 +145,8 @@ class FleetManager:
         duck.probe = Fleet([duck.spec.address], self.key, mtu=self.cfg.mtu, retransmit_ms=20,
                            deadline_ms=max(100.0, min(500.0, self.cfg.fail_after_s * 1000)))
         while True:
-            try:
-                info = (await self._probe(duck.probe.hello))[0]
+            try:   # hello alone: a probe must not open a run of its own (it would take the daemon's)
+                info = (await self._probe(duck.probe.hello_only))[0]
                 break
             except DuckError as e:
                 if time.monotonic() + backoff > deadline:
@@ -169,8 +178,9 @@ class FleetManager:
             rtt = (await self._probe(duck.probe.ping))[0]
             counters = (await self._probe(duck.probe.stats))[0]
             duck.checks += 1
-            if duck.checks % 4 == 1:        # the cache inventory changes rarely
-                duck.cache_entries = (await self._probe(duck.probe.hello))[0].cache_entries
+            before = self.session() if self.session else 0   # the daemon's session when the hello was asked
+            info = (await self._probe(duck.probe.hello_only))[0]
+            duck.cache_entries = info.cache_entries
         except DuckError as e:
             # the probe fleet holds this duck alone: its own message would call it "duck 0"
             what = "no answer" if isinstance(e, DuckTimeout) else f"error {e.status}"
@@ -187,13 +197,36 @@ class FleetManager:
             duck.gbps = max(0, dbytes) / dt / 1e9
             duck.kernel_ms = dkern / 1e6 / dfwd if dfwd > 0 else 0.0
         duck.counters, duck.rtt_us, duck.last_ok = counters, rtt, now
-        if self.on_healthy is not None and duck.state == State.SERVING:
+        self._check_session(duck, info.session, before)
+        if self.on_healthy is not None and duck.state == State.SERVING and not duck.recovering:
             await self.on_healthy(duck)
 
     def check_soon(self, duck: Duck) -> None:
         """A health check now, not at the next round (a forward found the duck lost)."""
         if duck.state in LIVE and not self.stopping:
             self._spawn(self._check(duck, self.cfg.health_interval_s))
+
+    def _check_session(self, duck: Duck, reported: int, before: int) -> None:
+        """A serving duck whose hello names a session that is not the daemon's (it restarted,
+        or another host opened one there) gets the daemon's back: run, weights, session. Not
+        while a duck is being brought back: a hello may then name the session of before."""
+        ours = self.session() if self.session else 0
+        if not ours or reported in (ours, before) or duck.state != State.SERVING or not self.on_ready or \
+                any(d.recovering for d in self.ducks):
+            return
+        self.events.add("session", f"reports session {reported:08x}, not the daemon's {ours:08x} (restarted, or "
+                        "another host opened one): reopening", duck.id, logging.WARNING)
+        self._spawn(self._reopen(duck))
+
+    async def _reopen(self, duck: Duck) -> None:
+        duck.recovering = True
+        try:
+            await self.on_ready(duck)
+        except Exception as e:
+            log.warning("duck %d: reopening the session failed: %s", duck.id, e)
+            self.set_state(duck, State.FAILED, f"reopening the session failed: {e}")
+        finally:
+            duck.recovering = False
 
     def fail(self, duck: Duck, reason: str) -> None:
         """Marks a duck FAILED and, where the driver can, brings it back."""

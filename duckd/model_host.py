@@ -131,8 +131,11 @@ class ModelHost:
         log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
 
     def resync(self, duck: int) -> dict:
-        """A restarted duck: what its cache lacks uploaded (beside any generation: the transport
-        takes one call at a time), then, between two steps, the session on it and its slices back."""
+        """A restarted duck (or one another host took): it holds no run of ours, so the run is
+        opened on it first (its new challenge); what its cache lacks is uploaded (beside any
+        generation: the transport takes one call at a time); then, between two steps, the
+        session on it and its slices back."""
+        self.ffn.fleet.open_run([duck])   # the other ducks are not asked: one of them may be down now
         result = self.ffn.sync([duck])
         with self.lock:
             self.ffn.take_back(duck)

@@ -11,14 +11,18 @@
 
 #define SEND_BATCH 64
 
-/* Messages that change the duck's state or tell what it holds need the fleet
- * key; HELLO is open (an unauthenticated asker gets only what a link check
- * needs: handlers.c on_hello), PING too (an echo). */
+/* Messages that change the duck's state need the link MAC (wire_mac_kind),
+ * those that tell what it holds, open a run or ask for a resend the fleet
+ * key's; HELLO is open (an unauthenticated asker gets only what a link check
+ * needs: handlers.c on_hello), PING too (an echo). Forwards need the link
+ * MAC unless the duck runs with --no-data-mac. */
 static int needs_mac(const duck_core *c, unsigned type)
 {
     switch (type) {
     case WIRE_T_STATS:
     case WIRE_T_CACHE_QUERY:
+    case WIRE_T_RUN_OPEN:
+    case WIRE_T_RESEND:
     case WIRE_T_CACHE_INVALIDATE:
     case WIRE_T_UPLOAD:
     case WIRE_T_SYNTH:
@@ -42,6 +46,8 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
     c->send_ctx = send_ctx;
     c->rng = 0x9E3779B97F4A7C15ull ^ cfg->fault_seed;
     c->kernels = duck_kernels_best();
+    c->cfg.key.has_link = 0;   /* no run until a host opens one for this start's challenge */
+    run_new_challenge(c);
     c->ws = duck_ffn_workspace_create();
     c->out = malloc((size_t)SEND_BATCH * (cfg->mtu + 64));
     c->out_ptrs = calloc(SEND_BATCH, sizeof *c->out_ptrs);
@@ -156,10 +162,10 @@ void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uin
     h.flags = WIRE_F_REPLY;
     h.session = r->key.session;
     h.sequence = r->key.sequence;
-    send_message(c, &r->key.peer, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits);
+    send_message(c, &r->to, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits);
 }
 
-static void send_nack(duck_core *c, const msg_key *k, const reasm_slot *s, int with_mac)
+static void send_nack(duck_core *c, const duck_peer *to, const msg_key *k, const reasm_slot *s, int with_mac)
 {
     uint8_t buf[sizeof(wire_nack) + WIRE_MAX_FRAGMENTS / 8];
     wire_nack n = {0};
@@ -175,7 +181,18 @@ static void send_nack(duck_core *c, const msg_key *k, const reasm_slot *s, int w
     h.flags = WIRE_F_REPLY;
     h.session = k->session;
     h.sequence = k->sequence;
-    send_message(c, &k->peer, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0);
+    send_message(c, to, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0);
+}
+
+/* The key a message is remembered under: a link-keyed message by its
+ * session, sequence and type alone (it is taken once whoever sends it: a
+ * copy from another address is the same message), others with the sender. */
+static msg_key message_key(const duck_peer *from, uint32_t session, uint32_t sequence, unsigned type)
+{
+    msg_key k = {*from, session, sequence, (uint8_t)type};
+    if (wire_mac_kind(type) == WIRE_MAC_LINK)
+        memset(&k.peer, 0, sizeof k.peer);
+    return k;
 }
 
 static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h, const uint8_t *p)
@@ -191,7 +208,7 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
         c->stats.malformed++;
         return;
     }
-    msg_key k = {*from, h->session, rs.sequence, rs.type};
+    msg_key k = message_key(from, h->session, rs.sequence, rs.type);
     c->stats.resends++;
     reply_slot *r = msgs_find_reply(&c->msgs, &k);
     if (r) {
@@ -201,12 +218,13 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
             core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
         return;
     }
-    send_nack(c, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
+    send_nack(c, from, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
 }
 
 static void refuse(duck_core *c, uint64_t *counter, const char *why, const duck_peer *from, size_t len)
 {
     uint64_t n = ++*counter;
+    c->dropped = 1;
     /* a flood of garbage must not become a flood of log lines */
     if (n <= 10 || (n & (n - 1)) == 0)
         dlog(DLOG_WARN, "dropped a %zu-byte datagram from port %u: %s (%llu so far)", len,
@@ -228,10 +246,13 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
     const uint8_t *payload = NULL;
     c->stats.datagrams_rx++;
     c->mid_message = 0;
+    c->dropped = 0;
     int rc = wire_check(buf, len, &c->cfg.key, 0, &h, &payload);
     if (rc != WIRE_CHECK_OK) {
-        refuse(c, rc == WIRE_CHECK_MAC ? &c->stats.unauthenticated : &c->stats.malformed, wire_check_str(rc),
-               from, len);
+        uint64_t *counter = rc == WIRE_CHECK_MAC ? &c->stats.unauthenticated
+                          : rc == WIRE_CHECK_LINK_MAC ? &c->stats.bad_mac
+                          : rc == WIRE_CHECK_NO_LINK ? &c->stats.no_run : &c->stats.malformed;
+        refuse(c, counter, wire_check_str(rc), from, len);
         return;
     }
     if (h.flags & WIRE_F_REPLY || h.type == WIRE_T_NACK) {
@@ -246,12 +267,17 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
         on_resend(c, from, &h, payload);
         return;
     }
-    msg_key k = {*from, h.session, h.sequence, h.type};
+    msg_key k = message_key(from, h.session, h.sequence, h.type);
     reply_slot *done = msgs_find_reply(&c->msgs, &k);
-    if (done) {
+    if (done) {   /* answered to where the reply went first: a replay from elsewhere gets nothing */
         c->stats.duplicates++;
         if (h.frag_index == 0 && !asked_before_reply(c, done))
             core_send_reply(c, done, NULL, 0);
+        return;
+    }
+    int windowed = wire_mac_kind(h.type) == WIRE_MAC_LINK && (h.flags & WIRE_F_MAC);
+    if (windowed && !run_window_ok(c, h.sequence)) {
+        refuse(c, &c->stats.replayed, "a sequence already taken or below the replay window (a replay)", from, len);
         return;
     }
     if (h.total_len > CONTROL_MESSAGE_MAX &&
@@ -261,6 +287,8 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
     }
     reply_slot *r;
     if (h.frag_count == 1) {
+        if (windowed)
+            run_window_take(c, h.sequence);
         fault_delay(c);
         r = handle_request(c, &k, &h, payload, h.payload_len);
     } else {
@@ -274,6 +302,8 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
             c->mid_message = evicted >= 0;
             return;
         }
+        if (windowed)
+            run_window_take(c, h.sequence);
         fault_delay(c);
         r = handle_request(c, &k, &h, s->buf, s->total_len);
         msgs_release(s);
@@ -282,6 +312,7 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
         dlog(DLOG_ERROR, "no memory for the reply to %s seq %u", wire_type_str(h.type), h.sequence);
         return;
     }
+    r->to = *from;
     core_send_reply(c, r, NULL, 0);
     r->sent_ns = mono_ns();
 }

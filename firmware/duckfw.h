@@ -34,7 +34,7 @@ typedef struct duck_config {
     int pin;
     unsigned spin_us;          /* 0: block when idle; else spin (yielding) this long, then block */
     uint32_t mtu;              /* largest datagram taken and sent (configured, or the interface's) */
-    int data_mac;              /* require a MAC on forwards too */
+    int data_mac;              /* require a MAC on forwards too (the default; duckfw --no-data-mac clears it) */
     wire_key key;
     int faults;                /* fault injection allowed and on */
     double drop_rate;          /* of datagrams, each direction */
@@ -131,6 +131,7 @@ typedef struct reasm_slot {
 typedef struct reply_slot {
     int used;
     msg_key key;
+    duck_peer to;              /* where the reply went: a duplicate's answer goes there, not to its sender */
     int with_mac;
     uint32_t mtu;              /* datagram size the reply is cut for (a RESEND gets the same geometry) */
     uint64_t touched;
@@ -181,9 +182,15 @@ typedef struct duck_core {
     uint64_t rng;
     int shutdown;              /* a SHUTDOWN was accepted */
     int mid_message;           /* the last datagram left a message incomplete */
+    int dropped;               /* the last datagram was dropped: under a flood the next is microseconds away */
     uint64_t rx_ns;            /* CLOCK_MONOTONIC arrival of the datagram in hand, set by the
                                   platform from the kernel's timestamp; 0: unknown */
     uint64_t cores, mem_bytes;
+    /* the run (replay.c): the challenge the next RUN_OPEN must name, and the
+     * sequences of link-keyed messages taken in the run open now */
+    uint8_t challenge[WIRE_NONCE_BYTES];
+    uint32_t win_top;          /* the highest sequence taken */
+    uint64_t win[WIRE_REPLAY_WINDOW / 64];   /* bit (seq % WINDOW): seq taken, for seq in (top - WINDOW, top] */
 } duck_core;
 
 int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *send_ctx);
@@ -198,6 +205,16 @@ uint32_t core_default_mtu(const duck_core *c);
 /* Seals and sends reply fragments, r->mtu large; bitmap (or NULL: all) marks
  * those the peer already has. */
 void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits);
+/* --- the run and the replay window (replay.c) ---------------------------- */
+/* A fresh random challenge (getrandom). */
+void run_new_challenge(duck_core *c);
+/* A RUN_OPEN naming this challenge and run, of sequence seq: the link key is
+ * made and the window starts at seq. */
+void run_open(duck_core *c, const uint8_t run[WIRE_NONCE_BYTES], uint32_t seq);
+/* 1 when a link-keyed message of this sequence may still be taken. */
+int run_window_ok(const duck_core *c, uint32_t seq);
+void run_window_take(duck_core *c, uint32_t seq);
+
 /* Runs one complete request and returns its reply, kept in the last-reply
  * cache under k (handlers.c); NULL when out of memory. */
 reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,

@@ -1,8 +1,14 @@
 /* libFuzzer harness for everything a duck does with a datagram: the header
  * checks, reassembly, the MAC gate and every request handler. Inputs are
- * fed raw (mode 0), or sealed with the harness key so that the fuzzer
- * reaches the handlers behind the MAC (modes 1, 2); a sealed SYNTH may get
- * its entries' digests fixed up so that descriptors reach the generator.
+ * fed raw (mode 0), or sealed as the host would so that the fuzzer reaches
+ * the handlers behind the MAC (modes 1, 2): the fleet key's MAC, or the link
+ * MAC of the run the harness opened at set-up (RUN_OPEN with the duck's
+ * challenge) under a fresh sequence; fuzzed bits pick instead an old
+ * sequence (a replay, or one below the window), a stranger's link key (a
+ * bad MAC), or no MAC; a fuzzed RUN_OPEN names a random challenge (stale) or
+ * the duck's current one (a new run, which the harness then follows). A
+ * sealed SYNTH may get its entries' digests fixed up so that descriptors
+ * reach the generator.
  * Mode 3 builds forwards for a session the harness opened at set-up (two
  * synthetic experts, hidden 64) from fuzzed fields: dtypes, reply datagram
  * size, counts, ids, activations, a length off by one. Every datagram the
@@ -21,6 +27,9 @@
 #define FUZZ_HIDDEN 64
 
 static duck_core core;
+static wire_key host_key;                     /* the fleet key and the link of the harness's run */
+static wire_key stranger;                     /* a link of another key: its MACs must not verify */
+static uint32_t next_seq = 1u << 30;
 static int ready;
 static const duck_peer peer = {0x0100007f, 0x3930};
 static uint32_t reply_limit = WIRE_MTU_MAX;   /* largest datagram the duck may send now */
@@ -44,15 +53,24 @@ static void check_out(void *ctx, const duck_peer *to, uint8_t *const *dgrams, co
 static void request(uint8_t type, uint32_t session, const void *payload, uint32_t len)
 {
     static uint8_t out[WIRE_MAX_DATAGRAM + 64];
-    static uint32_t seq = 1u << 30;
     wire_header h = {0};
     h.type = type;
     h.session = session;
-    h.sequence = seq++;
+    h.sequence = next_seq++;
     h.frag_count = 1;
     h.total_len = len;
-    size_t n = wire_seal(&h, payload, len, &core.cfg.key, 1, out);
+    size_t n = wire_seal(&h, payload, len, &host_key, 1, out);
     core_datagram(&core, &peer, out, n);
+}
+
+/* A RUN_OPEN for the duck's current challenge; the harness's link follows. */
+static void open_run(const uint8_t run[WIRE_NONCE_BYTES])
+{
+    wire_run_open ro;
+    memcpy(ro.run, run, sizeof ro.run);
+    memcpy(ro.challenge, core.challenge, sizeof ro.challenge);
+    request(WIRE_T_RUN_OPEN, 0, &ro, sizeof ro);
+    wire_link_set(&host_key, ro.run, ro.challenge);
 }
 
 /* Session FUZZ_SESSION, layer 0: two experts of one 64-unit slice, made by
@@ -137,10 +155,21 @@ static void setup(void)
     cfg.mtu = WIRE_MTU_MAX;   /* replies cut for whatever size a request states (reply_mtu) */
     cfg.key.len = 32;
     memset(cfg.key.bytes, 0x5a, cfg.key.len);
+    cfg.data_mac = 1;
     dlog_init(0, DLOG_ERROR);
     if (core_init(&core, &cfg, check_out, NULL) != 0)
         abort();
     core.cores = 4;
+    host_key = cfg.key;
+    stranger = cfg.key;
+    stranger.bytes[0] ^= 1;
+    static const uint8_t run[WIRE_NONCE_BYTES] = {1, 2, 3, 4};
+    wire_link_set(&stranger, run, run);
+    open_run(run);
+    if (!core.cfg.key.has_link) {
+        fprintf(stderr, "fuzz set-up: the run did not open\n");
+        abort();
+    }
     if (!open_session()) {
         fprintf(stderr, "fuzz set-up: the session did not open\n");
         abort();
@@ -157,7 +186,9 @@ static void sealed(const uint8_t *data, size_t size)
     h.type = (uint8_t)(data[0] % (WIRE_T_COUNT + 1));
     h.flags = data[1] & 0x7;
     memcpy(&h.session, data + 2, 2);
-    h.sequence = data[4];
+    /* a fresh sequence; with bit 3 an old one: a replay, or one below the window */
+    h.sequence = data[5] & 8 ? next_seq - 1 - (uint32_t)data[4] * (data[1] & 0x80 ? 64u : 1u) : next_seq++;
+    const wire_key *key = data[5] & 16 ? &stranger : &host_key;
     uint32_t len = (uint32_t)(size - 8);
     if (len > WIRE_MAX_DATAGRAM - 64)
         len = WIRE_MAX_DATAGRAM - 64;
@@ -170,6 +201,16 @@ static void sealed(const uint8_t *data, size_t size)
         h.total_len = len;
     }
     const uint8_t *payload = data + 8;
+    static uint8_t run_open[sizeof(wire_run_open)];
+    if (h.type == WIRE_T_RUN_OPEN && (data[5] & 32) && len >= sizeof run_open) {   /* the current challenge */
+        memcpy(run_open, payload, sizeof run_open);
+        memcpy(run_open + WIRE_NONCE_BYTES, core.challenge, WIRE_NONCE_BYTES);
+        payload = run_open;
+        len = sizeof run_open;
+        h.frag_count = 1;
+        h.frag_index = 0;
+        h.total_len = len;
+    }
     if (h.type == WIRE_T_SYNTH && (data[5] & 4)) {   /* digests right: past the hash check */
         static uint8_t fixed[WIRE_MAX_DATAGRAM];
         memcpy(fixed, payload, len);
@@ -181,8 +222,28 @@ static void sealed(const uint8_t *data, size_t size)
         }
         payload = fixed;
     }
-    size_t n = wire_seal(&h, payload, len, &core.cfg.key, (data[5] & 2) == 0, out);
+    uint8_t challenge[WIRE_NONCE_BYTES];
+    memcpy(challenge, core.challenge, sizeof challenge);
+    size_t n = wire_seal(&h, payload, len, key, (data[5] & 2) == 0, out);
     core_datagram(&core, &peer, out, n);
+    if (memcmp(challenge, core.challenge, sizeof challenge) != 0)   /* a run opened: the harness follows it */
+        wire_link_set(&host_key, payload, challenge);
+}
+
+/* What the run reached, by the duck's own counters: requests handled (forwards
+ * among them) and datagrams refused by reason. */
+__attribute__((destructor)) static void report(void)
+{
+    if (!ready)
+        return;
+    const wire_stats *s = &core.stats;
+    fprintf(stderr, "fuzz: duck counters: %llu datagrams, %llu requests handled (%llu forwards, %llu errors), "
+            "%llu duplicates, refused: %llu malformed, %llu unauthenticated, %llu bad MAC, %llu replayed, "
+            "%llu no run, %llu stale\n", (unsigned long long)s->datagrams_rx, (unsigned long long)s->requests,
+            (unsigned long long)s->forwards, (unsigned long long)s->errors, (unsigned long long)s->duplicates,
+            (unsigned long long)s->malformed, (unsigned long long)s->unauthenticated,
+            (unsigned long long)s->bad_mac, (unsigned long long)s->replayed, (unsigned long long)s->no_run,
+            (unsigned long long)s->stale);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

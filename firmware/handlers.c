@@ -67,6 +67,9 @@ static reply_slot *on_hello(duck_core *c, reply_slot *r, int authenticated)
         hr.cache_capacity = cache_capacity(c->cache);
         hr.cache_entries = cache_count(c->cache);
         hr.session = c->session.id;
+        memcpy(hr.challenge, c->challenge, sizeof hr.challenge);
+        if (c->cfg.key.has_link)
+            memcpy(hr.run, c->cfg.key.run, sizeof hr.run);
     }
     hr.mtu = c->cfg.mtu;
     hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
@@ -88,6 +91,24 @@ static reply_slot *on_ping(duck_core *c, reply_slot *r, const uint8_t *p, uint32
                     pg.reply_mtu, WIRE_MTU_MIN);
     r->mtu = mtu;
     memcpy(body(r), p, len);   /* echoed whole: a padded ping proves the path both ways */
+    return r;
+}
+
+/* A host's run, bound to this duck's current challenge; a run open for any
+ * other challenge is an old one replayed (or raced by another host's). */
+static reply_slot *on_run_open(duck_core *c, reply_slot *r, const wire_header *h, const uint8_t *p, uint32_t len)
+{
+    wire_run_open ro;
+    if (len != sizeof ro)
+        return fail(r, WIRE_E_MALFORMED, "run open payload is %u bytes, expected %zu", len, sizeof ro);
+    memcpy(&ro, p, sizeof ro);
+    if (memcmp(ro.challenge, c->challenge, sizeof ro.challenge) != 0) {
+        c->stats.replayed++;
+        return fail(r, WIRE_E_STALE, "run open names challenge %02x%02x%02x%02x…, not this duck's current one: "
+                    "say hello again and open the run with the challenge it gives", ro.challenge[0],
+                    ro.challenge[1], ro.challenge[2], ro.challenge[3]);
+    }
+    run_open(c, ro.run, h->sequence);
     return r;
 }
 
@@ -312,7 +333,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     }
     uint32_t sizes[WIRE_T_COUNT] = {0, sizeof(wire_hello_reply), sizeof(wire_ping), sizeof(wire_stats),
                                     0, 4, sizeof(wire_upload_reply), 0, 0, 0, 0, 0, 0, 0,
-                                    sizeof(wire_synth_reply)};
+                                    sizeof(wire_synth_reply), 0};
     uint32_t n = h->type < WIRE_T_COUNT ? sizes[h->type] : 0;
     if (h->type == WIRE_T_CACHE_QUERY)
         n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
@@ -331,6 +352,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     case WIRE_T_UPLOAD: r = on_upload(c, r, payload, len); break;
     case WIRE_T_SYNTH: r = on_synth(c, r, payload, len); break;
     case WIRE_T_SESSION_OPEN: r = on_session_open(c, r, h, payload, len); break;
+    case WIRE_T_RUN_OPEN: r = on_run_open(c, r, h, payload, len); break;
     case WIRE_T_LAYER_PLAN: r = on_layer_plan(c, r, h, payload, len); break;
     case WIRE_T_SESSION_CLOSE:
         if (c->session.id && h->session == c->session.id) {

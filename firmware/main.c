@@ -35,7 +35,8 @@ static void usage(FILE *f)
             "  --mtu N|auto             largest datagram taken and sent, IP/UDP headers included,\n"
             "                           %d..%d; auto or 0 (default): the MTU of the interface of --bind\n"
             "                           (loopback 65535); the host agrees its size at hello\n"
-            "  --data-mac               require a MAC on forwards too\n"
+            "  --no-data-mac            take forwards (and send their partials) without a MAC: for\n"
+            "                           trusted links only; by default forwards need the link MAC\n"
             "  --log-level error|warn|info|debug (default info)\n"
             "  test only, refused without --enable-fault-injection:\n"
             "  --drop-rate F            drop this fraction of datagrams in and out\n"
@@ -125,12 +126,12 @@ static int die_with_parent(pid_t parent)
 int main(int argc, char **argv)
 {
     enum { O_BIND = 256, O_PORT, O_PORT_FILE, O_ID, O_CACHE_DIR, O_CAPACITY, O_THREADS, O_PIN, O_KEY, O_IDLE,
-           O_SPIN, O_MTU, O_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
+           O_SPIN, O_MTU, O_DATA_MAC, O_NO_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
     static const struct option opts[] = {
         {"bind", 1, 0, O_BIND}, {"port", 1, 0, O_PORT}, {"port-file", 1, 0, O_PORT_FILE}, {"id", 1, 0, O_ID},
         {"cache-dir", 1, 0, O_CACHE_DIR}, {"cache-capacity", 1, 0, O_CAPACITY}, {"threads", 1, 0, O_THREADS},
         {"pin", 0, 0, O_PIN}, {"key-file", 1, 0, O_KEY}, {"idle", 1, 0, O_IDLE}, {"spin-us", 1, 0, O_SPIN},
-        {"mtu", 1, 0, O_MTU}, {"data-mac", 0, 0, O_DATA_MAC}, {"log-level", 1, 0, O_LOG},
+        {"mtu", 1, 0, O_MTU}, {"data-mac", 0, 0, O_DATA_MAC}, {"no-data-mac", 0, 0, O_NO_DATA_MAC}, {"log-level", 1, 0, O_LOG},
         {"enable-fault-injection", 0, 0, O_FAULTS}, {"drop-rate", 1, 0, O_DROP}, {"delay-us", 1, 0, O_DELAY},
         {"fault-seed", 1, 0, O_SEED}, {"help", 0, 0, O_HELP}, {"version", 0, 0, O_VERSION},
         {"parent-pid", 1, 0, O_PARENT}, {0, 0, 0, 0}};
@@ -139,6 +140,7 @@ int main(int argc, char **argv)
     cfg.bind_addr = "127.0.0.1";
     cfg.cache_capacity = 1ull << 30;
     cfg.mtu = 0;   /* auto */
+    cfg.data_mac = 1;
     const char *key_file = NULL;
     pid_t parent = 0;
     int spin = 0, faults_allowed = 0, fault_opts = 0, level = DLOG_INFO;
@@ -166,7 +168,8 @@ int main(int argc, char **argv)
             if (parse_uint(optarg, WIRE_MTU_MAX, &v) || (v && v < WIRE_MTU_MIN)) BAD("--mtu %s is not auto (0) or %d..%d", optarg, WIRE_MTU_MIN, WIRE_MTU_MAX);
             cfg.mtu = (uint32_t)v;
             break;
-        case O_DATA_MAC: cfg.data_mac = 1; break;
+        case O_DATA_MAC: cfg.data_mac = 1; break;   /* the default; kept for old command lines */
+        case O_NO_DATA_MAC: cfg.data_mac = 0; break;
         case O_LOG:
             level = !strcmp(optarg, "error") ? DLOG_ERROR : !strcmp(optarg, "warn") ? DLOG_WARN
                   : !strcmp(optarg, "info") ? DLOG_INFO : !strcmp(optarg, "debug") ? DLOG_DEBUG : -1;
@@ -215,6 +218,8 @@ int main(int argc, char **argv)
         if (!mtu)
             dlog(DLOG_WARN, "no interface found for %s: datagrams of %u bytes", cfg.bind_addr, cfg.mtu);
     }
+    if (!cfg.data_mac)
+        dlog(DLOG_WARN, "--no-data-mac: forwards and their partials travel without a MAC; for trusted links only");
     if (cfg.faults)
         dlog(DLOG_WARN, "FAULT INJECTION ON: drop rate %.3f, delay %u us (tests only)", cfg.drop_rate, cfg.delay_us);
     uint16_t port = 0;

@@ -214,7 +214,9 @@ int net_serve(duck_core *core, int fd)
             msgs[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
         }
         n = -1;
-        unsigned spin_us = core->mid_message ? MID_MESSAGE_SPIN_US : 0;
+        /* after a fragment, or a dropped datagram (a flood: the next follows in microseconds), poll briefly
+         * before blocking: a sleep and a wake-up per datagram would cost more than the datagram itself */
+        unsigned spin_us = core->mid_message || core->dropped ? MID_MESSAGE_SPIN_US : 0;
         if (core->cfg.spin_us > spin_us)
             spin_us = core->cfg.spin_us;
         if (spin_us) {

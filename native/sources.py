@@ -6,7 +6,8 @@ it is read before anything is installed.
     fp9/        the weight format: codec, synthetic tensors (benchmarks)
     kernels/    GEMV/GEMM kernels, the worker pool, the MoE/MLP slice forward;
                 the read-bandwidth probe and int8 peer the kernel benchmark uses
-    wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b MAC)
+    wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b fleet MAC, Poly1305
+                link MAC with its AVX2 lanes)
     transport/  the host side of the wire: scatter, gather, retransmit, sum; a decode
                 step of CUDA graphs and forwards driven from C (step.c)
     host/       the CPU host path: fp32 kernels, ops and a Llama-family decode step
@@ -18,7 +19,7 @@ KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "nat
            "native/kernels/kernels.c",
            "native/kernels/pool.c", "native/kernels/ffn.c"]
 KERNEL_PROBES = ["native/kernels/bench.c"]
-WIRE = ["native/wire/wire.c"]
+WIRE = ["native/wire/wire.c", "native/wire/poly1305.c", "native/wire/poly1305_avx2.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
              "native/transport/transport_timing.c", "native/transport/transport_plan.c",
              "native/transport/transport_forward.c",

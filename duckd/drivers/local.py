@@ -28,6 +28,8 @@ def duckfw_command(cfg, duck_id: int, bind: str, port: int, workdir: Path, key_f
         cmd += ["--cache-capacity", f"{cfg.cache_capacity_mb}M"]
     if cfg.fault_drop_rate:   # tests: datagram loss on every duck, a pattern of its own
         cmd += ["--enable-fault-injection", "--drop-rate", str(cfg.fault_drop_rate), "--fault-seed", str(duck_id + 1)]
+    if not cfg.data_mac:
+        cmd += ["--no-data-mac"]   # fleet.data_mac = false: trusted links only
     return cmd
 
 

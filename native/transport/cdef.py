@@ -10,7 +10,7 @@ WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BY
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
-WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16
+WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 """.split()
@@ -18,12 +18,14 @@ DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 CDEF = "\n".join(f"#define {name} ..." for name in _CONSTANTS) + """
 enum wire_type { WIRE_T_HELLO, WIRE_T_PING, WIRE_T_STATS, WIRE_T_CACHE_QUERY, WIRE_T_CACHE_INVALIDATE,
                  WIRE_T_UPLOAD, WIRE_T_SESSION_OPEN, WIRE_T_LAYER_PLAN, WIRE_T_SESSION_CLOSE, WIRE_T_FORWARD,
-                 WIRE_T_SHUTDOWN, WIRE_T_RESEND, WIRE_T_NACK, WIRE_T_SYNTH, WIRE_T_COUNT, ... };
+                 WIRE_T_SHUTDOWN, WIRE_T_RESEND, WIRE_T_NACK, WIRE_T_SYNTH, WIRE_T_RUN_OPEN, WIRE_T_COUNT, ... };
 enum wire_status { WIRE_OK, WIRE_E_MALFORMED, WIRE_E_UNSUPPORTED, WIRE_E_NO_SESSION, WIRE_E_UNKNOWN_LAYER,
                    WIRE_E_UNKNOWN_DIGEST, WIRE_E_CACHE_FULL, WIRE_E_HASH_MISMATCH, WIRE_E_BAD_TENSOR,
-                   WIRE_E_RANGE, WIRE_E_BUSY, WIRE_E_NOMEM, WIRE_E_IO, ... };
+                   WIRE_E_RANGE, WIRE_E_BUSY, WIRE_E_NOMEM, WIRE_E_IO, WIRE_E_STALE, ... };
 enum wire_check_result { WIRE_CHECK_OK, WIRE_CHECK_SHORT, WIRE_CHECK_MAGIC, WIRE_CHECK_LENGTH,
-                         WIRE_CHECK_FRAGMENT, WIRE_CHECK_CHECKSUM, WIRE_CHECK_MAC, WIRE_CHECK_TYPE, ... };
+                         WIRE_CHECK_FRAGMENT, WIRE_CHECK_CHECKSUM, WIRE_CHECK_MAC, WIRE_CHECK_TYPE,
+                         WIRE_CHECK_LINK_MAC, WIRE_CHECK_NO_LINK, ... };
+enum wire_mac_kind { WIRE_MAC_FLEET, WIRE_MAC_LINK, ... };
 
 typedef struct wire_header {
     uint32_t magic; uint8_t version; uint8_t type; uint16_t flags; uint32_t session; uint32_t sequence;
@@ -33,13 +35,13 @@ typedef struct wire_reply_head { int32_t status; uint32_t flags; ...; } wire_rep
 typedef struct wire_hello_reply {
     uint32_t duck_id; uint32_t fw_version; uint32_t abi; uint16_t cores; uint16_t threads; uint64_t mem_bytes;
     uint64_t cache_bytes; uint64_t cache_capacity; uint32_t cache_entries; uint32_t session; uint32_t mtu;
-    uint32_t flags; char name[...]; uint32_t max_tokens; ...;
+    uint32_t flags; char name[...]; uint32_t max_tokens; uint8_t challenge[...]; uint8_t run[...]; ...;
 } wire_hello_reply;
 typedef struct wire_ping { uint64_t t_ns; uint16_t reply_mtu; ...; } wire_ping;
 typedef struct wire_stats {
     uint64_t datagrams_rx, datagrams_tx, requests, forwards, duplicates, resends, malformed, unauthenticated,
              stale, injected_drops, errors, bytes_streamed, kernel_ns, uploads_done, upload_bytes,
-             cache_evictions, cache_corrupt, wake_ns;
+             cache_evictions, cache_corrupt, wake_ns, bad_mac, replayed, no_run;
     ...;
 } wire_stats;
 typedef struct wire_invalidate { uint32_t flags; uint8_t digest[...]; ...; } wire_invalidate;
@@ -58,7 +60,13 @@ typedef struct wire_forward_reply {
     uint32_t layer; uint16_t ntok; uint8_t y_dtype; uint32_t hidden; uint32_t kernel_us; uint64_t bytes_streamed;
     uint32_t wake_ns; ...;
 } wire_forward_reply;
-typedef struct wire_key { uint8_t bytes[...]; uint32_t len; ...; } wire_key;
+typedef struct wire_key { uint8_t bytes[...]; uint32_t len; uint32_t has_link; uint8_t run[...]; ...; } wire_key;
+typedef struct wire_run_open { uint8_t run[...]; uint8_t challenge[...]; ...; } wire_run_open;
+int wire_mac_kind(unsigned type);
+void wire_link_set(wire_key *key, const uint8_t *run, const uint8_t *challenge);
+void wire_poly1305(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);
+void wire_poly1305_ref(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);
+void wire_link_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t *out);
 
 uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);
 void wire_digest(const void *data, size_t len, uint8_t *out);
@@ -98,6 +106,12 @@ uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck);
 uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck);
 uint32_t duck_transport_rcvbuf(const duck_transport *t);
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
+void duck_transport_run_nonce(const duck_transport *t, uint8_t *out);
+int duck_transport_link(duck_transport *t, uint32_t duck, const uint8_t *challenge);
+int duck_transport_linked(const duck_transport *t, uint32_t duck);
+void duck_transport_unlink(duck_transport *t, uint32_t duck);
+void duck_transport_key(const duck_transport *t, uint32_t duck, wire_key *out);
+uint32_t duck_transport_take_sequence(duck_transport *t);
 typedef struct duck_forward_args {
     uint32_t session, layer, ntok, topk, hidden; const int32_t *expert_ids; const float *expert_weights;
     const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; uint32_t request_tokens; uint32_t pipeline; ...;

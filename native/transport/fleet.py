@@ -46,6 +46,8 @@ class DuckInfo:
     data_mac: bool
     fault_injection: bool
     max_tokens: int          # tokens one forward may carry to it
+    run_ours: bool = False   # the duck holds this Fleet's run (its link key); else hello() opens it
+    challenge: bytes = b""   # what the duck's next RUN_OPEN must name
 
 
 def _struct_dict(cdata) -> dict:
@@ -66,10 +68,15 @@ class Fleet:
     spin_us: poll for replies this long before blocking (a dedicated host).
     rcvbuf: the socket receive buffer to ask for (0: 64 MiB); a forward's requests
     and the requests in flight are sized so that all ducks' replies fit it.
+    mac_data: MAC forwards and their partials (the default); False only on trusted
+    links, with ducks started --no-data-mac.
+    Each Fleet is a run (docs/wire.md, Authentication): hello() opens it on every
+    duck that does not hold it, and state-changing messages and forwards carry
+    MACs under that duck's link key, each taken once.
     """
 
     def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
-                 deadline_ms: float = 1000.0, mac_data: bool = False, spin_us: int = 0, rcvbuf: int = 0):
+                 deadline_ms: float = 1000.0, mac_data: bool = True, spin_us: int = 0, rcvbuf: int = 0):
         self.addresses = [(str(h), int(p)) for h, p in addresses]
         if not self.addresses:
             raise ValueError("a fleet needs at least one duck address")
@@ -97,6 +104,7 @@ class Fleet:
         self.last_rtt_us: list[float] = []
         self._cover = None       # a HostCover the C transport calls into (native/transport/cover.py)
         self.lost_changed = False
+        self._challenge: list[bytes] = [bytes(16)] * len(self.addresses)
 
     @property
     def n_ducks(self) -> int:
@@ -123,7 +131,21 @@ class Fleet:
     # -- requests -------------------------------------------------------------
     def call(self, requests, session: int = 0, check: bool = True) -> list[tuple[int, bytes]]:
         """Runs [(duck, type, payload, reply_cap)] concurrently; returns [(status, body)].
-        Raises DuckTimeout / DuckError naming the first duck that failed."""
+        Raises DuckTimeout / DuckError naming the first duck that failed. A duck that
+        does not answer a state-changing message may have restarted (it holds no run and
+        drops it unanswered): its hello tells, and then the run is opened again and the
+        call made once more."""
+        try:
+            return self._call(requests, session, check)
+        except DuckTimeout as e:
+            linked = [r for r in requests if r[0] == e.duck and lib.wire_mac_kind(r[1]) == lib.WIRE_MAC_LINK]
+            if not linked or self.hello_only([e.duck])[0].run_ours:
+                raise
+            log.warning("%s holds no run of this host (it restarted, or another host opened one): opening ours "
+                        "again", self.name(e.duck))
+            return self._call(requests, session, check)
+
+    def _call(self, requests, session: int, check: bool) -> list[tuple[int, bytes]]:
         n = len(requests)
         calls = ffi.new("duck_call[]", n)
         keep = []
@@ -135,6 +157,10 @@ class Fleet:
             c.duck, c.type, c.session = duck, mtype, session
             c.payload, c.payload_len = buf, len(payload)
             c.reply, c.reply_cap = reply, len(reply)
+        unlinked = sorted({duck for duck, mtype, _, _ in requests if lib.wire_mac_kind(mtype) == lib.WIRE_MAC_LINK
+                           and (mtype != lib.WIRE_T_FORWARD or self.mac_data) and not self._linked(duck)})
+        if unlinked:   # state-changing messages need the duck's link key: open the run there first
+            self._open_runs(self.hello_only(unlinked))
         with self._lock:
             lib.duck_transport_run(self._open(), calls, n)
         self.last_rtt_us = [calls[i].rtt_ns / 1000.0 for i in range(n)]
@@ -166,22 +192,90 @@ class Fleet:
         """Asks every duck who it is; also the link check (a duck that is down raises
         DuckTimeout). Agrees the datagram size with each duck and proves it with a
         ping of that size both ways (a size the path drops falls back to 1500)."""
+        infos = self._checked_hello()
+        self.infos = infos
+        self._open_runs(infos)
+        self._agree()
+        return infos
+
+    def open_run(self, ducks: list[int]) -> None:
+        """This Fleet's run on these ducks where they do not hold it (a duck that restarted, or
+        that another host took), by their hello's challenge; the other ducks are not asked."""
+        self._open_runs(self._checked_hello(ducks))
+
+    def _checked_hello(self, ducks=None) -> list[DuckInfo]:
+        infos = self.hello_only(ducks)
+        for info in infos:
+            d = info.index
+            if info.abi != lib.WIRE_ABI:
+                raise DuckError(f"{self.name(d)} speaks wire ABI {info.abi}, this host {lib.WIRE_ABI}; "
+                                "update its firmware", d)
+            if info.data_mac and not self.mac_data:
+                raise DuckError(f"{self.name(d)} requires a MAC on forwards (started without --no-data-mac); "
+                                "open the Fleet with mac_data=True", d)
+        return infos
+
+    def hello_only(self, ducks=None) -> list[DuckInfo]:
+        """Each duck's hello, nothing more (no run opened, no size agreed)."""
+        ducks = list(range(self.n_ducks) if ducks is None else ducks)
+        replies = self._all(lib.WIRE_T_HELLO, cap=ffi.sizeof("wire_hello_reply"), ducks=ducks)
+        run = self.run_nonce()
         infos = []
-        for d, (_, body) in enumerate(self._all(lib.WIRE_T_HELLO, cap=ffi.sizeof("wire_hello_reply"))):
+        for d, (_, body) in zip(ducks, replies):
             h = ffi.cast("wire_hello_reply *", ffi.from_buffer(body))
+            self._challenge[d] = bytes(h.challenge)
+            ours = bytes(h.run) == run
+            if not ours and self._linked(d):
+                with self._lock:   # the duck restarted or another host opened its run: our link is gone
+                    lib.duck_transport_unlink(self._open(), d)
             infos.append(DuckInfo(d, self.addresses[d], h.duck_id, ffi.string(h.name).decode(errors="replace"),
                                   h.abi, h.cores, h.threads, h.mem_bytes, h.cache_bytes, h.cache_capacity,
                                   h.cache_entries, h.session, h.mtu, bool(h.flags & lib.WIRE_HELLO_DATA_MAC),
-                                  bool(h.flags & lib.WIRE_HELLO_FAULTS), h.max_tokens))
-            if h.abi != lib.WIRE_ABI:
-                raise DuckError(f"{self.name(d)} speaks wire ABI {h.abi}, this host {lib.WIRE_ABI}; "
-                                "update its firmware", d)
-            if h.flags & lib.WIRE_HELLO_DATA_MAC and not self.mac_data:
-                raise DuckError(f"{self.name(d)} requires a MAC on forwards (duckfw --data-mac); "
-                                "open the Fleet with mac_data=True", d)
-        self.infos = infos
-        self._agree()
+                                  bool(h.flags & lib.WIRE_HELLO_FAULTS), h.max_tokens, ours,
+                                  bytes(h.challenge)))
         return infos
+
+    def run_nonce(self) -> bytes:
+        """This Fleet's run: random, new per Fleet (so per daemon start)."""
+        out = ffi.new("uint8_t[]", lib.WIRE_NONCE_BYTES)
+        with self._lock:
+            lib.duck_transport_run_nonce(self._open(), out)
+        return bytes(out)
+
+    def link_key(self, d: int):
+        """A copy of duck d's wire_key (the fleet key and its link): for tests that craft
+        datagrams as this host would."""
+        out = ffi.new("wire_key *")
+        with self._lock:
+            lib.duck_transport_key(self._open(), d, out)
+        return out
+
+    def take_sequence(self) -> int:
+        """A sequence number of this run that no call of this Fleet will use (tests)."""
+        with self._lock:
+            return lib.duck_transport_take_sequence(self._open())
+
+    def _linked(self, d: int) -> bool:
+        with self._lock:
+            return bool(lib.duck_transport_linked(self._open(), d))
+
+    def _open_runs(self, infos: list[DuckInfo]) -> None:
+        """RUN_OPEN on every duck that does not hold this run, bound to the challenge its
+        hello just gave; then that duck's link key is made here too."""
+        todo = [i.index for i in infos if not i.run_ours or not self._linked(i.index)]
+        if not todo:
+            return
+        ro = ffi.new("wire_run_open *")
+        ro.run = list(self.run_nonce())
+        reqs = []
+        for d in todo:
+            ro.challenge = list(self._challenge[d])
+            reqs.append((d, lib.WIRE_T_RUN_OPEN, bytes(ffi.buffer(ro)), 0))
+        self.call(reqs)
+        with self._lock:
+            for d in todo:
+                lib.duck_transport_link(self._open(), d, self._challenge[d])
+        log.info("run %s opened on %s", self.run_nonce()[:4].hex(), ", ".join(self.name(d) for d in todo))
 
     def _agree(self) -> None:
         """Each duck's datagram size; a size above 1500 that is new is proven by a ping of

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -55,16 +56,19 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
              cfg->deadline_us);
     memcpy(t->key.bytes, cfg->key, cfg->key_len);
     t->key.len = cfg->key_len;
+    if (getrandom(t->run, sizeof t->run, 0) != (ssize_t)sizeof t->run)
+        FAIL("getrandom: %s", strerror(errno));
     t->cfg.addrs = NULL;
     t->cfg.ports = NULL;
     t->cfg.key = NULL;
     t->dest = calloc(n, sizeof *t->dest);
     t->link = calloc(n, sizeof *t->link);
+    t->keys = calloc(n, sizeof *t->keys);
     t->active = malloc(n * sizeof *t->active);
     t->st = calloc(n, sizeof *t->st);
     t->st_cap = n;
     t->rx = malloc(BATCH * sizeof *t->rx);
-    if (!t->dest || !t->link || !t->active || !t->st || !t->rx)
+    if (!t->dest || !t->link || !t->keys || !t->active || !t->st || !t->rx)
         FAIL("out of memory for %u ducks", n);
     for (int i = 0; i < BATCH; i++) {
         t->rx_iov[i].iov_base = t->rx[i];
@@ -83,6 +87,7 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
             FAIL("duck %u has port 0", d);
         t->link[d].path_mtu = route_mtu(&t->dest[d]);
         t->link[d].mtu = tr_small_mtu(t);
+        t->keys[d] = t->key;   /* no link until a RUN_OPEN (duck_transport_link) */
     }
     t->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (t->fd < 0)
@@ -102,8 +107,10 @@ duck_transport *duck_transport_create(const duck_transport_config *cfg, char *er
     if (bind(t->fd, (struct sockaddr *)&any, sizeof any) != 0 || getsockname(t->fd, (struct sockaddr *)&any, &len))
         FAIL("bind: %s", strerror(errno));
     t->local_port = ntohs(any.sin_port);
-    uint64_t seed = tr_now_ns() ^ ((uint64_t)getpid() << 32);
-    t->seq = (uint32_t)(seed ^ (seed >> 29)) | 1u;   /* a restarted host does not reuse the old ids */
+    uint32_t start;   /* a restarted host does not reuse the old ids; 2^31 and more are left before a wrap */
+    if (getrandom(&start, sizeof start, 0) != (ssize_t)sizeof start)
+        FAIL("getrandom: %s", strerror(errno));
+    t->seq = (start >> 1) | 1u;
     return t;
 #undef FAIL
 }
@@ -128,6 +135,10 @@ void duck_transport_destroy(duck_transport *t)
     free(t->fcalls);
     free(t->dest);
     free(t->link);
+    if (t->keys)
+        memset(t->keys, 0, (size_t)t->cfg.n_ducks * sizeof *t->keys);
+    free(t->keys);
+    memset(&t->key, 0, sizeof t->key);
     free(t->active);
     free(t->acc);
     free(t->st);
@@ -141,6 +152,36 @@ uint32_t duck_transport_ducks(const duck_transport *t) { return t->cfg.n_ducks; 
 uint16_t duck_transport_local_port(const duck_transport *t) { return t->local_port; }
 void duck_transport_stats_get(const duck_transport *t, duck_transport_stats *out) { *out = t->stats; }
 uint32_t duck_transport_rcvbuf(const duck_transport *t) { return t->rcvbuf; }
+
+/* --- the run ------------------------------------------------------------- */
+
+void duck_transport_run_nonce(const duck_transport *t, uint8_t *out) { memcpy(out, t->run, sizeof t->run); }
+
+int duck_transport_link(duck_transport *t, uint32_t duck, const uint8_t *challenge)
+{
+    if (duck >= t->cfg.n_ducks)
+        return DUCK_T_EARG;
+    wire_link_set(&t->keys[duck], t->run, challenge);
+    return DUCK_T_OK;
+}
+
+int duck_transport_linked(const duck_transport *t, uint32_t duck)
+{
+    return duck < t->cfg.n_ducks && t->keys[duck].has_link;
+}
+
+void duck_transport_key(const duck_transport *t, uint32_t duck, wire_key *out)
+{
+    *out = duck < t->cfg.n_ducks ? t->keys[duck] : t->key;
+}
+
+uint32_t duck_transport_take_sequence(duck_transport *t) { return ++t->seq; }
+
+void duck_transport_unlink(duck_transport *t, uint32_t duck)
+{
+    if (duck < t->cfg.n_ducks)
+        t->keys[duck] = t->key;
+}
 
 /* --- datagram size ------------------------------------------------------- */
 
@@ -269,7 +310,7 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
         if (i == 0)
             state_reply_mtu(c->type, out + WIRE_HEADER_BYTES, len, s->mtu);
         h.frag_index = (uint16_t)i;
-        lens[n++] = wire_seal_in_place(&h, len, &t->key, s->with_mac, out);
+        lens[n++] = wire_seal_in_place(&h, len, &t->keys[c->duck], s->with_mac, out);
     }
     return n;
 }
@@ -299,7 +340,7 @@ void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s)
     h.sequence = s->seq;
     h.frag_count = 1;
     h.total_len = (uint32_t)sizeof rs + bytes;
-    size_t len = wire_seal(&h, payload, h.total_len, &t->key, s->with_mac, dgram);
+    size_t len = wire_seal(&h, payload, h.total_len, &t->keys[c->duck], s->with_mac, dgram);
     tr_tx_add(t, c->duck, dgram, len);
     tr_tx_flush(t);
     t->stats.resend_requests++;

@@ -90,6 +90,22 @@ uint32_t duck_transport_rcvbuf(const duck_transport *t);
 /* The retransmit timeout of the duck's next call, in microseconds. */
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 
+/* The run (docs/wire.md, Authentication): each transport draws a random run
+ * nonce. After a duck's hello gives its challenge and a RUN_OPEN {nonce,
+ * challenge} is answered OK, duck_transport_link makes the link key of that
+ * duck, which every state-changing message and forward to it (and its reply)
+ * is MACed under. A call of such a type to a duck without a link fails with
+ * DUCK_T_EARG. */
+void duck_transport_run_nonce(const duck_transport *t, uint8_t *out);   /* WIRE_NONCE_BYTES */
+int duck_transport_link(duck_transport *t, uint32_t duck, const uint8_t *challenge);
+int duck_transport_linked(const duck_transport *t, uint32_t duck);
+/* Forgets the duck's link (it restarted, or another host opened a run there). */
+void duck_transport_unlink(duck_transport *t, uint32_t duck);
+/* Tests that craft datagrams as this host would: the duck's key (fleet key and
+ * link), and a sequence number of this run that no call will use. */
+void duck_transport_key(const duck_transport *t, uint32_t duck, wire_key *out);
+uint32_t duck_transport_take_sequence(duck_transport *t);
+
 /* Runs the calls concurrently until every one has a reply or has failed;
  * several calls to one duck are all in flight at once (it answers them in
  * order). Returns DUCK_T_OK when all got replies, else the first failing result. */

@@ -49,7 +49,9 @@ typedef struct fwd_slot {
 
 struct duck_transport {
     duck_transport_config cfg;
-    wire_key key;
+    wire_key key;                 /* the fleet key */
+    wire_key *keys;               /* per duck: the fleet key and, once a RUN_OPEN took, the link key */
+    uint8_t run[WIRE_NONCE_BYTES];/* this transport's run nonce (random) */
     int fd;
     uint16_t local_port;
     uint32_t seq;

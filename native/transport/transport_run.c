@@ -75,12 +75,12 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     wire_header h;
     const uint8_t *p;
     /* the MAC is checked against the call's need once the call is known */
-    int rc = wire_check(buf, len, &t->key, 0, &h, &p);
+    int rc = wire_check(buf, len, &t->keys[d], 0, &h, &p);
     int32_t found = rc == WIRE_CHECK_OK ? find_call(t, d, h.sequence) : -1;
     if (rc == WIRE_CHECK_OK && found >= 0 && t->st[found].with_mac && !(h.flags & WIRE_F_MAC))
         rc = WIRE_CHECK_MAC;
     if (rc != WIRE_CHECK_OK) {
-        if (rc == WIRE_CHECK_MAC)
+        if (rc == WIRE_CHECK_MAC || rc == WIRE_CHECK_LINK_MAC || rc == WIRE_CHECK_NO_LINK)
             t->stats.unauthenticated++;
         else
             t->stats.malformed++;
@@ -198,9 +198,10 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int no
     return finished;
 }
 
-/* Everything but a forward (unless the ducks ask) and a ping carries the MAC:
- * a duck answers an unauthenticated HELLO with the bare minimum and refuses
- * STATS and CACHE_QUERY without one (firmware/core.c needs_mac). */
+/* Everything but a forward (with mac_data 0) and a ping carries the MAC of its
+ * type's kind (wire_mac_kind): a duck answers an unauthenticated HELLO with
+ * the bare minimum and refuses anything else without one (firmware/core.c
+ * needs_mac). */
 static int needs_mac(const duck_transport *t, uint32_t type)
 {
     return type == WIRE_T_FORWARD ? t->cfg.mac_data : type != WIRE_T_PING;
@@ -245,6 +246,9 @@ static int call_ok(const duck_transport *t, const duck_call *c)
 {
     if (c->local)
         return c->duck < t->cfg.n_ducks && c->reply;
+    if (c->duck < t->cfg.n_ducks && c->type < WIRE_T_COUNT && wire_mac_kind(c->type) == WIRE_MAC_LINK &&
+        needs_mac(t, c->type) && !t->keys[c->duck].has_link)
+        return 0;   /* no run open with this duck: its MAC cannot be made */
     return c->duck < t->cfg.n_ducks && c->type != 0 && c->type < WIRE_T_COUNT && c->payload_len <= WIRE_MAX_MESSAGE &&
            (!c->payload_len || c->payload) && c->reply && c->reply_cap >= sizeof(wire_reply_head) &&
            wire_frag_count(c->payload_len, tr_small_mtu(t)) <= WIRE_MAX_FRAGMENTS;
@@ -293,7 +297,8 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
         }
         s->work_ns = c->work_ns + ahead;
         tr_start_timer(t, c, s, now);
-        if (!same_msg || s->mtu != t->st[sealed].mtu) {
+        int own_mac = s->with_mac && wire_mac_kind(c->type) == WIRE_MAC_LINK;   /* each duck's link key */
+        if (!same_msg || s->mtu != t->st[sealed].mtu || own_mac) {
             tr_tx_flush(t);   /* what is queued points into the seal buffer */
             nseal = tr_seal_request(t, c, s, NULL, lens);
             if (!nseal)

@@ -1,5 +1,6 @@
 /* Wire integrity: CRC-32C checksum, BLAKE2b (RFC 7693; the content digest
- * and, keyed, the MAC), sealing and checking of datagrams. No external
+ * and, keyed, the fleet MAC and the link key's PRF), the link MAC
+ * (Poly1305: poly1305.c), sealing and checking of datagrams. No external
  * crypto library: BLAKE2b is short, and tests hold it to Python's hashlib. */
 #include "wire.h"
 
@@ -249,6 +250,59 @@ void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t 
     b2_final(&s, out);
 }
 
+/* --- the link key and its one-time Poly1305 keys ---------------------- */
+
+void wire_link_set(wire_key *key, const uint8_t run[WIRE_NONCE_BYTES], const uint8_t challenge[WIRE_NONCE_BYTES])
+{
+    static const char tag[] = "duck-link-v1";
+    uint8_t link[WIRE_LINK_KEY_BYTES];
+    blake2b_state s;
+    b2_init(&s, WIRE_LINK_KEY_BYTES, key->bytes, key->len);
+    b2_update(&s, tag, sizeof tag - 1);
+    b2_update(&s, run, WIRE_NONCE_BYTES);
+    b2_update(&s, challenge, WIRE_NONCE_BYTES);
+    b2_final(&s, link);
+    /* the PRF of the one-time keys, its key block compressed once here */
+    uint8_t block[128] = {0};
+    memcpy(block, link, sizeof link);
+    b2_init(&s, 32, NULL, 0);
+    s.h[0] ^= (uint64_t)WIRE_LINK_KEY_BYTES << 8;
+    s.t = 128;
+    b2_compress(&s, block, 0);
+    memcpy(key->link_prf, s.h, sizeof key->link_prf);
+    memcpy(key->run, run, WIRE_NONCE_BYTES);
+    key->has_link = 1;
+    memset(link, 0, sizeof link);
+    memset(block, 0, sizeof block);
+}
+
+void wire_link_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t out[WIRE_MAC_BYTES])
+{
+    blake2b_state s;
+    uint8_t otk[32];
+    memcpy(s.h, key->link_prf, sizeof s.h);
+    s.t = 128;
+    s.fill = 0;
+    s.outlen = sizeof otk;
+    b2_update(&s, hdr, WIRE_HEADER_BYTES);
+    b2_final(&s, otk);
+    wire_poly1305(otk, hdr, WIRE_HEADER_BYTES, payload, len, out);
+}
+
+/* The MAC of the type's kind; -1 when it is a link MAC and there is no link. */
+static int type_mac(const wire_key *key, unsigned type, const void *hdr, const void *payload, size_t len,
+                    uint8_t out[WIRE_MAC_BYTES])
+{
+    if (wire_mac_kind(type) == WIRE_MAC_FLEET) {
+        wire_mac(key, hdr, payload, len, out);
+        return 0;
+    }
+    if (!key->has_link)
+        return -1;
+    wire_link_mac(key, hdr, payload, len, out);
+    return 0;
+}
+
 /* --- datagrams -------------------------------------------------------- */
 
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
@@ -266,12 +320,12 @@ size_t wire_seal_in_place(const wire_header *h, uint32_t len, const wire_key *ke
     hd.version = WIRE_VERSION;
     hd.payload_len = len;
     hd.checksum = 0;
-    with_mac = with_mac && key && key->len;
+    with_mac = with_mac && key && key->len && (wire_mac_kind(hd.type) == WIRE_MAC_FLEET || key->has_link);
     hd.flags = (uint16_t)((hd.flags & ~WIRE_F_MAC) | (with_mac ? WIRE_F_MAC : 0));
     memcpy(out, &hd, WIRE_HEADER_BYTES);
     size_t n = WIRE_HEADER_BYTES + len;
     if (with_mac) {
-        wire_mac(key, out, out + WIRE_HEADER_BYTES, len, out + n);
+        type_mac(key, hd.type, out, out + WIRE_HEADER_BYTES, len, out + n);
         n += WIRE_MAC_BYTES;
     }
     hd.checksum = wire_crc32c(0, out, n);
@@ -318,12 +372,14 @@ int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_
     if (h->type == 0 || h->type >= WIRE_T_COUNT || (h->flags & ~WIRE_F_KNOWN))
         return WIRE_CHECK_TYPE;
     if (has_mac || require_mac) {
+        int link = wire_mac_kind(h->type) == WIRE_MAC_LINK;
         if (!has_mac || !key || !key->len)
             return WIRE_CHECK_MAC;
         uint8_t mac[WIRE_MAC_BYTES];
-        wire_mac(key, &zero, buf + WIRE_HEADER_BYTES, h->payload_len, mac);
+        if (type_mac(key, h->type, &zero, buf + WIRE_HEADER_BYTES, h->payload_len, mac) != 0)
+            return WIRE_CHECK_NO_LINK;
         if (!mac_equal(mac, buf + WIRE_HEADER_BYTES + h->payload_len))
-            return WIRE_CHECK_MAC;
+            return link ? WIRE_CHECK_LINK_MAC : WIRE_CHECK_MAC;
     }
     *payload = buf + WIRE_HEADER_BYTES;
     return WIRE_CHECK_OK;
@@ -351,6 +407,8 @@ const char *wire_check_str(int result)
     case WIRE_CHECK_CHECKSUM: return "checksum mismatch";
     case WIRE_CHECK_MAC: return "MAC missing or wrong";
     case WIRE_CHECK_TYPE: return "unknown type or flags";
+    case WIRE_CHECK_LINK_MAC: return "link MAC wrong (forged, or of another run or duck)";
+    case WIRE_CHECK_NO_LINK: return "link MAC, and no run open";
     default: return "unknown check result";
     }
 }
@@ -359,6 +417,7 @@ const char *wire_type_str(unsigned type)
 {
     static const char *const names[WIRE_T_COUNT] = {
         "invalid", "hello", "ping", "stats", "cache_query", "cache_invalidate", "upload",
-        "session_open", "layer_plan", "session_close", "forward", "shutdown", "resend", "nack", "synth"};
+        "session_open", "layer_plan", "session_close", "forward", "shutdown", "resend", "nack", "synth",
+        "run_open"};
     return type < WIRE_T_COUNT ? names[type] : "unknown";
 }

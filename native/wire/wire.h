@@ -3,8 +3,11 @@
  * the prose spec.
  *
  * A datagram is a 32-byte header, the fragment's payload, and, when
- * WIRE_F_MAC is set, a 16-byte MAC: keyed BLAKE2b-128 over the header (with
- * checksum 0) and the payload. The checksum is CRC-32C over the header (with
+ * WIRE_F_MAC is set, a 16-byte MAC over the header (with checksum 0) and the
+ * payload: keyed BLAKE2b-128 under the fleet key for the messages that only
+ * read (WIRE_MAC_FLEET), Poly1305 under a one-time key from the duck's link
+ * key for those that change its state and for forwards (WIRE_MAC_LINK; see
+ * wire_mac_kind and docs/wire.md, Authentication). The checksum is CRC-32C over the header (with
  * checksum 0), the payload and the MAC. All fields are little-endian; the
  * structs below are the in-memory form on little-endian hosts, which is the
  * only kind we build for (checked at compile time). Python reads every
@@ -32,14 +35,19 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 4                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+#define WIRE_ABI 5                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
                                           size agreed per duck, partial dtype, wake-up time; 4: messages of
-                                          up to 64 MiB, the duck's tokens per forward in HELLO) */
+                                          up to 64 MiB, the duck's tokens per forward in HELLO; 5: RUN_OPEN,
+                                          link-keyed Poly1305 MACs, replay window, hello's challenge and run,
+                                          the drop counters bad_mac, replayed, no_run) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
 #define WIRE_KEY_MIN 16
 #define WIRE_KEY_MAX 64
+#define WIRE_NONCE_BYTES 16             /* a host's run nonce, a duck's challenge */
+#define WIRE_LINK_KEY_BYTES 32
+#define WIRE_REPLAY_WINDOW 1024         /* sequences below a duck's highest that it still takes once */
 #define WIRE_IP_UDP_BYTES 28            /* IPv4 + UDP headers, counted in the MTU */
 #define WIRE_MTU_DEFAULT 1500           /* before agreement, and the fallback when a larger size fails */
 #define WIRE_MTU_MIN 1280
@@ -79,7 +87,8 @@ enum wire_type {
     WIRE_T_RESEND = 12,          /* wire_resend + bitmap of reply fragments held */
     WIRE_T_NACK = 13,            /* duck -> host: wire_nack + bitmap of request fragments held */
     WIRE_T_SYNTH = 14,           /* benchmarks only: wire_synth.h              (MAC) */
-    WIRE_T_COUNT = 15
+    WIRE_T_RUN_OPEN = 15,        /* wire_run_open -> (fleet MAC): the host's run, bound to the duck's challenge */
+    WIRE_T_COUNT = 16
 };
 
 /* Header flags. */
@@ -102,7 +111,8 @@ enum wire_status {
     WIRE_E_RANGE = 9,         /* a count or id out of range */
     WIRE_E_BUSY = 10,         /* an entry in use by the open session */
     WIRE_E_NOMEM = 11,
-    WIRE_E_IO = 12            /* cache file could not be written */
+    WIRE_E_IO = 12,           /* cache file could not be written */
+    WIRE_E_STALE = 13         /* a run open for a challenge that is not the duck's current one */
 };
 
 typedef struct wire_header {
@@ -178,8 +188,11 @@ typedef struct wire_hello_reply {
     uint32_t max_tokens;     /* tokens one FORWARD may carry to this duck (its kernels' bound),
                                 WIRE_TOKENS_DEFAULT .. WIRE_MAX_TOKENS */
     uint32_t reserved;
+    uint8_t challenge[WIRE_NONCE_BYTES];   /* what the next RUN_OPEN must name (random, new at start and after
+                                              each run opened); zero without the MAC */
+    uint8_t run[WIRE_NONCE_BYTES];         /* the run nonce of the host whose link the duck holds; zero: none */
 } wire_hello_reply;
-WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 96, "wire_hello_reply must be 96 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 128, "wire_hello_reply must be 128 bytes");
 #define WIRE_HELLO_DATA_MAC 0x1u      /* the duck requires a MAC on forwards too */
 #define WIRE_HELLO_FAULTS 0x2u        /* fault injection is on (tests only) */
 
@@ -202,9 +215,23 @@ typedef struct wire_stats {
     uint64_t uploads_done, upload_bytes, cache_evictions;
     uint64_t cache_corrupt;  /* entries discarded at load for a bad hash */
     uint64_t wake_ns;        /* sum over forwards of wire_forward_reply.wake_ns */
-    uint64_t reserved[2];
+    uint64_t bad_mac;        /* a link MAC that does not verify (another run, another duck's, forged) */
+    uint64_t replayed;       /* a sequence already taken or below the replay window; a stale run open */
+    uint64_t no_run;         /* a link-keyed message while no run is open (the duck restarted) */
+    uint64_t reserved[3];
 } wire_stats;
-WIRE_STATIC_ASSERT(sizeof(wire_stats) == 160, "wire_stats must be 160 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_stats) == 192, "wire_stats must be 192 bytes");
+
+/* Host -> duck, fleet MAC: the host's run (its random nonce, new per
+ * transport) and the challenge the duck's hello gave. The duck takes it only
+ * for its current challenge (then draws a new one), derives the link key from
+ * the fleet key, run and challenge, and from then on takes link-keyed messages
+ * only with sequences above this request's. */
+typedef struct wire_run_open {
+    uint8_t run[WIRE_NONCE_BYTES];
+    uint8_t challenge[WIRE_NONCE_BYTES];
+} wire_run_open;
+WIRE_STATIC_ASSERT(sizeof(wire_run_open) == 32, "wire_run_open must be 32 bytes");
 
 #define WIRE_INVALIDATE_ALL 0x1u
 typedef struct wire_invalidate {
@@ -342,14 +369,52 @@ enum wire_check_result {
     WIRE_CHECK_LENGTH = -3,    /* lengths disagree with the datagram or limits */
     WIRE_CHECK_FRAGMENT = -4,  /* fragment index/count/size inconsistent */
     WIRE_CHECK_CHECKSUM = -5,
-    WIRE_CHECK_MAC = -6,       /* MAC missing where required, or wrong */
-    WIRE_CHECK_TYPE = -7       /* unknown type or flags */
+    WIRE_CHECK_MAC = -6,       /* MAC missing where required, or wrong (fleet MAC) */
+    WIRE_CHECK_TYPE = -7,      /* unknown type or flags */
+    WIRE_CHECK_LINK_MAC = -8,  /* a link MAC that does not verify */
+    WIRE_CHECK_NO_LINK = -9    /* a link MAC, and no link key to check it with */
 };
 
+/* The fleet key, and the link key of one host run with one duck once a
+ * RUN_OPEN made it (wire_link_set). */
 typedef struct wire_key {
     uint8_t bytes[WIRE_KEY_MAX];
     uint32_t len;            /* 0: no key */
+    uint32_t has_link;
+    uint8_t run[WIRE_NONCE_BYTES];
+    uint64_t link_prf[8];    /* BLAKE2b state keyed with the link key, its key block compressed */
 } wire_key;
+
+/* Which MAC a message type carries (a reply the same as its request). */
+enum wire_mac_kind { WIRE_MAC_FLEET = 0, WIRE_MAC_LINK = 1 };
+static inline int wire_mac_kind(unsigned type)
+{
+    switch (type) {
+    case WIRE_T_CACHE_INVALIDATE:
+    case WIRE_T_UPLOAD:
+    case WIRE_T_SESSION_OPEN:
+    case WIRE_T_LAYER_PLAN:
+    case WIRE_T_SESSION_CLOSE:
+    case WIRE_T_FORWARD:
+    case WIRE_T_SHUTDOWN:
+    case WIRE_T_SYNTH:
+        return WIRE_MAC_LINK;
+    default:
+        return WIRE_MAC_FLEET;
+    }
+}
+
+/* Link key = BLAKE2b-256 keyed with the fleet key over "duck-link-v1" ||
+ * run || challenge; sets key's link (key->bytes, len: the fleet key). */
+void wire_link_set(wire_key *key, const uint8_t run[WIRE_NONCE_BYTES], const uint8_t challenge[WIRE_NONCE_BYTES]);
+/* Poly1305 (RFC 8439) of a || b under a one-time 32-byte key (r || s);
+ * _ref: the portable loop alone (the reference of the AVX2 lanes). */
+void wire_poly1305(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen, uint8_t out[16]);
+void wire_poly1305_ref(const uint8_t key[32], const void *a, size_t alen, const void *b, size_t blen,
+                       uint8_t out[16]);
+/* The link MAC of one datagram: Poly1305 of header || payload under the
+ * one-time key BLAKE2b-256(link key, header), the header with checksum 0. */
+void wire_link_mac(const wire_key *key, const void *hdr, const void *payload, size_t len, uint8_t out[WIRE_MAC_BYTES]);
 
 uint32_t wire_crc32c(uint32_t crc, const void *data, size_t len);
 void wire_digest(const void *data, size_t len, uint8_t out[WIRE_DIGEST_BYTES]);
@@ -359,7 +424,8 @@ void wire_digest_tagged(const void *tag, size_t taglen, const void *data, size_t
 void wire_mac(const wire_key *key, const void *hdr, const void *payload, size_t len,
               uint8_t out[WIRE_MAC_BYTES]);
 
-/* Writes header + payload (+ MAC if key and with_mac) into out, which holds
+/* Writes header + payload (+ MAC if key and with_mac: of the type's kind,
+ * none when it is WIRE_MAC_LINK and key has no link) into out, which holds
  * at least WIRE_HEADER_BYTES + len + WIRE_MAC_BYTES bytes; returns the
  * datagram length. h->payload_len is set from len. */
 size_t wire_seal(const wire_header *h, const void *payload, uint32_t len,
@@ -372,8 +438,8 @@ size_t wire_seal_in_place(const wire_header *h, uint32_t len, const wire_key *ke
 void wire_f32_to_bf16_n(const float *src, uint16_t *dst, size_t n);
 
 /* Validates a received datagram: sizes, magic, version, type, flags,
- * fragment geometry, checksum, and the MAC when present (or when
- * require_mac). On success *h is a copy of the header and *payload points
+ * fragment geometry, checksum, and the MAC of the type's kind when present
+ * (or when require_mac). On success *h is a copy of the header and *payload points
  * into buf. Never reads past buf + len. */
 int wire_check(const uint8_t *buf, size_t len, const wire_key *key, int require_mac,
                wire_header *h, const uint8_t **payload);

@@ -139,10 +139,11 @@ def test_cache_invalidate_keeps_what_the_session_uses(duckd_daemon):
     assert "Paris" in text                                               # still serving
 
 
-def test_refused_datagrams_show_as_errors_in_status(duckd_daemon):
-    """Forged FORWARD fragments (valid CRC, no key, a session that is not open) that never
-    complete are dropped by the duck as stale, and `duckctl status` counts them in the
-    duck's errors (it did not: a flood was invisible)."""
+def test_refused_datagrams_show_as_errors_and_drops_in_status(duckd_daemon):
+    """Forged FORWARD fragments (valid CRC, no MAC, a session that is not open) are dropped by
+    the duck unanswered (unauthenticated: forwards need the link MAC), and `duckctl status`
+    counts them in the duck's errors and drops (every drop reason summed), in its table and
+    its --json (a flood was once invisible there)."""
     import socket
 
     from native._native import lib
@@ -150,15 +151,22 @@ def test_refused_datagrams_show_as_errors_in_status(duckd_daemon):
 
     duck = duckd_daemon.ducks()[0]
     host, port = duck.address.rsplit(":", 1)
-    before = duck.errors
+    before = duck.drops
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for i in range(40):   # first fragments of 2-fragment messages: never complete, pushed out as stale
+        for i in range(40):
             s.sendto(seal(b"\0" * 64, None, mtype=lib.WIRE_T_FORWARD, session=0x5EED, sequence=1000 + i,
                           frag_count=2, total=128), (host, int(port)))
     deadline = time.monotonic() + 10
-    while duckd_daemon.ducks()[0].errors < before + 40 - 4:   # the last 4 may still be held
-        assert time.monotonic() < deadline, f"errors {duckd_daemon.ducks()[0].errors}, were {before}"
+    while duckd_daemon.ducks()[0].drops < before + 40:
+        assert time.monotonic() < deadline, f"drops {duckd_daemon.ducks()[0].drops}, were {before}"
         time.sleep(0.2)
+    assert duckd_daemon.ducks()[0].errors >= before + 40
+    args = ("--address", duckd_daemon.address, "--token", duckd_daemon.token, "status")
+    listed = json.loads(duckctl(duckd_daemon, *args, "--json").stdout)["ducks"][0]
+    assert int(listed["drops"]) >= before + 40
+    table = duckctl(duckd_daemon, *args).stdout.splitlines()
+    header = next(line for line in table if line.split()[:2] == ["id", "address"])
+    assert "drops" in header.split(), table
 
 
 def test_duckctl_bench_e2e_with_concurrent_streams(duckd_daemon):

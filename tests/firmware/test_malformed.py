@@ -18,7 +18,7 @@ import pytest
 from native._native import ffi, lib
 from native.kernels import MAX_TOKENS as KERNEL_MAX_TOKENS
 from native.transport import DuckError, split_experts
-from tests.firmware.test_wire import seal
+from tests.firmware.test_wire import seal, wire_key
 from tests.transport.ducks import Ducks, sanitizer_binary, sanitizer_report
 
 
@@ -89,9 +89,10 @@ def test_bad_requests_get_clear_errors_and_the_duck_serves_on(asan_duck):
     assert fleet.stats()[0]["errors"] >= 3
 
 
-def exchange(port: int, dgram: bytes | list[bytes], key: bytes) -> tuple[int, bytes, list[int]]:
+def exchange(port: int, dgram: bytes | list[bytes], key) -> tuple[int, bytes, list[int]]:
     """Sends one datagram (or a message's fragments), gathers the reply's fragments:
-    (status, body, datagram sizes)."""
+    (status, body, datagram sizes). key: the fleet key, or a wire_key with the link
+    (Fleet.link_key) for the replies of state-changing messages and forwards."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(2.0)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
@@ -102,9 +103,7 @@ def exchange(port: int, dgram: bytes | list[bytes], key: bytes) -> tuple[int, by
             data = s.recv(65535)
             h = ffi.new("wire_header *")
             p = ffi.new("const uint8_t **")
-            k = ffi.new("wire_key *")
-            k.bytes[0:len(key)], k.len = key, len(key)
-            assert lib.wire_check(data, len(data), k, 0, h, p) == lib.WIRE_CHECK_OK
+            assert lib.wire_check(data, len(data), wire_key(key), 0, h, p) == lib.WIRE_CHECK_OK
             sizes.append(len(data) + lib.WIRE_IP_UDP_BYTES)
             parts[h.frag_index] = data[32:32 + h.payload_len]
             if len(parts) == h.frag_count:
@@ -134,15 +133,18 @@ def test_new_fields_are_checked_and_replies_keep_to_the_stated_size(asan_duck):
     ping's size and echo: refused by name when wrong; replies cut as stated."""
     fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
     session = fleet.open_session({0: [[]]}, 64)
+    lk = fleet.link_key(0)   # forwards carry the link MAC, each under a sequence of its own
     errors = fleet.stats()[0]["errors"]
     for payload, text in [(forward_payload(y_dtype=2), "dtype 0 -> 2"),
                           (forward_payload(reserved=1), "reserved 1"),
                           (forward_payload(reply_mtu=100), "reply datagrams 100"),
                           (forward_payload(x_dtype=3), "dtype 3 -> 0")]:
-        status, body, _ = exchange(duck.port, seal(payload, key, mtype=lib.WIRE_T_FORWARD, session=session.id), key)
+        status, body, _ = exchange(duck.port, seal(payload, lk, mtype=lib.WIRE_T_FORWARD, session=session.id,
+                                                   sequence=fleet.take_sequence()), lk)
         assert status == lib.WIRE_E_MALFORMED and text in body.decode(), body
-    status, body, _ = exchange(duck.port, seal(forward_payload(ntok=3, y_dtype=1, reply_mtu=1280), key,
-                                               mtype=lib.WIRE_T_FORWARD, session=session.id), key)
+    status, body, _ = exchange(duck.port, seal(forward_payload(ntok=3, y_dtype=1, reply_mtu=1280), lk,
+                                               mtype=lib.WIRE_T_FORWARD, session=session.id,
+                                               sequence=fleet.take_sequence()), lk)
     assert status == 0 and len(body) == ffi.sizeof("wire_forward_reply")        # nothing routed: R_ZERO
     for payload, text in [(bytes(8), "ping payload is 8 bytes, expected 16..65535"),
                           (ping(64, 1000), "below the minimum 1280")]:
@@ -165,7 +167,7 @@ FRAGMENT = 60000          # payload bytes per datagram, below loopback's 65459
 CONTROL_MESSAGE_MAX = 2 << 20   # firmware/duckfw.h: larger messages must be forwards of the open session
 
 
-def fragments(payload: bytes, key: bytes | None, mtype: int, session: int, sequence: int, total: int | None = None,
+def fragments(payload: bytes, key, mtype: int, session: int, sequence: int, total: int | None = None,
               count: int | None = None, only: range | None = None) -> list[bytes]:
     """A message cut as the wire cuts it (every fragment but the last ceil(total / count)
     bytes); total and count may claim more than the payload holds (only: which to make)."""
@@ -182,14 +184,15 @@ def test_hello_announces_the_kernels_limit_and_more_tokens_are_refused(asan_duck
     session = fleet.open_session({0: [[]]}, 64)
     try:
         assert session.duck_max_tokens == KERNEL_MAX_TOKENS
-        over = seal(forward_payload(hidden=1, ntok=KERNEL_MAX_TOKENS + 1), key, mtype=lib.WIRE_T_FORWARD,
-                    session=session.id)   # hidden 1: one datagram; the token count is checked first
-        status, body, _ = exchange(duck.port, over, key)
+        lk = fleet.link_key(0)
+        over = seal(forward_payload(hidden=1, ntok=KERNEL_MAX_TOKENS + 1), lk, mtype=lib.WIRE_T_FORWARD,
+                    session=session.id, sequence=fleet.take_sequence())   # hidden 1: one datagram; tokens first
+        status, body, _ = exchange(duck.port, over, lk)
         assert status == lib.WIRE_E_RANGE, body
         assert f"forward of {KERNEL_MAX_TOKENS + 1} tokens: this duck takes at most {KERNEL_MAX_TOKENS}" in body.decode()
-        beyond = seal(forward_payload(hidden=1, ntok=lib.WIRE_MAX_TOKENS + 1), key, mtype=lib.WIRE_T_FORWARD,
-                      session=session.id)
-        status, body, _ = exchange(duck.port, beyond, key)
+        beyond = seal(forward_payload(hidden=1, ntok=lib.WIRE_MAX_TOKENS + 1), lk, mtype=lib.WIRE_T_FORWARD,
+                      session=session.id, sequence=fleet.take_sequence())
+        status, body, _ = exchange(duck.port, beyond, lk)
         assert status == lib.WIRE_E_MALFORMED and f"(at most {lib.WIRE_MAX_TOKENS})" in body.decode(), body
         # the host's session cuts a forward by the announced limit, however many tokens it is given
         session.request_tokens = 10 * KERNEL_MAX_TOKENS
@@ -208,7 +211,9 @@ def test_a_malformed_large_forward_gets_an_error(asan_duck):
         errors = fleet.stats()[0]["errors"]
         payload = forward_payload(hidden=8192, ntok=64) + b"xyz"
         assert len(payload) > CONTROL_MESSAGE_MAX
-        status, body, _ = exchange(duck.port, fragments(payload, key, lib.WIRE_T_FORWARD, session.id, 1001), key)
+        lk = fleet.link_key(0)
+        status, body, _ = exchange(duck.port, fragments(payload, lk, lib.WIRE_T_FORWARD, session.id,
+                                                        fleet.take_sequence()), lk)
         assert status == lib.WIRE_E_MALFORMED and "does not match ntok 64" in body.decode(), body
         assert fleet.stats()[0]["errors"] == errors + 1
     finally:
@@ -221,10 +226,12 @@ def test_large_messages_that_are_not_forwards_of_the_open_session_are_dropped_at
     try:
         before = fleet.stats()[0]
         big = CONTROL_MESSAGE_MAX + 1
-        first = [fragments(b"\0" * FRAGMENT, key, lib.WIRE_T_UPLOAD, 0, 2001, total=big, only=range(1))[0],
+        lk = fleet.link_key(0)
+        first = [fragments(b"\0" * FRAGMENT, lk, lib.WIRE_T_UPLOAD, 0, fleet.take_sequence(), total=big,
+                           only=range(1))[0],
                  fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_PING, 0, 2002, total=big, only=range(1))[0],
-                 fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_FORWARD, session.id ^ 1, 2003, total=big,
-                           only=range(1))[0]]
+                 fragments(b"\0" * FRAGMENT, lk, lib.WIRE_T_FORWARD, session.id ^ 1, fleet.take_sequence(),
+                           total=big, only=range(1))[0]]
         blast(duck.port, first)
         fleet.hello()
         after = fleet.stats()[0]
@@ -243,7 +250,8 @@ def test_a_flood_of_huge_claims_stays_within_the_reassembly_budget(asan_duck):
     session = fleet.open_session({0: [[]]}, hidden)
     try:
         before = fleet.stats()[0]
-        claims = [fragments(b"\0" * FRAGMENT, None, lib.WIRE_T_FORWARD, session.id, 3000 + i,
+        lk = fleet.link_key(0)   # authentic fragments: a forged one is dropped before reassembly
+        claims = [fragments(b"\0" * FRAGMENT, lk, lib.WIRE_T_FORWARD, session.id, fleet.take_sequence(),
                             total=lib.WIRE_MAX_MESSAGE, only=range(1))[0] for i in range(64)]
         blast(duck.port, claims)
         fleet.hello()

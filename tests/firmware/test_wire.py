@@ -22,7 +22,10 @@ def crc32c_reference(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def wire_key(key: bytes):
+def wire_key(key):
+    """A wire_key of the fleet key's bytes; a wire_key already (Fleet.link_key: with a link) as it is."""
+    if isinstance(key, ffi.CData):
+        return key
     k = ffi.new("wire_key *")
     k.bytes[0:len(key)] = key
     k.len = len(key)
@@ -68,10 +71,10 @@ def test_crc32c(n):
 def test_header_layout_matches_the_constants():
     assert ffi.sizeof("wire_header") == lib.WIRE_HEADER_BYTES == 32
     assert ffi.offsetof("wire_header", "checksum") == 28
-    assert ffi.sizeof("wire_hello_reply") == 96 and ffi.sizeof("wire_stats") == 160
+    assert ffi.sizeof("wire_hello_reply") == 128 and ffi.sizeof("wire_stats") == 192
 
 
-def seal(payload: bytes, key: bytes | None, mtype=None, flags=0, frag_index=0, frag_count=1, total=None,
+def seal(payload: bytes, key, mtype=None, flags=0, frag_index=0, frag_count=1, total=None,
          session=7, sequence=42) -> bytes:
     h = ffi.new("wire_header *")
     h.type = lib.WIRE_T_PING if mtype is None else mtype

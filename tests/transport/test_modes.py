@@ -1,4 +1,4 @@
-"""Options of the transport and the firmware: MACs on forwards, spin-then-block
+"""Options of the transport and the firmware: MACs on forwards (the default) or not, spin-then-block
 idling, and the GIL released while a forward waits on the ducks."""
 import threading
 import time
@@ -13,15 +13,25 @@ HIDDEN = 128
 NO_EXPERT = (np.full((1, 1), -1, np.int32), np.zeros((1, 1), np.float32))
 
 
-def test_data_mac_is_required_when_the_duck_asks(tmp_path):
-    with Ducks(2, tmp_path, args=["--data-mac"], mac_data=True) as ducks:
+def test_data_mac_is_the_default_and_required(tmp_path):
+    with Ducks(2, tmp_path) as ducks:
         assert all(i.data_mac for i in ducks.fleet.hello())
         session = ducks.fleet.open_session({0: [[], []]}, HIDDEN)
         assert not session.forward(0, np.ones((1, HIDDEN), np.float32), *NO_EXPERT).any()
-        plain = Fleet([d.address for d in ducks.ducks], ducks.key)
+        plain = Fleet([d.address for d in ducks.ducks], ducks.key, mac_data=False)
         with pytest.raises(DuckError, match=r"requires a MAC on forwards .*mac_data=True"):
             plain.hello()
         plain.close()
+
+
+def test_no_data_mac_for_trusted_links(tmp_path):
+    """duckfw --no-data-mac and Fleet(mac_data=False): forwards and partials without a
+    MAC; the control messages keep theirs."""
+    with Ducks(1, tmp_path, args=["--no-data-mac"], mac_data=False) as ducks:
+        assert not ducks.fleet.hello()[0].data_mac
+        session = ducks.fleet.open_session({0: [[]]}, HIDDEN)
+        assert not session.forward(0, np.ones((1, HIDDEN), np.float32), *NO_EXPERT).any()
+        assert "forwards and their partials travel without a MAC" in ducks[0].log()
 
 
 def test_spin_then_block_idle(tmp_path):
