@@ -175,8 +175,10 @@ class FleetConfig:
                               "each duck holds one tensor-parallel slice")
         if self.multiple_of <= 0 or self.multiple_of % 64:
             raise ConfigError(f"fleet.multiple_of = {self.multiple_of!r}: expected a positive multiple of 64")
-        if self.mtu and not 1280 <= self.mtu <= 65535:
-            raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 0 (as agreed with each duck) or 1280..65535")
+        from native._native import lib   # the wire's bounds, from its header (native/wire/wire.h)
+        if self.mtu and not lib.WIRE_MTU_MIN <= self.mtu <= lib.WIRE_MTU_MAX:
+            raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 0 (as agreed with each duck) or "
+                              f"{lib.WIRE_MTU_MIN}..{lib.WIRE_MTU_MAX} (the wire's datagram sizes)")
         if not 1 <= self.spin_us <= 1000000:
             raise ConfigError(f"fleet.spin_us = {self.spin_us!r}: expected 1..1000000")
         if not 0 <= self.host_spin_us <= 100000:
