@@ -1,7 +1,7 @@
 """duckd under load, real daemon and ducks, one sequence at a time (model.max_seqs = 1;
 tests/duckd/test_batching.py has the batch): waiting chats hold no thread, so the health
 monitor sees a killed duck within 2 s while 32 chats are queued, and the queued ones
-then fail fast; a queued request whose client goes away leaves the queue at once and
+then fail fast (with the host's cover off); a queued request whose client goes away leaves the queue at once and
 runs no prefill; a chat whose stop string holds all text back still ends on cancel."""
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ LONG = "Write a very long story about a duck who learns to compute."
 @pytest.fixture
 def daemon(tmp_path):
     state = tmp_path / "duck"
-    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, restart=False,
+    # host_cover_mb = 0: a lost duck's slices are not computed on the host, so the waiting chats fail fast
+    # (tests/duckd/test_lost_duck.py has them survive)
+    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, restart=False, host_cover_mb=0,
                                    model={"max_tokens": 200, "max_seqs": 1}), state, env={"XDG_STATE_HOME": str(tmp_path)}).start()
     yield d
     d.stop()
