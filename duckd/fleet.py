@@ -57,6 +57,7 @@ class Duck:
     kernel_ms: float = 0.0
     probe: object = None          # a native.transport.Fleet of this duck alone, for pings
     recovering: bool = False
+    waiting: bool = False         # FAILED, its driver cannot restart it: its hello is asked until it answers
     checks: int = 0
 
     @property
@@ -238,6 +239,42 @@ class FleetManager:
             self.on_failed(duck)
         if self.cfg.restart and self.driver.can_restart and not duck.recovering:
             self._spawn(self._recover(duck))
+        elif not self.driver.can_restart and not duck.waiting and duck.probe is not None:
+            self._spawn(self._await_return(duck))
+
+    async def _await_return(self, duck: Duck) -> None:
+        """A duck its driver cannot restart (a box of its own that reboots, or whose link comes
+        back): its hello is asked every health interval, and when it answers it is READY and
+        brought back (on_ready: run, weights, session) as a restarted duck is."""
+        from native.transport import DuckError
+
+        duck.waiting = True
+        log.info("duck %d: asking its hello until it answers (the %s driver cannot restart it)", duck.id,
+                 self.driver.name)
+        try:
+            while not self.stopping and duck.state == State.FAILED:
+                await asyncio.sleep(max(self.cfg.health_interval_s, 0.1))
+                try:
+                    await self._probe(duck.probe.hello_only)
+                except DuckError as e:
+                    log.debug("duck %d: no hello yet: %s", duck.id, e)
+                    continue
+                self.events.add("link", "answers again", duck.id)
+                duck.last_ok = time.monotonic()
+                self.set_state(duck, State.READY)
+                if self.on_ready is None:
+                    self.set_state(duck, State.SERVING)
+                    break
+                duck.recovering = True
+                try:
+                    await self.on_ready(duck)
+                except Exception as e:   # it failed again: keep asking
+                    log.warning("duck %d: bringing it back failed: %s", duck.id, e)
+                    self.set_state(duck, State.FAILED, f"bringing it back failed: {e}")
+                finally:
+                    duck.recovering = False
+        finally:
+            duck.waiting = False
 
     async def _recover(self, duck: Duck) -> None:
         duck.recovering = True

@@ -189,3 +189,16 @@ def test_a_foreign_session_is_reopened_with_an_event(setup):
     assert back == ours   # the daemon's own session back on that duck (the others keep it: nothing to redo there)
     setup.serving()
     setup.chat_works()
+
+
+def test_a_failed_duck_of_the_wol_driver_comes_back_when_it_answers(setup):
+    """The wol driver cannot restart a duck: one that stopped answering (a box that rebooted)
+    is FAILED until its hello answers again, then it gets the run, its weights and the
+    daemon's session back and serves."""
+    ours = setup.hello().session
+    setup.ducks[0].stop()
+    setup.daemon.wait_duck(0, pb.FAILED, timeout=20)
+    setup.ducks[0].start()
+    setup.serving()
+    assert wait_session(setup, lambda s: s != 0) == ours
+    setup.chat_works()

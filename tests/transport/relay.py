@@ -45,12 +45,15 @@ class Relay:
         while not self._stop.is_set():
             ready, _, _ = select.select([self._front, self._back], [], [], 0.05)
             for s in ready:
-                data, addr = s.recvfrom(65535)
-                if s is self._front:
-                    self._host = addr
-                    self._pass(data, self.to_duck, "to_duck", lambda d: self._back.send(d))
-                elif self._host is not None:
-                    self._pass(data, self.to_host, "to_host", lambda d: self._front.sendto(d, self._host))
+                try:
+                    data, addr = s.recvfrom(65535)
+                    if s is self._front:
+                        self._host = addr
+                        self._pass(data, self.to_duck, "to_duck", lambda d: self._back.send(d))
+                    elif self._host is not None:
+                        self._pass(data, self.to_host, "to_host", lambda d: self._front.sendto(d, self._host))
+                except ConnectionRefusedError:
+                    pass   # the duck is down (its port unreachable): a datagram lost, as on a real link
 
     def _pass(self, data: bytes, limit: int, way: str, send) -> None:
         if len(data) + IP_UDP_BYTES > limit:
