@@ -214,7 +214,11 @@ class SharedExpert(GatedMLP):
     """The MoE shared expert: the same weights as any expert, computed on the host."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(self.gate_proj(x), self.up_proj(x))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of gate and up computed elsewhere (one matmul with the router)."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen3_5MoeSparseMoeBlock(RoutedExperts):
@@ -231,7 +235,7 @@ class Qwen3_5MoeSparseMoeBlock(RoutedExperts):
         e = self.shared_expert
         logits, gate, up, shared_gate = self.shared_in(x, self.gate, e.gate_proj, e.up_proj, self.shared_expert_gate)
         ids, weights = self.gate.route(logits)                            # [T, k], [T, k]
-        shared = torch.sigmoid(shared_gate) * e.down_proj(F.silu(gate) * up)
+        shared = torch.sigmoid(shared_gate) * e.down(gate, up)
         return self.routed(x, ids, weights) + shared                       # [T, H]
 
 
