@@ -282,15 +282,14 @@ static void state_reply_mtu(uint32_t type, uint8_t *payload, uint32_t len, uint3
 }
 
 uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have,
-                         size_t *lens)
+                         size_t *lens, size_t *at)
 {
     size_t stride = (size_t)s->mtu + 64, need = (size_t)s->req_frags * stride;
-    if (need > t->seal_cap) {
-        uint8_t *p = realloc(t->seal, need);
-        if (!p)
+    if (*at + need > t->seal_cap) {
+        tr_tx_flush(t);   /* what is queued points into the buffer */
+        *at = 0;
+        if (!tr_seal_reserve(t, need))
             return 0;
-        t->seal = p;
-        t->seal_cap = need;
     }
     t->seal_stride = stride;
     wire_header h = {0};
@@ -304,7 +303,7 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
         if (have && (have[i / 8] & (1u << (i % 8))))
             continue;
         uint32_t off = fsize * i, len = c->payload_len - off < fsize ? c->payload_len - off : fsize;
-        uint8_t *out = t->seal + (size_t)n * stride;
+        uint8_t *out = t->seal + *at + (size_t)n * stride;
         if (len)
             memcpy(out + WIRE_HEADER_BYTES, (const uint8_t *)c->payload + off, len);
         if (i == 0)
@@ -315,12 +314,26 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
     return n;
 }
 
+int tr_seal_reserve(duck_transport *t, size_t bytes)
+{
+    if (bytes <= t->seal_cap)
+        return 1;
+    uint8_t *p = realloc(t->seal, bytes);
+    if (!p)
+        return 0;
+    t->seal = p;
+    t->seal_cap = bytes;
+    return 1;
+}
+
 void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have)
 {
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
-    uint32_t n = tr_seal_request(t, c, s, have, lens);
+    size_t at = 0;
+    tr_tx_flush(t);
+    uint32_t n = tr_seal_request(t, c, s, have, lens, &at);
     for (uint32_t i = 0; i < n; i++)
-        tr_tx_add(t, c->duck, t->seal + (size_t)i * t->seal_stride, lens[i]);
+        tr_tx_add(t, c->duck, t->seal + at + (size_t)i * t->seal_stride, lens[i]);
     tr_tx_flush(t);
 }
 

@@ -8,6 +8,8 @@
 #include "transport.h"
 
 #define BATCH 64
+/* The most bytes of sealed datagrams one scatter queues before it sends. */
+#define SEAL_BATCH_BYTES ((size_t)4 << 20)
 
 /* What the transport knows of one duck across calls. */
 typedef struct duck_link {
@@ -111,10 +113,15 @@ void tr_tx_add(duck_transport *t, uint32_t duck, uint8_t *dgram, size_t len);
 /* The datagram size below the agreed one that a failed size falls back to. */
 uint32_t tr_small_mtu(const duck_transport *t);
 /* Seals the fragments of a call's request (those not set in `have`, or all)
- * into t->seal, t->seal_stride apart; returns how many (lens: their lengths),
- * or 0 when out of memory. */
+ * into t->seal from byte *at on, t->seal_stride apart; returns how many
+ * (lens: their lengths), or 0 when out of memory. Where they do not fit
+ * behind what is queued, the queue is sent first and *at becomes 0: the
+ * caller queues them from t->seal + *at. */
 uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have,
-                         size_t *lens);
+                         size_t *lens, size_t *at);
+/* Makes room for `bytes` of sealed datagrams (nothing may be queued: it may
+ * move the buffer); 0 when out of memory. */
+int tr_seal_reserve(duck_transport *t, size_t bytes);
 void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have);
 void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s);
 /* The retransmit timeout of a duck's next call (transport_timing.c). */

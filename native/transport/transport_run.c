@@ -264,6 +264,19 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
     static __thread size_t lens[WIRE_MAX_FRAGMENTS];
     uint32_t nseal = 0;
     int64_t sealed = -1;   /* the last call sent: its sequence number and seal may be shared */
+    size_t at = 0, end = 0;   /* where the last seal went in t->seal, and where the next may go */
+    /* Every duck's own seal (its link MAC) side by side, so that one sendmmsg
+     * carries the whole scatter: sent duck by duck, the first duck woken would
+     * preempt the host before the others have their request. Large messages
+     * (prefill chunks) are sent as they are sealed. */
+    size_t room = 0;
+    for (uint32_t i = first; i < first + count; i++)
+        if (!calls[i].local && calls[i].duck < t->cfg.n_ducks)
+            room += (size_t)wire_frag_count(calls[i].payload_len, t->link[calls[i].duck].mtu) *
+                    (t->link[calls[i].duck].mtu + 64);
+    tr_tx_flush(t);
+    if (room <= SEAL_BATCH_BYTES && !tr_seal_reserve(t, room))
+        return -1;
     for (uint32_t i = first; i < first + count; i++) {
         duck_call *c = &calls[i];
         call_state *s = &t->st[i];
@@ -299,14 +312,15 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
         tr_start_timer(t, c, s, now);
         int own_mac = s->with_mac && wire_mac_kind(c->type) == WIRE_MAC_LINK;   /* each duck's link key */
         if (!same_msg || s->mtu != t->st[sealed].mtu || own_mac) {
-            tr_tx_flush(t);   /* what is queued points into the seal buffer */
-            nseal = tr_seal_request(t, c, s, NULL, lens);
+            at = end;
+            nseal = tr_seal_request(t, c, s, NULL, lens, &at);
             if (!nseal)
                 return -1;
+            end = at + (size_t)nseal * t->seal_stride;
         }
         sealed = i;
         for (uint32_t f = 0; f < nseal; f++)
-            tr_tx_add(t, c->duck, t->seal + (size_t)f * t->seal_stride, lens[f]);
+            tr_tx_add(t, c->duck, t->seal + at + (size_t)f * t->seal_stride, lens[f]);
     }
     tr_tx_flush(t);
     t->stats.calls += count;
