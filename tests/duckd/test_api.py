@@ -177,3 +177,4 @@ def test_duckctl_bench_e2e_with_concurrent_streams(duckd_daemon):
     c = json.loads(r.stdout)["concurrent"]
     assert c["streams"] == 4 and c["errors"] == 0 and c["tokens_out"] > 4
     assert c["aggregate_tok_s"] > 0 and c["sum_of_stream_decode_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p99_s"]
+    assert "all_decoding_tok_s" in c and "all_decoding_over_one_stream" in c
