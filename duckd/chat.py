@@ -210,8 +210,9 @@ class ChatService:
         return {**self.daemon.model.loaded.sampling, **mine}
 
     def batch_runner(self):
-        """The continuous-batching runner when it applies (model.max_seqs > 1, the model on the
-        CPU host's native decoder, no MTP); None: one generation at a time."""
+        """The continuous-batching runner when it applies (model.max_seqs > 1, a family with a
+        batched path: engine.batch.batch_decoder; on a GPU host only with model.gpu_batching;
+        no MTP); None: one generation at a time."""
         if self._batch_checked:
             return self._batch
         self._batch_checked = True
@@ -219,10 +220,11 @@ class ChatService:
         if cfg.max_seqs <= 1 or (cfg.mtp and getattr(loaded.model, "mtp_layers", None)):
             return None
         from engine.batch import BatchRunner, batch_decoder
-        batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens)
+        batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens,
+                              gpu=cfg.gpu_batching)
         if batch is not None:
             self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
-            log.info("continuous batching: up to %d sequences per step", cfg.max_seqs)
+            log.info("continuous batching (%s path): up to %d sequences per step", batch.path, cfg.max_seqs)
         return self._batch
 
     def _admit(self, job) -> None:

@@ -1,5 +1,6 @@
-"""Many requests at once on the CPU host: continuous batching over the native
-decoder (engine.cpu.decode) and a cache with one slot per sequence.
+"""Many requests at once: continuous batching over the native CPU decoder
+(engine.cpu.decode), or the model's torch modules (engine.batch_torch: a GPU host,
+DUCK_CPU_NATIVE=0), and a cache with one slot per sequence.
 
     batch = BatchDecoder(model, tokenizer, slots=32, max_model_len=2048)
     seq = batch.add(prompt_ids, params, on_text=...)   # None: no free slot
@@ -65,17 +66,26 @@ class Sequence:
 class BatchDecoder:
     """Continuous batching on the CPU host (see the module docstring)."""
 
-    def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS):
-        from engine.cpu.decode import CpuDecoder
-
+    def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
+                 path: str = "native"):
         if slots < 1 or max_model_len < 2:
             raise ValueError(f"a batch needs slots >= 1 and max_model_len >= 2, got {slots} and {max_model_len}")
         if not 1 <= step_tokens:
             raise ValueError(f"step_tokens must be positive, got {step_tokens}")
-        device = model.model.embed_tokens.weight.device
-        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
-        self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, torch.float32, device)
-        self.decoder = CpuDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
+        if path not in ("native", "torch"):
+            raise ValueError(f"path must be 'native' (engine.cpu.decode) or 'torch' (engine.batch_torch), got {path!r}")
+        weight = model.model.embed_tokens.weight
+        self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
+        if path == "native":
+            from engine.cpu.decode import CpuDecoder
+
+            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, torch.float32, weight.device)
+            self.decoder = CpuDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
+        else:
+            from engine.batch_torch import TorchSlotDecoder
+
+            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
+            self.decoder = TorchSlotDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
         if self.step_tokens < slots:
             raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "
@@ -83,8 +93,9 @@ class BatchDecoder:
         self.free = list(range(slots - 1, -1, -1))   # popped from the end: slot 0 first
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
-        log.info("batch decoder: %d slots of %d positions (%.0f MB of KV cache), steps of up to %d tokens",
-                 slots, max_model_len, 2 * self.cache.k.numel() * 4 / 1e6, self.step_tokens)
+        log.info("batch decoder (%s path): %d slots of %d positions (%.0f MB of KV cache), steps of up to %d tokens",
+                 path, slots, max_model_len, 2 * self.cache.k.numel() * self.cache.k.element_size() / 1e6,
+                 self.step_tokens)
 
     @property
     def slots(self) -> int:
@@ -169,17 +180,23 @@ class BatchDecoder:
         return ended
 
 
-def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS):
-    """A BatchDecoder when the model runs on the CPU host with the native decoder; None
-    otherwise (CUDA, an unsupported family, DUCK_CPU_NATIVE=0), with why at info level."""
+def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
+                  gpu: bool = False):
+    """A BatchDecoder where one applies, None otherwise (with why at info level): on the
+    CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), or the torch path's with
+    DUCK_CPU_NATIVE=0; on a GPU host the torch path's only when gpu is set (duckd's
+    model.gpu_batching: eager steps, not yet measured against one request at a time with
+    CUDA graphs)."""
     from engine.cpu.decode import native_mode
     from engine.cpu.host_model import UnsupportedModel
 
-    if model.model.embed_tokens.weight.device.type != "cpu" or native_mode() == "off":
-        log.info("no continuous batching: the model is not on the CPU host's native decoder")
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    if not on_cpu and not gpu:
+        log.info("no continuous batching on the GPU host (model.gpu_batching is off): one request at a time")
         return None
+    path = "native" if on_cpu and native_mode() != "off" else "torch"
     try:
-        return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens)
+        return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path)
     except UnsupportedModel as e:
         log.info("no continuous batching: %s", e)
         return None

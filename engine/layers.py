@@ -138,6 +138,61 @@ class SlotKVCache:
         return KVCache(self.k[:, s], self.v[:, s])
 
 
+@dataclass(slots=True)
+class SlotBatch:
+    """One forward of many sequences over a SlotKVCache (engine.batch on the torch path):
+    token t is at positions[t] of slot slots[t]; a sequence's tokens are one run of the step
+    (runs: (slot, start, stop) over the tokens, host ints). What attention writes lands at
+    flat[t] = slot * max_model_len + position of the layer's cache seen as one long cache,
+    and each run attends to its own slot only, causally (rotary_cached_attention)."""
+    cache: SlotKVCache
+    positions: torch.Tensor      # [T] int64, on the model's device
+    flat: torch.Tensor           # [T] int64, on the model's device
+    runs: list[tuple[int, int, int]]
+    ends: list[int]              # per run: its last position + 1 (the slots it reads)
+
+    @classmethod
+    def plan(cls, cache: SlotKVCache, positions: list[int], slots: list[int], device) -> "SlotBatch":
+        if len(positions) != len(slots) or not slots:
+            raise ValueError(f"a slot batch needs one slot per token, got {len(slots)} for {len(positions)}")
+        n, length = cache.slots, cache.max_model_len
+        runs, ends, start = [], [], 0
+        for t in range(1, len(slots) + 1):
+            if t == len(slots) or slots[t] != slots[start]:
+                slot = slots[start]
+                if not 0 <= slot < n:
+                    raise ValueError(f"slot {slot} is not one of the cache's {n}")
+                if any(positions[i] != positions[start] + i - start for i in range(start, t)):
+                    raise ValueError(f"slot {slot}: a run's positions must be consecutive, got "
+                                     f"{positions[start:t]}")
+                if not 0 <= positions[start] or positions[t - 1] >= length:
+                    raise ValueError(f"slot {slot}: positions {positions[start]}..{positions[t - 1]} are outside "
+                                     f"the cache (max_model_len={length})")
+                runs.append((slot, start, t))
+                ends.append(positions[t - 1] + 1)
+                start = t
+        if len({r[0] for r in runs}) != len(runs):
+            raise ValueError("a slot batch takes each sequence's tokens as one run")
+        flat = [s * length + p for s, p in zip(slots, positions)]
+        return cls(cache, torch.tensor(positions, dtype=torch.int64, device=device),
+                   torch.tensor(flat, dtype=torch.int64, device=device), runs, ends)
+
+
+def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """k, v [T, KVH, D] written at their slots' positions, then each run's q over its own slot."""
+    cache = batch.cache
+    ck, cv = cache.k[layer], cache.v[layer]                  # [slots, S, KVH, D]
+    ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
+    cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
+    outs = []
+    for (slot, start, stop), end in zip(batch.runs, batch.ends):
+        # the slot's cache up to its run's last position: the same call one sequence alone makes
+        outs.append(ops.decode_attention_ref(q[start:stop], ck[slot, :end], cv[slot, :end],
+                                             batch.positions[start:stop], scale, masked=stop - start > 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def attention_end(cache: KVCache, positions: torch.Tensor) -> int:
     """The cache slots attention reads: all of them under static_decode (no host sync), else
     up to the last position, checked to be within the cache before anything is written."""
@@ -162,7 +217,10 @@ def attend_cache(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.T
 def cached_attention(layer: int, cache: KVCache, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, scale: float) -> torch.Tensor:
     """Writes k, v [T, KVH, D] at positions, attends q [T, H, D] causally over the
-    cache up to the last position (static_decode: over all of it, masked); returns [T, H * D]."""
+    cache up to the last position (static_decode: over all of it, masked); returns [T, H * D].
+    A SlotBatch instead of a cache: each sequence's run in its own slot."""
+    if isinstance(cache, SlotBatch):
+        return _slot_attention(layer, cache, q, k, v, scale)
     end = attention_end(cache, positions)
     cache.k[layer].index_copy_(0, positions, k)
     cache.v[layer].index_copy_(0, positions, v)
@@ -173,7 +231,14 @@ def rotary_cached_attention(layer: int, cache: KVCache, positions: torch.Tensor,
                             v: torch.Tensor, rotary: RotaryEmbedding, scale: float, q_norm: RMSNorm | None = None,
                             k_norm: RMSNorm | None = None) -> torch.Tensor:
     """cached_attention of q, k after their per-head norms (Qwen3; None: Llama) and rotary,
-    the norms, rotary and cache write being one op (engine.ops.qk_norm_rope)."""
+    the norms, rotary and cache write being one op (engine.ops.qk_norm_rope). A SlotBatch
+    instead of a cache: rotary at each token's position, then each run in its own slot."""
+    if isinstance(cache, SlotBatch):
+        q, k = ops.qk_norm_rope(q, k, cache.positions, rotary.inv_freq_on(q.device),
+                                q_norm.weight if q_norm is not None else None,
+                                k_norm.weight if k_norm is not None else None,
+                                q_norm.eps if q_norm is not None else 0.0)
+        return _slot_attention(layer, cache, q, k, v, scale)
     end = attention_end(cache, positions)
     q, _ = ops.qk_norm_rope(q, k, positions, rotary.inv_freq_on(positions.device),
                             q_norm.weight if q_norm is not None else None,

@@ -118,3 +118,26 @@ def test_a_queued_request_whose_client_left_runs_nothing(daemon):
     with pytest.raises(grpc.RpcError) as e:     # a cancelled stream raises on its next read
         next(waiting[0])
     assert e.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_the_torch_path_batches_in_the_daemon(tmp_path):
+    """With DUCK_CPU_NATIVE=0 the daemon batches through the model's torch modules (the
+    path a GPU host takes with model.gpu_batching): concurrent streams still get exactly
+    what they get alone."""
+    state = tmp_path / "duck"
+    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_seqs": 4, "max_queued": 8}),
+                      state, env={"XDG_STATE_HOME": str(tmp_path), "DUCK_CPU_NATIVE": "0"}).start()
+    try:
+        async def one_by_one():
+            async with _client(d) as client:
+                return [await _chat(client, i, 12) for i in range(6)]
+
+        async def together():
+            async with _client(d) as client:
+                return await asyncio.gather(*(_chat(client, i, 12) for i in range(6)))
+
+        alone = asyncio.run(one_by_one())
+        assert asyncio.run(together()) == alone and all(alone)
+        assert "continuous batching (torch path)" in d.log_path.read_text(errors="replace")
+    finally:
+        d.stop()

@@ -31,8 +31,8 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def _run_batch(lm, requests, slots: int, step_tokens: int = 16) -> list[list[int]]:
-    batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=64, step_tokens=step_tokens)
+def _run_batch(lm, requests, slots: int, step_tokens: int = 16, path: str = "native") -> list[list[int]]:
+    batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=64, step_tokens=step_tokens, path=path)
     waiting, seqs = list(enumerate(requests)), {}
     while waiting or batch.active:
         while waiting:
@@ -104,3 +104,65 @@ def test_stop_cancel_and_length_end_a_sequence_and_free_its_slot(tiny_checkpoint
     assert long.result.token_ids == generate(lm.model, lm.tokenizer, list(range(2, 17)),
                                              SamplingParams(max_tokens=100, ignore_eos=True), max_model_len=20).token_ids
     assert all(0 <= t < vocab for t in long.result.token_ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_torch_path_batches_what_a_gpu_host_runs(kind, tiny_checkpoint, backend, monkeypatch):
+    """The torch path (engine.batch_torch: a GPU host's, here on the CPU): each request's
+    tokens are those of generate() on the torch path alone, through the fp9 kernels and
+    through real ducks; the steps mix decode tokens and prefill chunks of several slots."""
+    monkeypatch.setenv("DUCK_CPU_NATIVE", "0")
+    folder, _ = tiny_checkpoint(kind)
+    lm = load_model(folder, device="cpu", backend=backend())
+    requests = _requests(TINY[kind]["vocab_size"])
+    together = _run_batch(lm, requests, SLOTS, path="torch")
+    for (prompt, params), got in zip(requests, together):
+        assert len(got) == params.max_tokens
+        if params.temperature == 0:
+            assert generate(lm.model, lm.tokenizer, prompt, params).token_ids == got
+    assert together == [_run_batch(lm, [r], 1, path="torch")[0] for r in requests]
+
+
+def test_torch_batch_logits_match_one_sequence_alone(tiny_checkpoint):
+    """One step of three sequences at different positions (two decoding, one prefilling)
+    against each run alone in a fresh cache: the same logits within float rounding."""
+    folder, _ = tiny_checkpoint("qwen3")
+    lm = load_model(folder, device="cpu", backend="fp9")
+    from engine.batch_torch import TorchSlotDecoder
+    from engine.layers import SlotKVCache
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, TINY["qwen3"]["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 4)]
+    cache = SlotKVCache.allocate(lm.model.config, 4, 32, torch.float32)
+    dec = TorchSlotDecoder(lm.model, cache, max_tokens=32)
+    # fill slots 3 and 0 with the first two prompts but their last token, then one mixed step
+    for slot, p in ((3, prompts[0]), (0, prompts[1])):
+        dec.layers(torch.tensor(p[:-1]), torch.arange(len(p) - 1), torch.full((len(p) - 1,), slot))
+    ids = [prompts[0][-1], prompts[1][-1]] + prompts[2]
+    positions = [len(prompts[0]) - 1, len(prompts[1]) - 1] + list(range(len(prompts[2])))
+    slots = [3, 0] + [2] * len(prompts[2])
+    y = dec.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots))
+    got = dec.logits(y, [0, 1, len(ids) - 1])
+    for row, p in zip(got, prompts):
+        alone = lm.model.make_cache(32)
+        with torch.inference_mode():
+            want = lm.model.compute_logits(lm.model(torch.tensor(p), torch.arange(len(p)), alone)[-1:])[0]
+        torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_batch_plans_refuse_what_would_corrupt_a_cache(tiny_checkpoint):
+    from engine.layers import SlotBatch, SlotKVCache
+
+    folder, _ = tiny_checkpoint("llama")
+    lm = load_model(folder, device="cpu", backend="fp9")
+    cache = SlotKVCache.allocate(lm.model.config, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="slot 5 is not one of the cache's 2"):
+        SlotBatch.plan(cache, [0], [5], "cpu")
+    with pytest.raises(ValueError, match="consecutive"):
+        SlotBatch.plan(cache, [0, 2], [1, 1], "cpu")
+    with pytest.raises(ValueError, match="outside the cache"):
+        SlotBatch.plan(cache, [7, 8], [0, 0], "cpu")
+    with pytest.raises(ValueError, match="one run"):
+        SlotBatch.plan(cache, [0, 0, 1], [0, 1, 0], "cpu")
+    plan = SlotBatch.plan(cache, [3, 0, 1], [1, 0, 0], "cpu")
+    assert plan.runs == [(1, 0, 1), (0, 1, 3)] and plan.ends == [4, 2] and plan.flat.tolist() == [11, 0, 1]

@@ -1,0 +1,54 @@
+"""Continuous batching on a GPU host (engine.batch_torch, duckd's model.gpu_batching):
+tiny models on CUDA, the steps eager torch over a slot cache, the FFNs on the host-side
+fp9 kernels through the pinned host contract. fp32 (TF32 off): every request's tokens are
+those generate() gives it alone (CUDA graphs); bf16: the batch runs and each request gets
+max_tokens tokens. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import batch_decoder
+from engine.generate import SamplingParams, generate
+from engine.loader import load_model
+from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _drain(batch, requests):
+    waiting, seqs = list(enumerate(requests)), {}
+    while waiting or batch.active:
+        while waiting:
+            seq = batch.add(*waiting[0][1])
+            if seq is None:
+                break
+            seqs[waiting.pop(0)[0]] = seq
+        batch.step()
+    return [seqs[i].result.token_ids for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
+    folder = tmp_path / kind
+    hf_model(kind).save_pretrained(folder)
+    write_word_tokenizer(folder, TINY[kind]["vocab_size"])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        lm = load_model(folder, device="cuda", dtype=dtype, backend="fp9")
+        assert batch_decoder(lm.model, lm.tokenizer, 3, 64, 16) is None, "off unless model.gpu_batching"
+        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True)
+        assert batch is not None and batch.path == "torch"
+        g = torch.Generator().manual_seed(4)
+        requests = [(torch.randint(2, TINY[kind]["vocab_size"], (3 + 4 * i,), generator=g).tolist(),
+                     SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True)) for i in range(5)]
+        together = _drain(batch, requests)
+        assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
+        if dtype == "float32":
+            alone = [generate(lm.model, lm.tokenizer, prompt, params, max_model_len=64).token_ids
+                     for prompt, params in requests]
+            assert together == alone
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
