@@ -31,8 +31,8 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def _run_batch(lm, requests, slots: int, step_tokens: int = 16, path: str = "native") -> list[list[int]]:
-    batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=64, step_tokens=step_tokens, path=path)
+def drain(batch: BatchDecoder, requests) -> list[list[int]]:
+    """Every request through the batch, added as slots free; their tokens, in order."""
     waiting, seqs = list(enumerate(requests)), {}
     while waiting or batch.active:
         while waiting:
@@ -41,8 +41,13 @@ def _run_batch(lm, requests, slots: int, step_tokens: int = 16, path: str = "nat
                 break
             seqs[waiting.pop(0)[0]] = seq
         batch.step()
-    assert len(batch.free) == slots and batch.steps > 0
+    assert len(batch.free) == batch.slots and batch.steps > 0
     return [seqs[i].result.token_ids for i in range(len(requests))]
+
+
+def _run_batch(lm, requests, slots: int, step_tokens: int = 16, path: str = "native") -> list[list[int]]:
+    return drain(BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=64, step_tokens=step_tokens,
+                              path=path), requests)
 
 
 @pytest.fixture(scope="module", params=["fp9", "fleet"])

@@ -12,20 +12,9 @@ from engine.batch import batch_decoder
 from engine.generate import SamplingParams, generate
 from engine.loader import load_model
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
+from tests.engine.test_batch import drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _drain(batch, requests):
-    waiting, seqs = list(enumerate(requests)), {}
-    while waiting or batch.active:
-        while waiting:
-            seq = batch.add(*waiting[0][1])
-            if seq is None:
-                break
-            seqs[waiting.pop(0)[0]] = seq
-        batch.step()
-    return [seqs[i].result.token_ids for i in range(len(requests))]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
@@ -44,7 +33,7 @@ def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
         g = torch.Generator().manual_seed(4)
         requests = [(torch.randint(2, TINY[kind]["vocab_size"], (3 + 4 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True)) for i in range(5)]
-        together = _drain(batch, requests)
+        together = drain(batch, requests)
         assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
         if dtype == "float32":
             alone = [generate(lm.model, lm.tokenizer, prompt, params, max_model_len=64).token_ids
