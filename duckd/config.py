@@ -109,6 +109,7 @@ class NetnsConfig:
     duck_loss: float = 0.0             # fraction of datagrams lost, each direction
     port_rate_mbit: float = 0.0        # e.g. 25000: the host's 25GbE port of each subnet
     port_delay_us: float = 0.0         # one way, each direction (the switch)
+    link_mtu: int = 1500               # the veths' MTU: 1500 plain Ethernet, 9000 jumbo frames
 
     def __post_init__(self):
         if not 1 <= self.subnets <= 64:
@@ -129,6 +130,9 @@ class NetnsConfig:
         if self.duck_jitter_us > self.duck_delay_us:
             raise ConfigError(f"fleet.netns.duck_jitter_us = {self.duck_jitter_us!r}: more than duck_delay_us "
                               f"({self.duck_delay_us!r}); a delay cannot go below zero")
+        if not 1280 <= self.link_mtu <= 65535:
+            raise ConfigError(f"fleet.netns.link_mtu = {self.link_mtu!r}: expected 1280..65535 (1500: Ethernet, "
+                              "9000: jumbo frames)")
         if not 0 <= self.duck_loss < 1:
             raise ConfigError(f"fleet.netns.duck_loss = {self.duck_loss!r}: expected a fraction 0 <= loss < 1")
 

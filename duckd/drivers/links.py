@@ -1,8 +1,8 @@
 """Link emulation for the netns driver: tc qdiscs on the egress of each end of
 a veth, so each direction of a link is shaped where a real NIC would queue.
 
-    rate              tbf (a token bucket of a few datagrams: a burst of one
-                      layer's fragments is serialized at the link's rate, as
+    rate              tbf (a token bucket of one frame or 8 us at the rate: a
+                      layer's fragments are serialized at the link's rate, as
                       on the wire, not passed at once)
     delay/jitter/loss netem, the parent of the tbf
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger("duckd.driver.links")
 
-MTU_FRAME = 1514            # an Ethernet frame of a 1500-byte datagram
-BURST_US = 16               # the token bucket holds this long at the link's rate (at least two frames)
+FRAME_OVERHEAD = 64         # Ethernet and qdisc overhead on top of the MTU
+BUCKET_US = 8               # the bucket holds one frame or this long at the rate, whichever is more
 QUEUE_MS = 5                # and queues this long before it drops (a switch port's buffer)
 
 
@@ -45,10 +45,12 @@ class Shape:
         return bool(self.rate_mbit) or self.needs_netem
 
 
-def tbf_args(rate_mbit: float) -> list[str]:
+def tbf_args(rate_mbit: float, mtu: int = 1500) -> list[str]:
     rate_bytes = rate_mbit * 1e6 / 8
-    burst = max(2 * MTU_FRAME, int(rate_bytes * BURST_US * 1e-6))
-    limit = max(4 * burst, int(rate_bytes * QUEUE_MS * 1e-3))
+    # a message is serialized at the rate, at most a frame or 8 us early; a smaller bucket at 25 Gbit/s
+    # would cost a timer per frame (a CPU the emulation's ducks need)
+    burst = max(mtu + FRAME_OVERHEAD, int(rate_bytes * BUCKET_US * 1e-6))
+    limit = max(16 * burst, int(rate_bytes * QUEUE_MS * 1e-3))
     return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
 
 
@@ -69,7 +71,8 @@ def _tc(ns: str | None, *args: str) -> subprocess.CompletedProcess:
 class Shaper:
     """Applies Shapes to devices; knows after its first try whether the kernel has netem."""
 
-    def __init__(self):
+    def __init__(self, mtu: int = 1500):
+        self.mtu = mtu
         self.netem: bool | None = None      # unknown until a qdisc needs it
 
     def apply(self, dev: str, shape: Shape, ns: str | None = None) -> None:
@@ -89,7 +92,7 @@ class Shaper:
                 self.netem = True
         if shape.rate_mbit:
             where = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
-            r = _tc(ns, "qdisc", "replace", "dev", dev, *where, *tbf_args(shape.rate_mbit))
+            r = _tc(ns, "qdisc", "replace", "dev", dev, *where, *tbf_args(shape.rate_mbit, self.mtu))
             if r.returncode:
                 hint = " (the kernel needs CONFIG_NET_SCH_TBF)" if "unknown" in r.stderr.lower() else ""
                 raise LinkError(f"tc qdisc tbf on {dev}: {r.stderr.strip() or r.returncode}{hint}")

@@ -43,7 +43,7 @@ class NetnsDriver(Driver):
         self._made_netns: list[str] = []
         self._made_links: list[str] = []
         self._lock = threading.Lock()       # ducks boot concurrently; bridges are shared
-        self.shaper = Shaper()
+        self.shaper = Shaper(self.n.link_mtu)
         self.duck_shape = Shape(self.n.duck_rate_mbit, self.n.duck_delay_us, self.n.duck_jitter_us, self.n.duck_loss)
         self.port_shape = Shape(self.n.port_rate_mbit, self.n.port_delay_us)
 
@@ -63,7 +63,8 @@ class NetnsDriver(Driver):
             _ip("link", "add", name, "type", "bridge")
             self._made_bridges.append(name)
             _ip("link", "set", name, "up")
-            _ip("link", "add", port, "type", "veth", "peer", "name", port_peer)
+            _ip("link", "add", port, "mtu", str(self.n.link_mtu), "type", "veth", "peer", "name", port_peer,
+                "mtu", str(self.n.link_mtu))
             self._made_links.append(port)
             _ip("link", "set", port_peer, "master", name)
             _ip("link", "set", port_peer, "up")
@@ -87,7 +88,8 @@ class NetnsDriver(Driver):
             _ip("link", "del", host_end, check=False)
             _ip("netns", "add", ns)
             self._made_netns.append(ns)
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", duck_end)
+            _ip("link", "add", host_end, "mtu", str(self.n.link_mtu), "type", "veth", "peer", "name", duck_end,
+                "mtu", str(self.n.link_mtu))
             self._made_links.append(host_end)
             _ip("link", "set", duck_end, "netns", ns)
             _ip("link", "set", host_end, "master", bridge)

@@ -68,7 +68,8 @@ def test_bad_link_emulation_values_are_named(netns, text):
 def test_link_shapes_become_tc_arguments_and_duckfw_stands_in_for_a_missing_netem():
     from duckd.drivers.links import LinkError, Shape, Shaper, netem_args, tbf_args
     tbf = tbf_args(2500)
-    assert tbf[:3] == ["tbf", "rate", "2500mbit"] and int(tbf[tbf.index("burst") + 1]) == 5000
+    assert tbf[:3] == ["tbf", "rate", "2500mbit"] and int(tbf[tbf.index("burst") + 1]) == 2500
+    assert int(tbf_args(100)[4]) == 1564 and int(tbf_args(25000)[4]) == 25000   # one frame at least
     assert netem_args(Shape(delay_us=50, jitter_us=5, loss=0.01)) == ["netem", "limit", "100000", "delay", "50us",
                                                                       "5us", "loss", "1%"]
     shaper = Shaper()
