@@ -22,7 +22,8 @@ log = logging.getLogger("duckd.driver.links")
 
 FRAME_OVERHEAD = 64         # Ethernet and qdisc overhead on top of the MTU
 BUCKET_US = 8               # the bucket holds one frame or this long at the rate, whichever is more
-QUEUE_MS = 5                # and queues this long before it drops (a switch port's buffer)
+QUEUE_MS = 5                # it queues this long at the rate before it drops,
+QUEUE_FRAMES = 1000         # and at least this many frames (a NIC's txqueuelen): a layer's burst fits
 
 
 class LinkError(RuntimeError):
@@ -50,7 +51,7 @@ def tbf_args(rate_mbit: float, mtu: int = 1500) -> list[str]:
     # a message is serialized at the rate, at most a frame or 8 us early; a smaller bucket at 25 Gbit/s
     # would cost a timer per frame (a CPU the emulation's ducks need)
     burst = max(mtu + FRAME_OVERHEAD, int(rate_bytes * BUCKET_US * 1e-6))
-    limit = max(16 * burst, int(rate_bytes * QUEUE_MS * 1e-3))
+    limit = max(QUEUE_FRAMES * (mtu + FRAME_OVERHEAD), int(rate_bytes * QUEUE_MS * 1e-3))
     return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
 
 
