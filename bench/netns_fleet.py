@@ -8,6 +8,8 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,10 +42,13 @@ def check_can_run() -> None:
 
 @contextmanager
 def netns_ducks(args):
-    """args.netns ducks behind emulated links: (addresses, key, subnet of each, the driver); all removed after."""
+    """args.netns ducks behind emulated links: (addresses, key, subnet of each, the driver, their pids);
+    all removed after."""
     from duckd.drivers.netns import NetnsDriver
     check_can_run()
     cfg = netns_config(args)
+    # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so the namespaces and veths below are removed
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="duck-bench-netns-") as tmp:
         key_file = Path(tmp) / "key"
         key = write_key_file(key_file)
@@ -56,12 +61,28 @@ def netns_ducks(args):
         try:
             asyncio.run(boot_all())
             log.info("%d ducks in %d subnets booted", len(specs), cfg.netns.subnets)
-            yield [d.address for d in specs], key, [d.subnet for d in specs], driver
+            yield [d.address for d in specs], key, [d.subnet for d in specs], driver, [d.handle.pid for d in specs]
         finally:
             async def stop_all():
                 await asyncio.gather(*(driver.stop(d) for d in specs))
                 await driver.close()
             asyncio.run(stop_all())
+            signal.signal(signal.SIGTERM, previous)
+
+
+def own_cpu_s(pids: list[int]) -> float:
+    """CPU seconds of this process and of the ducks so far (softirq work lands on whoever runs)."""
+    import resource
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    total = me.ru_utime + me.ru_stime
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def link_limits(driver) -> dict:

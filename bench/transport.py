@@ -153,15 +153,18 @@ def machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50) -> dict:
+def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50,
+              cpu_probe=None) -> dict:
     start = fleet.transport_stats()
     for _ in range(warmup):                # first forwards: cold caches, the retransmit timer still learning
         fn()
     before_d = fleet.stats()
     before_t = fleet.transport_stats()     # after the STATS call: only the measured calls' datagrams count
-    busy0, wall0 = machine_busy_s(), time.monotonic()
+    busy0, wall0, own0 = machine_busy_s(), time.monotonic(), cpu_probe() if cpu_probe else 0.0
     r = timed(fn, iters, 0, session)
     busy, wall = machine_busy_s() - busy0, time.monotonic() - wall0
+    if cpu_probe:   # this process and its ducks alone (the machine's figure counts everyone's)
+        r["own_cpu_us_per_call"] = round((cpu_probe() - own0) / iters * 1e6, 1)
     after_t, after_d = fleet.transport_stats(), fleet.stats()
     # where ducks share this machine's CPUs (loopback, --netns), a round trip can be CPU-bound, not wire-bound
     r["machine_cpu_us_per_call"] = round(busy / iters * 1e6, 1)
@@ -188,7 +191,7 @@ def overhead(addresses, key, args, hidden: int, host_spin_us: int, mac: bool = T
         ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
         out = np.empty((1, hidden), np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
-                      "none")
+                      "none", cpu_probe=getattr(args, "cpu_probe", None))
         r.update(hidden=hidden, data_mac=mac)
         return r
 
@@ -207,7 +210,7 @@ def partials(addresses, key, args, host_spin_us: int, bf16: bool, mac: bool = Tr
         session = fleet.open_session({0: per_duck}, HIDDEN)
         out = np.empty((1, HIDDEN), np.uint16 if bf16 else np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
-                      "bf16" if bf16 else "fp32")
+                      "bf16" if bf16 else "fp32", cpu_probe=getattr(args, "cpu_probe", None))
         r.update(hidden=HIDDEN, partial_bytes_per_duck=HIDDEN * (2 if bf16 else 4), data_mac=mac)
         return r
 
@@ -307,22 +310,26 @@ def run(args) -> dict:
 
 def run_netns(args) -> dict:
     """The per-layer round trip at hidden 7168 on an emulated LAN, for each fleet size."""
-    from bench.netns_fleet import link_limits, netns_ducks
+    from bench.netns_fleet import link_limits, netns_ducks, own_cpu_s
     sizes = sorted({int(v) for v in args.netns_sizes.split(",")} | {args.netns})
     if sizes[0] < 1 or sizes[-1] > args.netns:
         raise SystemExit(f"--netns-sizes {args.netns_sizes}: expected sizes 1..{args.netns} (the ducks started)")
     result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
               "load_avg_1min": round(os.getloadavg()[0], 2), "host_spin_us": args.spin_us,
               "mtu_ceiling": args.mtu, "duck_spin_us": args.duck_spin_us, "fleet": "netns"}
-    with netns_ducks(args) as (addresses, key, subnets, driver):
+    with netns_ducks(args) as (addresses, key, subnets, driver, pids):
         result["links"] = link_limits(driver)
+
+        args.cpu_probe = lambda: own_cpu_s(pids)
         for n in sizes:
             sub = addresses[:n]
             result[f"netns_overhead_{n}_ducks_hidden{HIDDEN}"] = overhead(sub, key, args, HIDDEN, args.spin_us)
             for dt in ("fp32", "bf16"):
-                r = partials(sub, key, args, args.spin_us, dt == "bf16")
-                r["subnets_used"] = len(set(subnets[:n]))
-                result[f"netns_partials_{n}_ducks_hidden{HIDDEN}_{dt}"] = r
+                result[f"netns_partials_{n}_ducks_hidden{HIDDEN}_{dt}"] = partials(sub, key, args, args.spin_us,
+                                                                                    dt == "bf16")
+            for name in (f"netns_overhead_{n}_ducks_hidden{HIDDEN}", f"netns_partials_{n}_ducks_hidden{HIDDEN}_fp32",
+                         f"netns_partials_{n}_ducks_hidden{HIDDEN}_bf16"):
+                result[name]["subnets_used"] = len(set(subnets[:n]))
     result["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     return result
 
