@@ -124,6 +124,7 @@ class Fleet:
     prefill_chunk: int = 512
     colocated_cores: int = 0           # the ducks share this many CPUs with the host (emulation): 0 = own boxes
     colocated_cpu_us_per_duck: float = 0.0   # CPU one duck's call costs such a machine (bench transport)
+    emulated_link_mtu: int = 0         # links are tc-emulated with this MTU (their token bucket): 0 = real links
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -135,7 +136,8 @@ class Fleet:
                      "port_gbit"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
-        for name in ("latency_us", "call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck"):
+        for name in ("latency_us", "call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
+                     "colocated_cores", "emulated_link_mtu"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
         if not 0 <= self.mtp_acceptance <= 1:
@@ -168,24 +170,33 @@ def layer_params(m: ModelShape, f: Fleet, tokens: int) -> tuple[float, float]:
     return moe, dense
 
 
+def _bucket_kbit(f: Fleet, gbit: float) -> float:
+    """What an emulated link passes at once when idle (duckd/drivers/links.py: tbf's bucket), in kbit."""
+    if not f.emulated_link_mtu:
+        return 0.0
+    from duckd.drivers.links import BUCKET_US, FRAME_OVERHEAD
+    return max(f.emulated_link_mtu + FRAME_OVERHEAD, gbit * 1e3 / 8 * BUCKET_US) * 8e-3
+
+
 def transport_us(f: Fleet, hidden: int, tokens: int = 1) -> dict:
     """One duck call's transport per layer, in microseconds, by part."""
     per_subnet = math.ceil(f.ducks / f.subnets)
     act, part = tokens * hidden * f.act_bytes * 8e-3, tokens * hidden * f.partial_bytes * 8e-3   # kbit
     port, link = f.port_gbit, f.duck_link_gbit                                                   # kbit/us
+    bp, bl = _bucket_kbit(f, port), _bucket_kbit(f, link)
     sent = 1 if f.broadcast else per_subnet
     # out: the port sends each duck's activation in turn, each duck link drains its own
-    out = (sent - 1) * act / port + max(act / port, act / link)
+    out = max(max(0.0, sent * act - bp) / port, (sent - 1) * act / port + max(0.0, act - bl) / link)
     # back: every duck sends at its link's rate, the subnet's partials share the host port (fan-in)
-    back = max(part / link, per_subnet * part / port)
+    fan_in = max(0.0, per_subnet * part - bp) / port
+    back = max(max(0.0, part - bl) / link, fan_in)
     wire = out + back + 2 * f.latency_us
     host = f.ducks * f.host_per_duck_us
-    r = {"call_us": f.call_us, "wire_us": wire, "fan_in_us": per_subnet * part / port, "host_per_duck_us": host,
+    r = {"call_us": f.call_us, "wire_us": wire, "fan_in_us": fan_in, "host_per_duck_us": host,
          "total_us": f.call_us + wire + host}
-    if f.colocated_cores:   # ducks on the host's own CPUs: the call cannot beat their CPU work shared out
-        cpu = f.ducks * f.colocated_cpu_us_per_duck / f.colocated_cores
-        r["colocated_cpu_us"] = cpu
-        r["total_us"] = max(r["total_us"], cpu + 2 * f.latency_us)
+    if f.colocated_cores:   # ducks on the host's own CPUs: their CPU work adds to the call
+        r["colocated_cpu_us"] = f.ducks * f.colocated_cpu_us_per_duck / f.colocated_cores
+        r["total_us"] += r["colocated_cpu_us"]
     return r
 
 

@@ -92,10 +92,12 @@ def netns_fleet(d: dict, ducks: int, dtype: str, calibrate_at: int | None) -> Fl
     delay = links["duck_delay_us"] + links["port_delay_us"]
     f = Fleet(ducks=ducks, subnets=links["subnets"], duck_link_gbit=links["duck_rate_mbit"] / 1e3 or 1e4,
               port_gbit=links["port_rate_mbit"] / 1e3 or 1e4, latency_us=delay, call_us=0.0,
-              act_bytes=4, partial_bytes=4 if dtype == "fp32" else 2, colocated_cores=cpus)
-    if calibrate_at:
+              act_bytes=4, partial_bytes=4 if dtype == "fp32" else 2, colocated_cores=cpus,
+              emulated_link_mtu=links.get("link_mtu", 1500))
+    if calibrate_at:   # what the calibration point took beyond its wire, as CPU per duck
         rt = dict(netns_cases(d, dtype))[calibrate_at]
-        f.colocated_cpu_us_per_duck = (rt - 2 * delay) * cpus / calibrate_at
+        wire = transport_us(dataclasses.replace(f, ducks=calibrate_at, colocated_cores=0), HIDDEN)["total_us"]
+        f.colocated_cpu_us_per_duck = max(0.0, rt - wire) * cpus / calibrate_at
     return f
 
 
