@@ -198,7 +198,7 @@ def format_plan(p: dict) -> str:
              f"  decode   {dec['tok_s']:7.1f} tok/s  ({dec['mode']}, step {dec['step_ms']:.1f} ms)",
              f"  per layer host {pl['host']:.3f} + kernel {pl['kernel']:.3f} + transport {pl['transport']:.3f} ms",
              f"  prefill  {pre['tok_s']:7.1f} tok/s  (chunks of {pre['chunk_tokens']}, {pre['bound']})",
-             f"  memory   {mem['weights_gb_per_duck']:.1f} GB of fp9 weights per duck, headroom "
+             f"  memory   {mem['weights_gb_per_duck']:.2f} GB of fp9 weights per duck, headroom "
              f"{mem['headroom_gb_per_duck']:.1f} GB",
              f"  roofline {p['roofline_tok_s']:.1f} tok/s; bottleneck: {p['bottleneck']}"]
     lines += [f"  ({n})" for n in p["notes"]]

@@ -4,6 +4,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -36,6 +37,16 @@ def test_netns_driver_two_subnets_of_two_ducks_serves_a_chat(tmp_path):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert name not in namespaces and f"{name}br0" not in links
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) these processes have used."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _leftovers(name: str, state) -> tuple[list[str], list[str], list[str]]:
@@ -74,6 +85,12 @@ def test_netns_driver_32_ducks_in_4_subnets_with_link_limits_serve_a_chat(tmp_pa
         assert all(d.state == pb.DuckState.SERVING for d in ducks)
         # 50 us each way on the duck link (netem, or duckfw's delay where the kernel lacks netem)
         assert min(d.rtt_us for d in ducks) >= 100, [round(d.rtt_us) for d in ducks]
+        # idle, 32 ducks on this machine's cores block: together they take a small part of one CPU
+        pids = [daemon.duck_pid(i) for i in range(32)]
+        before, t0 = _cpu_s(pids), time.monotonic()
+        time.sleep(2.0)
+        idle = (_cpu_s(pids) - before) / (time.monotonic() - t0)
+        assert idle < 0.1, f"32 idle ducks used {idle:.2f} CPU (spinning?)"
     finally:
         assert daemon.stop() == 0
     namespaces, links, procs = _leftovers(name, state)
