@@ -122,6 +122,7 @@ class Fleet:
     mtp_acceptance: float = 0.0        # MTP1 (0: off)
     dual_lane: bool = True             # MTP1's two lanes overlap host and ducks (else one batched forward)
     prefill_chunk: int = 512
+    prefill_host_ms: float = 0.0       # the host stage of one chunk per layer (0: host_ms, an underestimate)
     colocated_cores: int = 0           # the ducks share this many CPUs with the host (emulation): 0 = own boxes
     colocated_cpu_us_per_duck: float = 0.0   # CPU one duck's call costs such a machine (bench transport)
     emulated_link_mtu: int = 0         # links are tc-emulated with this MTU (their token bucket): 0 = real links
@@ -137,6 +138,7 @@ class Fleet:
             if not getattr(self, name) > 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         for name in ("latency_us", "call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
+                     "prefill_host_ms",
                      "colocated_cores", "emulated_link_mtu"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
@@ -217,7 +219,7 @@ def decode(m: ModelShape, f: Fleet) -> dict:
     out = {"tok_s": 1e3 / step, "step_ms": step, "mode": "one token per step",
            "per_layer_ms": {"host": f.host_ms, "kernel": one["kernel_ms"], "transport": one["transport_ms"]}}
     if f.mtp_acceptance:
-        mtp_layer = m.mtp_layers and (f.host_ms + duck1)      # the draft's MTP layer, once per step
+        mtp_layer = f.host_ms + duck1 if m.mtp_layers else 0.0   # the draft's MTP layer, once per step
         if f.dual_lane:
             mtp_step = m.layers * max(2 * duck1, 2 * f.host_ms) + f.host_ms + mtp_layer + f.head_ms
             mode = "MTP1 dual lane"
@@ -240,10 +242,11 @@ def prefill(m: ModelShape, f: Fleet) -> dict:
     read_ms = (moe * m.moe_layers + dense * m.dense_layers) * FP9_BYTES / f.read_gbps / 1e6
     compute_ms = products / (f.cores * f.gemm_gparams_per_core) / 1e6
     wire_ms = m.layers * transport_us(f, m.hidden, t)["total_us"] / 1e3
-    chunk = max(read_ms, compute_ms) + wire_ms + m.layers * f.host_ms
+    host_ms = m.layers * (f.prefill_host_ms or f.host_ms)
+    chunk = max(read_ms, compute_ms) + wire_ms + host_ms
     return {"tok_s": t * 1e3 / chunk, "chunk_tokens": t, "chunk_ms": chunk,
             "bound": "duck compute" if compute_ms >= read_ms else "duck read bandwidth",
-            "ducks_ms": max(read_ms, compute_ms), "wire_ms": wire_ms, "host_ms": m.layers * f.host_ms}
+            "ducks_ms": max(read_ms, compute_ms), "wire_ms": wire_ms, "host_ms": host_ms}
 
 
 def memory(m: ModelShape, f: Fleet) -> dict:
