@@ -267,7 +267,8 @@ def bottleneck(m: ModelShape, f: Fleet, dec: dict, mem: dict) -> str:
     if part == "kernel":
         w = slice_width(m.moe_intermediate or m.dense_intermediate, f.ducks, f.multiple_of)
         exact = (m.moe_intermediate or m.dense_intermediate) / f.ducks
-        pad = f" (slices padded {exact:g} -> {w} columns: more ducks no longer help)" if w > exact * 1.01 else ""
+        pad = "" if w <= exact * 1.01 else f" (slices padded {exact:g} -> {w} columns" + (
+            ": more ducks no longer help)" if w == f.multiple_of else ")")
         what = "memory bandwidth" if f.read_gbps / FP9_BYTES < f.cores * f.kernel_gparams_per_core else "kernel compute"
         return f"duck {what}: {ms:.3f} ms of {sum(pl.values()):.3f} per layer{pad}"
     if part == "transport":

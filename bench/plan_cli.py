@@ -40,7 +40,12 @@ def from_kernels(d: dict, cores: int) -> dict:
     if not gemv or not reads:
         raise PlanError("kernels file: no fp9_gemv case on one thread or no read_gbps (is it `bench kernels --json`?)")
     near = min(reads, key=lambda t: (abs(t - cores), -t))
-    return {"kernel_gparams_per_core": max(c["gparams"] for c in gemv), "read_gbps": reads[near]}
+    out = {"kernel_gparams_per_core": max(c["gparams"] for c in gemv), "read_gbps": reads[near]}
+    gemm = [c for c in d.get("cases", []) if c.get("name") == "fp9_gemm" and c.get("threads") == 1]
+    if gemm:   # prefill: param x token products per second = FLOP/s / 2, at the most tokens per expert
+        most = max(c["tokens"] for c in gemm)
+        out["gemm_gparams_per_core"] = max(c["gflops_per_core"] for c in gemm if c["tokens"] == most) / 2
+    return out
 
 
 # fp9 GEMV per core on the H200 host's Xeon, by the kernel code of the day: 4 threads on [7168, 2048] / 4 in
@@ -175,7 +180,7 @@ def make_fleet(args) -> tuple[Fleet, list[str]]:
         notes.append(f"host stage and head from {args.e2e}")
     if args.kernels:
         values.update(from_kernels(_read(args.kernels), args.cores or Fleet().cores))
-        notes.append(f"kernel and read bandwidth from {args.kernels}")
+        notes.append(f"kernels (GEMV, GEMM where measured) and read bandwidth from {args.kernels}")
     if args.transport:
         d = _read(args.transport)
         case = d.get("overhead_1_duck_hidden7168") or d.get("overhead_1_duck")

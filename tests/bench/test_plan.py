@@ -77,6 +77,12 @@ def test_duckctl_plan_json_and_table(capsys):
     assert p["fleet"]["ducks"] == 24 and p["decode"]["tok_s"] > 0 and p["prefill"]["tok_s"] > 0
     assert set(p["decode"]["per_layer_ms"]) == {"host", "kernel", "transport"} and p["bottleneck"]
     assert p["notes"] and "kernels-dev-2core" in p["notes"][0]
+    assert main(["qwen3-30b-a3b", "--ducks", "8", "--json", "--kernels",
+                 str(RESULTS / "2026-12-01-kernels-dev-2core-gemm.json")]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["fleet"]["gemm_gparams_per_core"] == pytest.approx(171.5 / 2)     # its fp9 GEMM at 128 tokens
+    assert "padded 96 -> 128 columns)" in p["bottleneck"] or p["decode"]["per_layer_ms"]["kernel"] < \
+        p["decode"]["per_layer_ms"]["transport"]
     assert main(["deepseek-v32", "--mtp-acceptance", "0.87", "--sizes", "32,64"]) == 0
     out = capsys.readouterr().out
     assert out.count("decode") == 2 and "MTP1 dual lane" in out
