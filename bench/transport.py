@@ -27,6 +27,14 @@ for the slowest duck of each call (median, p99) and the mean over all.
 Ducks run one worker thread each and block when idle, as on a shared host
 (--duck-spin-us N: spin-then-block, yielding, for N us).
 
+--netns N: the same per-layer cases on an emulated LAN instead of loopback:
+N ducks in namespaces behind duckd's netns driver (--subnets, round-robin),
+with tc link limits (--duck-rate-mbit 2500 --duck-delay-us 50
+--port-rate-mbit 25000 by default: the seeds' 2.5GbE ducks behind 25GbE host
+ports). netns_{overhead,partials}_{n}_ducks_hidden7168 for each n of
+--netns-sizes (the first n ducks: as many per subnet); "links" says what was
+emulated and how. Needs root and iproute2 (bench/netns_fleet.py).
+
 The data MAC (docs/wire.md, Authentication): every case runs with it (the
 default: forwards and partials carry the link MAC, Poly1305) and says so
 (data_mac); ..._no_data_mac repeat the hidden-7168 cases without it (the ducks
@@ -138,14 +146,29 @@ def _sizes(fleet: Fleet):
     return sizes[0] if len(set(sizes)) == 1 else sizes
 
 
-def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50) -> dict:
+def machine_busy_s() -> float:
+    """CPU seconds this machine spent busy so far, all CPUs (every process: ours and anyone else's)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials: str, warmup: int = 50,
+              cpu_probe=None) -> dict:
     start = fleet.transport_stats()
     for _ in range(warmup):                # first forwards: cold caches, the retransmit timer still learning
         fn()
     before_d = fleet.stats()
     before_t = fleet.transport_stats()     # after the STATS call: only the measured calls' datagrams count
+    busy0, wall0, own0 = machine_busy_s(), time.monotonic(), cpu_probe() if cpu_probe else 0.0
     r = timed(fn, iters, 0, session)
+    busy, wall = machine_busy_s() - busy0, time.monotonic() - wall0
+    if cpu_probe:   # this process and its ducks alone (the machine's figure counts everyone's)
+        r["own_cpu_us_per_call"] = round((cpu_probe() - own0) / iters * 1e6, 1)
     after_t, after_d = fleet.transport_stats(), fleet.stats()
+    # where ducks share this machine's CPUs (loopback, --netns), a round trip can be CPU-bound, not wire-bound
+    r["machine_cpu_us_per_call"] = round(busy / iters * 1e6, 1)
+    r["machine_busy_fraction"] = round(busy / wall / len(os.sched_getaffinity(0)), 2)
     fwd = sum(a["forwards"] - b["forwards"] for a, b in zip(after_d, before_d))
     wake = sum(a["wake_ns"] - b["wake_ns"] for a, b in zip(after_d, before_d))
     r.update(ducks=fleet.n_ducks, datagram_bytes=_sizes(fleet), partials=partials,
@@ -168,7 +191,7 @@ def overhead(addresses, key, args, hidden: int, host_spin_us: int, mac: bool = T
         ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
         out = np.empty((1, hidden), np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
-                      "none")
+                      "none", cpu_probe=getattr(args, "cpu_probe", None))
         r.update(hidden=hidden, data_mac=mac)
         return r
 
@@ -187,7 +210,7 @@ def partials(addresses, key, args, host_spin_us: int, bf16: bool, mac: bool = Tr
         session = fleet.open_session({0: per_duck}, HIDDEN)
         out = np.empty((1, HIDDEN), np.uint16 if bf16 else np.float32)
         r = _run_case(fleet, session, lambda: session.forward(0, x, ids, w, out=out), args.iters, host_spin_us,
-                      "bf16" if bf16 else "fp32")
+                      "bf16" if bf16 else "fp32", cpu_probe=getattr(args, "cpu_probe", None))
         r.update(hidden=HIDDEN, partial_bytes_per_duck=HIDDEN * (2 if bf16 else 4), data_mac=mac)
         return r
 
@@ -285,6 +308,32 @@ def run(args) -> dict:
     return result
 
 
+def run_netns(args) -> dict:
+    """The per-layer round trip at hidden 7168 on an emulated LAN, for each fleet size."""
+    from bench.netns_fleet import link_limits, netns_ducks, own_cpu_s
+    sizes = sorted({int(v) for v in args.netns_sizes.split(",")} | {args.netns})
+    if sizes[0] < 1 or sizes[-1] > args.netns:
+        raise SystemExit(f"--netns-sizes {args.netns_sizes}: expected sizes 1..{args.netns} (the ducks started)")
+    result = {"cpus": len(os.sched_getaffinity(0)), "affinity": sorted(os.sched_getaffinity(0)),
+              "load_avg_1min": round(os.getloadavg()[0], 2), "host_spin_us": args.spin_us,
+              "mtu_ceiling": args.mtu, "duck_spin_us": args.duck_spin_us, "fleet": "netns"}
+    with netns_ducks(args) as (addresses, key, subnets, driver, pids):
+        result["links"] = link_limits(driver)
+
+        args.cpu_probe = lambda: own_cpu_s(pids)
+        for n in sizes:
+            sub = addresses[:n]
+            result[f"netns_overhead_{n}_ducks_hidden{HIDDEN}"] = overhead(sub, key, args, HIDDEN, args.spin_us)
+            for dt in ("fp32", "bf16"):
+                result[f"netns_partials_{n}_ducks_hidden{HIDDEN}_{dt}"] = partials(sub, key, args, args.spin_us,
+                                                                                    dt == "bf16")
+            for name in (f"netns_overhead_{n}_ducks_hidden{HIDDEN}", f"netns_partials_{n}_ducks_hidden{HIDDEN}_fp32",
+                         f"netns_partials_{n}_ducks_hidden{HIDDEN}_bf16"):
+                result[name]["subnets_used"] = len(set(subnets[:n]))
+    result["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
+    return result
+
+
 def format_table(result: dict) -> str:
     lines = [f"{result['cpus']} cpus (load {result['load_avg_1min']}), datagram sizes agreed at hello"
              f"{' (ceiling ' + str(result['mtu_ceiling']) + ')' if result['mtu_ceiling'] else ''}; "
@@ -292,7 +341,7 @@ def format_table(result: dict) -> str:
              f"{'case':44s} {'median':>8s} {'p99':>8s}  {'datagram':>8s} {'dgrams':>6s} {'y':4s} {'host':8s} "
              f"{'retx':>4s} {'wake med':>8s} {'wake p99':>8s} {'kernel':>8s}"]
     for name, r in result.items():
-        if not isinstance(r, dict) or name == "data_mac_cost":
+        if not isinstance(r, dict) or name in ("data_mac_cost", "links"):
             continue
         wake = r.get("duck_wake_us_slowest", {})
         lines.append(f"{name:44s} {r['median_us']:8.1f} {r['p99_us']:8.1f}  {str(r['datagram_bytes']):>8s} "
@@ -302,6 +351,8 @@ def format_table(result: dict) -> str:
         if "kernel_gbps_per_duck" in r:
             lines.append(f"{'':44s} kernel {r['kernel_gbps_per_duck']} GB/s per duck, end to end "
                          f"{r['end_to_end_gbps_per_duck']}, local 1 thread {r['local_kernel_gbps_1_thread']}")
+    if "links" in result:
+        lines.append("emulated links: " + ", ".join(f"{k} {v}" for k, v in result["links"].items()))
     cost = result.get("data_mac_cost")
     if cost:
         lines.append("data MAC (Poly1305, one-time key per datagram): " + ", ".join(f"{k} {v}" for k, v in cost.items()))
@@ -325,11 +376,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duck-spin-us", type=int, default=0,
                    help="ducks spin-then-block (--idle spin) this long; 0: they block at once (a shared host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    g = p.add_argument_group("emulated LAN (--netns N; root and iproute2)")
+    g.add_argument("--netns", type=int, default=0, metavar="N",
+                   help="run the hidden-7168 cases on N ducks in network namespaces behind tc link limits")
+    g.add_argument("--netns-sizes", default="8,16,32", help="fleet sizes measured, each the first n ducks")
+    g.add_argument("--subnets", type=int, default=4)
+    g.add_argument("--duck-rate-mbit", type=float, default=2500.0)
+    g.add_argument("--duck-delay-us", type=float, default=50.0)
+    g.add_argument("--duck-jitter-us", type=float, default=0.0)
+    g.add_argument("--duck-loss", type=float, default=0.0)
+    g.add_argument("--port-rate-mbit", type=float, default=25000.0)
+    g.add_argument("--port-delay-us", type=float, default=0.0)
+    g.add_argument("--link-mtu", type=int, default=1500, help="the veths' MTU (9000: jumbo frames)")
+    g.add_argument("--netns-prefix", default="10.78", help="subnet s is <prefix>.<s+1>.0/24")
+    g.add_argument("--netns-name", default="bt", help="prefix of the namespaces, veths and bridges")
     args = p.parse_args(argv)
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})   # the ducks inherit it
     logging.basicConfig(level=logging.WARNING)
-    result = run(args)
+    if args.netns:
+        from duckd.config import ConfigError
+        try:
+            result = run_netns(args)
+        except ConfigError as e:
+            raise SystemExit(f"duckctl bench transport: {e}") from None
+    else:
+        result = run(args)
     result["command"] = " ".join(["duckctl bench transport", *(argv if argv is not None else sys.argv[1:])])
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0

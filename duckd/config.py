@@ -103,10 +103,44 @@ class NetnsConfig:
     subnets: int = 4                   # broadcast domains, ducks spread round-robin
     prefix: str = "10.77"              # subnet i is <prefix>.<i+1>.0/24, host .1
     name: str = "duck"                 # namespace/bridge name prefix
+    # link emulation (tc): each duck's own link, and each subnet's host port (0: no limit)
+    duck_rate_mbit: float = 0.0        # e.g. 2500: a 2.5GbE duck
+    duck_delay_us: float = 0.0         # one way, each direction
+    duck_jitter_us: float = 0.0        # +- around duck_delay_us (needs the kernel's netem)
+    duck_loss: float = 0.0             # fraction of datagrams lost, each direction
+    port_rate_mbit: float = 0.0        # e.g. 25000: the host's 25GbE port of each subnet
+    port_delay_us: float = 0.0         # one way, each direction (the switch)
+    link_mtu: int = 1500               # the veths' MTU: 1500 plain Ethernet, 9000 jumbo frames
 
     def __post_init__(self):
         if not 1 <= self.subnets <= 64:
             raise ConfigError(f"fleet.netns.subnets = {self.subnets!r}: expected 1..64")
+        if not self.name or len(self.name) > 8 or not self.name.isalnum():
+            raise ConfigError(f"fleet.netns.name = {self.name!r}: expected 1..8 letters or digits "
+                              "(interface names are at most 15 characters: <name>br<subnet>, <name>h<duck>)")
+        for key in ("duck_rate_mbit", "port_rate_mbit"):
+            v = getattr(self, key)
+            if not 0 <= v <= 400000:
+                raise ConfigError(f"fleet.netns.{key} = {v!r}: expected 0 (no limit) .. 400000 Mbit/s")
+            if 0 < v < 1:
+                raise ConfigError(f"fleet.netns.{key} = {v!r}: below 1 Mbit/s; 0 means no limit")
+        for key in ("duck_delay_us", "duck_jitter_us", "port_delay_us"):
+            v = getattr(self, key)
+            if not 0 <= v <= 1000000:
+                raise ConfigError(f"fleet.netns.{key} = {v!r}: expected 0 .. 1000000 us")
+        if self.duck_jitter_us > self.duck_delay_us:
+            raise ConfigError(f"fleet.netns.duck_jitter_us = {self.duck_jitter_us!r}: more than duck_delay_us "
+                              f"({self.duck_delay_us!r}); a delay cannot go below zero")
+        if not 1280 <= self.link_mtu <= 65535:
+            raise ConfigError(f"fleet.netns.link_mtu = {self.link_mtu!r}: expected 1280..65535 (1500: Ethernet, "
+                              "9000: jumbo frames)")
+        if not 0 <= self.duck_loss < 1:
+            raise ConfigError(f"fleet.netns.duck_loss = {self.duck_loss!r}: expected a fraction 0 <= loss < 1")
+
+    @property
+    def shaped(self) -> bool:
+        return bool(self.duck_rate_mbit or self.duck_delay_us or self.duck_loss or self.port_rate_mbit
+                    or self.port_delay_us)
         try:
             ipaddress.ip_network(f"{self.prefix}.0.0/16")
         except ValueError:

@@ -7,6 +7,7 @@
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
     duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
                                                    against the GPU-only and torch CPU baselines)
+    duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: bench/plan_cli.py)
 
 With no --address/--token it finds the running daemon (see duck_proto.client).
 """
@@ -172,12 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon)")
     b.add_argument("what", choices=["kernels", "transport", "e2e"])
+    sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
+                   add_help=False)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
+    if args.cmd == "plan":
+        from bench.plan_cli import main as plan_main
+        return plan_main(rest)
     if rest and args.cmd != "bench":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

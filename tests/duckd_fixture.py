@@ -25,8 +25,8 @@ def write_config(path: Path, state_dir: Path, ducks: int = 4, model: dict | None
     lines = ["[daemon]", 'listen = "127.0.0.1:0"', 'http_listen = "127.0.0.1:0"', f'state_dir = "{state_dir}"',
              "shutdown_grace_s = 6.0", "", "[model]",
              *(f"{k} = {json.dumps(v)}" for k, v in {"max_tokens": 48, **(model or {})}.items()), "", "[fleet]",
-             f"ducks = {ducks}",
-             "fail_after_s = 1.0", "health_interval_s = 0.25"]
+             f"ducks = {ducks}"]
+    fleet = {"fail_after_s": 1.0, "health_interval_s": 0.25, **fleet}
     for k, v in fleet.items():
         if isinstance(v, dict):
             continue

@@ -4,6 +4,11 @@ wake-up; a 64 KiB datagram carries a layer in one datagram each way."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+
+import pytest
 
 from duckd.ctl import main as duckctl
 
@@ -45,3 +50,33 @@ def test_bench_transport_table_at_ethernet_size(capsys):
     assert " 1500 " in out_only and " 44.0 " in out_only     # 21 fragments out per duck, a zero partial back
     both = next(line for line in out.splitlines() if line.startswith("partials_2_ducks_hidden7168_fp32 "))
     assert " 84.0 " in both                                  # and 21 back
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="the emulated LAN needs root and iproute2 (CI has both)")
+def test_bench_transport_on_an_emulated_lan_and_the_plan_of_it(capsys, tmp_path):
+    """--netns: ducks in namespaces behind tc link limits, each size a case; everything removed after;
+    the planner reads the file."""
+    name = f"bx{os.getpid() % 1000}"
+    rc = duckctl(["bench", "transport", "--json", "--netns", "4", "--netns-sizes", "2,4", "--subnets", "2",
+                  "--iters", "20", "--duck-rate-mbit", "1000", "--duck-delay-us", "20", "--port-rate-mbit", "10000",
+                  "--netns-name", name, "--netns-prefix", "10.216"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["fleet"] == "netns" and r["links"]["duck_rate_mbit"] == 1000 and r["links"]["subnets"] == 2
+    cases = {k: v for k, v in r.items() if isinstance(v, dict) and "median_us" in v}
+    assert set(cases) == {f"netns_{kind}_{n}_ducks_hidden7168{dt}" for n in (2, 4)
+                          for kind, dt in (("overhead", ""), ("partials", "_fp32"), ("partials", "_bf16"))}
+    for k, c in cases.items():
+        # 20 us each way at least, and 28 KB of fp32 activation at 1 Gbit/s (about 230 us, a frame early at most)
+        assert c["median_us"] > 200 + 40, k
+        assert c["subnets_used"] == 2 and c["own_cpu_us_per_call"] > 0 and c["datagram_bytes"] == 1500, k
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert name not in namespaces and name not in links
+    path = tmp_path / "netns.json"
+    path.write_text(json.dumps(r))
+    from bench.plan_cli import validate
+    rows = [row for row in validate(str(path))["rows"] if row["source"] == "emulated LAN"]
+    assert [row["case"].split()[1] for row in rows] == ["2", "4", "2", "4"]
+    assert rows[0]["error"] == 0.0 and rows[1]["predicted"] > rows[0]["predicted"]

@@ -50,3 +50,32 @@ def test_fault_drop_rate_turns_on_the_ducks_fault_injection():
     assert "--enable-fault-injection" not in command()
     cmd = command(fault_drop_rate=0.05)
     assert "--enable-fault-injection" in cmd and cmd[cmd.index("--drop-rate") + 1] == "0.05"
+
+
+@pytest.mark.parametrize("netns,text", [({"duck_rate_mbit": -1}, "fleet.netns.duck_rate_mbit = -1: expected 0"),
+                                        ({"port_rate_mbit": 0.5}, "fleet.netns.port_rate_mbit = 0.5: below 1"),
+                                        ({"duck_delay_us": 2e6}, "fleet.netns.duck_delay_us = 2000000.0"),
+                                        ({"duck_delay_us": 10, "duck_jitter_us": 20},
+                                         "fleet.netns.duck_jitter_us = 20: more than duck_delay_us"),
+                                        ({"duck_loss": 1.0}, "fleet.netns.duck_loss = 1.0: expected a fraction"),
+                                        ({"name": "much-too-long"}, "fleet.netns.name = 'much-too-long'")])
+def test_bad_link_emulation_values_are_named(netns, text):
+    from duckd.config import NetnsConfig
+    with pytest.raises(ConfigError, match=text):
+        NetnsConfig(**netns)
+
+
+def test_link_shapes_become_tc_arguments_and_duckfw_stands_in_for_a_missing_netem():
+    from duckd.drivers.links import LinkError, Shape, Shaper, netem_args, tbf_args
+    tbf = tbf_args(2500)
+    assert tbf[:3] == ["tbf", "rate", "2500mbit"] and int(tbf[tbf.index("burst") + 1]) == 2500
+    assert int(tbf_args(100)[4]) == 1564 and int(tbf_args(25000)[4]) == 25000   # one frame at least
+    assert netem_args(Shape(delay_us=50, jitter_us=5, loss=0.01)) == ["netem", "limit", "100000", "delay", "50us",
+                                                                      "5us", "loss", "1%"]
+    shaper = Shaper()
+    duck, port = Shape(2500, 50, 0, 0.01), Shape(25000, 5)
+    assert shaper.duck_fallback(duck, port) == []          # netem not tried yet: nothing to stand in for
+    shaper.netem = False
+    assert shaper.duck_fallback(duck, port) == ["--enable-fault-injection", "--delay-us", "110", "--drop-rate", "0.01"]
+    with pytest.raises(LinkError, match="duck_jitter_us needs the kernel's netem"):
+        shaper.duck_fallback(Shape(2500, 50, 10), port)

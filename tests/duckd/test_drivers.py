@@ -4,9 +4,11 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
+from duck_proto import duck_pb2 as pb
 from duckd.drivers.wol import magic_packet
 from tests.duckd_fixture import RunningDaemon, write_config
 
@@ -35,6 +37,64 @@ def test_netns_driver_two_subnets_of_two_ducks_serves_a_chat(tmp_path):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert name not in namespaces and f"{name}br0" not in links
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) these processes have used."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _leftovers(name: str, state) -> tuple[list[str], list[str], list[str]]:
+    """Namespaces and links named with this test's prefix, and duckfw processes of its state folder."""
+    namespaces = [ln.split()[0] for ln in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                          text=True).stdout.splitlines() if ln.startswith(name)]
+    links = [ln.split(":")[1].strip().split("@")[0] for ln in subprocess.run(
+        ["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+        if ln.split(":")[1].strip().startswith(name)]
+    procs = [ln for ln in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+             if "duckfw" in ln and str(state) in ln]
+    return namespaces, links, procs
+
+
+@needs_root_ip
+def test_netns_driver_32_ducks_in_4_subnets_with_link_limits_serve_a_chat(tmp_path):
+    """The seeds' fleet on one machine: 32 one-thread ducks that block when idle, 4 subnets,
+    2.5 Gbit/s and 50 us per duck link, 25 Gbit/s per host port; SIGTERM removes it all."""
+    state = tmp_path / f"n32-{os.getpid()}"
+    name = f"dq{os.getpid() % 1000}"
+    cfg = write_config(tmp_path / "duckd.toml", state, ducks=32, driver="netns", threads_per_duck=1, spin=False,
+                       link_timeout_s=60.0, fail_after_s=5.0, health_interval_s=1.0,
+                       netns={"subnets": 4, "prefix": "10.214", "name": name, "duck_rate_mbit": 2500,
+                              "duck_delay_us": 50, "port_rate_mbit": 25000})
+    daemon = RunningDaemon(cfg, state).start(timeout=300)
+    try:
+        ducks = daemon.ducks()
+        assert len(ducks) == 32 and all(d.state == pb.DuckState.SERVING for d in ducks), \
+            [(d.id, pb.DuckState.Name(d.state)) for d in ducks]
+        assert sorted({d.subnet for d in ducks}) == [f"10.214.{s}.0/24" for s in (1, 2, 3, 4)]
+        qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+        assert f"dev {name}h31 " in qdiscs and "rate 2500Mbit" in qdiscs and "rate 25Gbit" in qdiscs
+        text, _ = daemon.chat("Which city is the capital of France?", max_tokens=12)
+        assert "Paris" in text
+        ducks = daemon.ducks()
+        assert all(d.state == pb.DuckState.SERVING for d in ducks)
+        # 50 us each way on the duck link (netem, or duckfw's delay where the kernel lacks netem)
+        assert min(d.rtt_us for d in ducks) >= 100, [round(d.rtt_us) for d in ducks]
+        # idle, 32 ducks on this machine's cores block: together they take a small part of one CPU
+        pids = [daemon.duck_pid(i) for i in range(32)]
+        before, t0 = _cpu_s(pids), time.monotonic()
+        time.sleep(2.0)
+        idle = (_cpu_s(pids) - before) / (time.monotonic() - t0)
+        assert idle < 0.1, f"32 idle ducks used {idle:.2f} CPU (spinning?)"
+    finally:
+        assert daemon.stop() == 0
+    namespaces, links, procs = _leftovers(name, state)
+    assert (namespaces, links, procs) == ([], [], [])
 
 
 def test_wol_driver_sends_magic_packets_then_waits_for_hello(tmp_path):
