@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 FORMAT = 1
 # virtual machines (virtio, e1000), the NICs of common mini PCs (Intel i219/i210/i225/i226,
 # Realtek 8111/8125) and the disks a duck may keep its cache on (SATA, NVMe, virtio)
+# (ext4 asks for crc32c at mount time, a soft dependency modules.dep does not list)
 DEFAULT_MODULES = ("virtio_pci", "virtio_net", "e1000", "e1000e", "igb", "igc", "r8169",
-                   "virtio_blk", "ahci", "nvme", "sd_mod", "ext4")
+                   "virtio_blk", "ahci", "nvme", "sd_mod", "crc32c_generic", "crc32c_intel", "ext4")
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 
 

@@ -62,19 +62,25 @@ ip=$(cat /run/duck-ip)
 # labelled duckcache, else RAM
 cache_opt="--memory-cache"
 case "$DUCK_CACHE" in
-    auto) dev=$(findfs LABEL=duckcache 2>/dev/null) ;;
+    auto) for tries in 1 2 3 4 5; do   # disks may still be probing
+            dev=$(findfs LABEL=duckcache 2>/dev/null) && break
+            sleep 0.2
+        done ;;
     ram) dev="" ;;
     /dev/*) dev="$DUCK_CACHE"
-        if [ -b "$dev" ] && ! blkid "$dev" >/dev/null 2>&1; then
+        # formatted only when blank: its first 64 KiB all zero (no partition table, no filesystem)
+        if [ -b "$dev" ] && [ "$(dd if="$dev" bs=65536 count=1 2>/dev/null | tr -d '\000' | wc -c)" = 0 ]; then
             say "formatting the blank cache disk $dev"
             mke2fs -q -L duckcache "$dev"
         fi ;;
     *) say "duck.cache=$DUCK_CACHE: expected auto, ram or /dev/NAME; using RAM"; dev="" ;;
 esac
-if [ -n "$dev" ] && mount -t ext4 "$dev" /cache 2>/dev/null; then
+if [ -n "$dev" ] && mount -t ext4 "$dev" /cache; then
     mkdir -p /cache/weights
     cache_opt="--cache-dir /cache/weights"
     say "weight cache on $dev"
+elif [ -n "$dev" ]; then
+    say "weight cache in RAM: mounting $dev failed"
 else
     say "weight cache in RAM (no local disk)"
 fi
