@@ -21,7 +21,9 @@ log = logging.getLogger("duckd.driver.pxe")
 
 UNDIONLY = Path("/usr/lib/ipxe/undionly.kpxe")
 _DHCP = re.compile(r"DHCP(DISCOVER|OFFER|REQUEST|ACK|NAK)\(\S+\) (?:(\d+\.\d+\.\d+\.\d+) )?([0-9a-f]{2}(?::[0-9a-f]{2}){5})")
-_TFTP = re.compile(r"dnsmasq-tftp\[\d+\]: (sent|failed sending|file) (\S+?)(?: not found)?(?: to (\S+))?$")
+_TFTP_SENT = re.compile(r"dnsmasq-tftp\[\d+\]: (sent|failed sending) (\S+) to (\d+\.\d+\.\d+\.\d+)")
+# refusals name the file, not the client
+_TFTP_REFUSED = re.compile(r"dnsmasq-tftp\[\d+\]: (?:cannot access (\S+): (.*)|file (\S+) not found)")
 
 
 def interface_network(name: str) -> ipaddress.IPv4Interface:
@@ -94,8 +96,8 @@ class BootStages:
 _FILE_NAMES = {"duck-": "boot script", "vmlinuz": "kernel", "initrd.img": "initrd", "undionly.kpxe": "iPXE loader"}
 
 
-def stages(log_text: str, mac: str, address: str) -> BootStages:
-    """The boot stages of the duck (mac, address) in a slice of dnsmasq's log."""
+def stages(log_text: str, mac: str, address: str, script: str) -> BootStages:
+    """The boot stages of the duck (mac, address, its iPXE script's name) in a slice of dnsmasq's log."""
     st = BootStages()
     for line in log_text.splitlines():
         m = _DHCP.search(line)
@@ -108,9 +110,15 @@ def stages(log_text: str, mac: str, address: str) -> BootStages:
                 st.acks += 1
                 st.offered = st.offered or m.group(2) or address
             continue
-        m = _TFTP.search(line)
+        m = _TFTP_SENT.search(line)
         if m and m.group(3) == address:
             (st.fetched if m.group(1) == "sent" else st.failed).append(Path(m.group(2)).name)
+            continue
+        m = _TFTP_REFUSED.search(line)
+        if m:
+            name = Path(m.group(1) or m.group(3)).name
+            if name == script or not name.startswith("duck-"):
+                st.failed.append(f"{name} ({m.group(2) or 'not found'})")
     return st
 
 

@@ -156,7 +156,8 @@ class PxeDriver(Driver):
             probe.close()
 
     def boot_progress(self, duck: DuckSpec, mark: int = 0) -> str:
-        return stages(self.dnsmasq.log_since(mark), duck.notes["mac"], duck.address[0]).describe()
+        return stages(self.dnsmasq.log_since(mark), duck.notes["mac"], duck.address[0],
+                      f"duck-{duck.index}.ipxe").describe()
 
     async def close(self) -> None:
         if self.dnsmasq is not None:
