@@ -45,7 +45,8 @@ class VirtualFleet:
     """A bridge <name>br with the host at <prefix>.1/24 and taps <name>t<i>; VMs started by the
     script at .power_on (duckd's fleet.pxe.power_on runs it with the duck's index and MAC)."""
 
-    def __init__(self, folder: Path, name: str, prefix: str, vms: int, accel: str, memory_mb: int = 512):
+    def __init__(self, folder: Path, name: str, prefix: str, vms: int, accel: str = "tcg", memory_mb: int = 512,
+                 disks: dict[int, Path] | None = None):
         self.folder, self.name, self.prefix, self.vms = folder, name, prefix, vms
         self.bridge = f"{name}br"
         self.taps = [f"{name}t{i}" for i in range(vms)]
@@ -53,6 +54,7 @@ class VirtualFleet:
         self.addresses = [f"{prefix}.{10 + i}" for i in range(vms)]
         self.accel, self.memory_mb = accel, memory_mb
         self.power_on = folder / "vm-power-on.sh"
+        self.disks = disks or {}     # VM index -> a raw disk image (virtio)
 
     def __enter__(self) -> "VirtualFleet":
         _ip("link", "del", self.bridge, check=False)
@@ -66,15 +68,19 @@ class VirtualFleet:
             _ip("link", "set", tap, "up")
         cpu = "-cpu host" if self.accel == "kvm" else ""
         taps = " ".join(self.taps)
+        disks = "".join(f"    {i}) disk='-drive file={p},if=virtio,format=raw' ;;\n" for i, p in self.disks.items())
         self.power_on.write_text(f"""#!/bin/sh
 # power_on for duck $1 (MAC $2): its VM boots from the network (iPXE ROM of its virtio NIC)
 set -e
 i=$1; mac=$2; set -- {taps}; shift $i; tap=$1
 d={self.folder}
+disk=""
+case $i in
+{disks}esac
 exec qemu-system-x86_64 -name duck$i -accel {self.accel} {cpu} -m {self.memory_mb} -smp 1 -nodefaults \\
     -display none -daemonize -pidfile $d/vm$i.pid -serial file:$d/vm$i.serial \\
     -monitor unix:$d/vm$i.mon,server,nowait -boot n \\
-    -netdev tap,id=n0,ifname=$tap,script=no,downscript=no -device virtio-net-pci,netdev=n0,mac=$mac
+    -netdev tap,id=n0,ifname=$tap,script=no,downscript=no -device virtio-net-pci,netdev=n0,mac=$mac $disk
 """)
         self.power_on.chmod(0o755)
         return self
