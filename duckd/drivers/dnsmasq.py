@@ -140,8 +140,8 @@ class Dnsmasq:
         test = subprocess.run([*cmd, "--test"], capture_output=True, text=True)
         if test.returncode != 0:
             raise RuntimeError(f"dnsmasq refused its config {self.conf}: {test.stderr.strip()}")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.folder / "dnsmasq.err", "wb"))
+        with open(self.folder / "dnsmasq.err", "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
         try:
             self.proc.wait(0.5)
         except subprocess.TimeoutExpired:

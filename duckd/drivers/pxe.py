@@ -56,7 +56,11 @@ class PxeDriver(Driver):
         return bool(self.p.power_cycle)
 
     def specs(self) -> list[DuckSpec]:
-        return [DuckSpec(i, subnet=self.p.interface, address=(d.address, self.p.port), notes={"mac": d.mac})
+        try:
+            subnet = f"{interface_network(self.p.interface).network} ({self.p.interface})"
+        except RuntimeError:      # said at the first boot, with what to do
+            subnet = self.p.interface
+        return [DuckSpec(i, subnet=subnet, address=(d.address, self.p.port), notes={"mac": d.mac})
                 for i, d in enumerate(self.p.ducks)]
 
     # -- the boot server -------------------------------------------------------
@@ -134,10 +138,10 @@ class PxeDriver(Driver):
         log.info("duck %d: booted over the network and said hello in %.1f s", duck.index, duck.notes["boot_s"])
 
     async def _await_hello(self, duck: DuckSpec, mark: int, t0: float) -> None:
-        from native.transport import DuckError, Fleet
+        from native.transport import DuckError, Fleet, read_key_file
 
-        key = Path(self.key_file).read_bytes().rstrip(b"\n")
-        probe = Fleet([duck.address], key, mtu=self.cfg.mtu, retransmit_ms=100, deadline_ms=1000)
+        probe = Fleet([duck.address], read_key_file(self.key_file), mtu=self.cfg.mtu, retransmit_ms=100,
+                      deadline_ms=1000)
         try:
             while True:
                 try:

@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 PACKAGES = ["qemu-system-x86", "ipxe-qemu", "dnsmasq-base", "busybox-static", "linux-image-amd64"]
 
 
@@ -33,6 +35,22 @@ def install_tools() -> str:
         if r.returncode != 0:
             return f"{' '.join(cmd)} failed: {(r.stderr or r.stdout)[-800:]}"
     return ""
+
+
+@pytest.fixture(scope="session")
+def boot_host_tools():
+    """The host packages of network boot, installed with apt-get when missing (root), else a skip
+    that names what is missing."""
+    missing = missing_tools()
+    if missing:
+        if os.geteuid() != 0:
+            pytest.skip(f"network boot needs {', '.join(missing)} (apt-get install -y {' '.join(PACKAGES)}, as root)")
+        t0 = time.monotonic()
+        why = install_tools()
+        missing = missing_tools()
+        if why or missing:
+            pytest.skip(f"network boot needs {', '.join(missing)}: {why or 'still missing after apt-get'}")
+        print(f"\ninstalled {' '.join(PACKAGES)} in {time.monotonic() - t0:.0f} s")
 
 
 def _ip(*args: str, check: bool = True) -> None:

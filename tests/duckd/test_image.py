@@ -12,7 +12,7 @@ import pytest
 from duckd.config import ConfigError, load
 from duckd.drivers.dnsmasq import config_text, stages
 from duckd.image import ImageError, ImageSettings, build_image, cpio, resolve_modules
-from tests.duckd.qemu_fleet import missing_tools
+from tests.duckd.qemu_fleet import boot_host_tools  # noqa: F401 (a fixture)
 
 
 def _members(archive: bytes) -> list[tuple[str, int, int]]:
@@ -78,13 +78,7 @@ def test_modules_come_with_their_dependencies(tmp_path):
         resolve_modules(tmp_path, ("nope",))
 
 
-needs_host_parts = pytest.mark.skipif(bool(missing_tools()) or not list(Path("/boot").glob("vmlinuz-*")),
-                                      reason="the image needs a kernel (linux-image-amd64) and busybox-static: "
-                                             "test_pxe_boot installs them with apt-get when it runs first")
-
-
-@needs_host_parts
-def test_image_build_is_reproducible_and_small(tmp_path):
+def test_image_build_is_reproducible_and_small(tmp_path, boot_host_tools):
     from native.transport import write_key_file
 
     key = tmp_path / "fleet.key"

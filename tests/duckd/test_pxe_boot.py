@@ -17,24 +17,12 @@ import time
 import pytest
 
 from duck_proto import duck_pb2 as pb
-from tests.duckd.qemu_fleet import VirtualFleet, install_tools, missing_tools
+from tests.duckd.qemu_fleet import VirtualFleet, boot_host_tools  # noqa: F401 (a fixture)
 from tests.duckd_fixture import RunningDaemon, write_config
 
 pytestmark = [pytest.mark.qemu,
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                  reason="network boot in VMs needs root and iproute2 (bridge, taps, dnsmasq)")]
-
-
-@pytest.fixture(scope="module")
-def host_tools():
-    missing = missing_tools()
-    if missing:
-        t0 = time.monotonic()
-        why = install_tools()
-        missing = missing_tools()
-        if why or missing:
-            pytest.skip(f"QEMU network boot needs {', '.join(missing)}: {why or 'still missing after apt-get'}")
-        print(f"\ninstalled the QEMU test's packages in {time.monotonic() - t0:.0f} s")
 
 
 def _pxe_config(tmp_path, vf: VirtualFleet, state):
@@ -60,7 +48,7 @@ def _serving_after_reboot(daemon, vf: VirtualFleet, i: int, timeout: float):
     return daemon.wait_duck(i, pb.SERVING, timeout=max(1.0, deadline - time.monotonic()))
 
 
-def test_a_duck_that_never_boots_fails_with_its_boot_stages(tmp_path, host_tools):
+def test_a_duck_that_never_boots_fails_with_its_boot_stages(tmp_path, boot_host_tools):
     """No VM behind the MAC: the daemon's start fails naming the stage the duck never reached."""
     name = f"dq{os.getpid() % 1000}"
     state = tmp_path / "duck"
@@ -76,7 +64,7 @@ def test_a_duck_that_never_boots_fails_with_its_boot_stages(tmp_path, host_tools
         assert "dnsmasq stopped" in daemon.log()
 
 
-def test_two_vms_pxe_boot_serve_a_chat_and_survive_a_reset(tmp_path, host_tools):
+def test_two_vms_pxe_boot_serve_a_chat_and_survive_a_reset(tmp_path, boot_host_tools):
     accel = os.environ.get("DUCK_TEST_ACCEL", "tcg")
     name = f"dp{os.getpid() % 1000}"
     state = tmp_path / "duck"
