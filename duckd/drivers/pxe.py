@@ -142,6 +142,7 @@ class PxeDriver(Driver):
 
         probe = Fleet([duck.address], read_key_file(self.key_file), mtu=self.cfg.mtu, retransmit_ms=100,
                       deadline_ms=1000)
+        reported = t0
         try:
             while True:
                 try:
@@ -149,6 +150,9 @@ class PxeDriver(Driver):
                     return
                 except DuckError:
                     pass
+                if time.monotonic() - reported >= 10:     # a boot takes a while: say how far it got
+                    reported = time.monotonic()
+                    log.info("duck %d: booting for %.0f s: %s", duck.index, reported - t0, self.boot_progress(duck, mark))
                 if not self.dnsmasq.alive():
                     raise RuntimeError(f"dnsmasq exited (status {self.dnsmasq.proc.returncode}); see "
                                        f"{self.folder / 'dnsmasq.err'}")
