@@ -164,3 +164,16 @@ def test_boot_stages_from_dnsmasq_log():
     assert "TFTP failed for vmlinuz (Permission denied)" in stages(refused, "52:54:00:d0:0c:01", "10.233.7.10",
                                                                   "duck-0.ipxe").describe()
     assert stages("", "52:54:00:d0:0c:01", "10.233.7.10", "duck-0.ipxe").describe().startswith("no DHCP request")
+
+
+def test_duckctl_image_build_prints_path_size_and_digest(tmp_path, capsys, boot_host_tools):
+    from duckd.ctl import main
+
+    cfg = tmp_path / "duckd.toml"
+    cfg.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n')
+    assert main(["--config", str(cfg), "image", "build", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["path"] == str(tmp_path / "state" / "image") and (tmp_path / "state" / "fleet.key").exists()
+    assert out["size"] == sum(Path(p).stat().st_size for p in out["files"].values()) and len(out["digest"]) == 64
+    assert main(["--config", str(cfg), "image", "build", "--kernel", str(tmp_path / "vmlinuz-x")]) == 2
+    assert f"kernel {tmp_path / 'vmlinuz-x'}: no such file" in capsys.readouterr().err
