@@ -167,8 +167,60 @@ class WolConfig:
 
 
 @dataclass(slots=True)
+class PxeDuck:
+    mac: str
+    address: str                       # the IPv4 address dnsmasq leases to this MAC
+
+    def __post_init__(self):
+        WolDuck(self.mac, "x:0")       # the same MAC check
+        self.mac = self.mac.replace("-", ":").lower()
+        try:
+            ipaddress.IPv4Address(self.address)
+        except ValueError:
+            raise ConfigError(f"fleet.pxe.ducks.address = {self.address!r}: expected an IPv4 address "
+                              "(the port is fleet.pxe.port)") from None
+
+
+@dataclass(slots=True)
+class PxeConfig:
+    interface: str = ""                # the host's interface on the fleet subnet: dnsmasq serves there
+    ducks: list[PxeDuck] = field(default_factory=list)
+    port: int = 7700                   # the ducks' UDP port
+    power: str = "wol"                 # wol (magic packet) | command (power_on / power_cycle)
+    power_on: list = field(default_factory=list)      # argv; {index} {mac} {address} filled in
+    power_cycle: list = field(default_factory=list)   # argv that resets a duck: the driver can restart ducks
+    boot_timeout_s: float = 180.0      # power-on to the duck's hello
+    lease_s: int = 3600                # DHCP lease time
+    threads: int = 0                   # duckfw threads on a duck; 0: all its CPUs
+    cache: str = "auto"                # auto (partition labelled duckcache, else RAM) | ram | /dev/NAME
+    modules: list = field(default_factory=list)       # kernel modules beyond the image's defaults
+    kernel: str = ""                   # "" = the newest /boot/vmlinuz-*
+    busybox: str = ""                  # "" = /bin/busybox (busybox-static)
+    dnsmasq: str = ""                  # "" = dnsmasq on PATH or /usr/sbin/dnsmasq
+
+    def __post_init__(self):
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"fleet.pxe.port = {self.port!r}: expected 1..65535")
+        if self.power not in ("wol", "command"):
+            raise ConfigError(f"fleet.pxe.power = {self.power!r}: expected wol or command")
+        if self.power == "command" and not self.power_on:
+            raise ConfigError("fleet.pxe.power_on = []: power = \"command\" needs the command that powers a duck on")
+        for key in ("power_on", "power_cycle", "modules"):
+            if not all(isinstance(a, str) and a for a in getattr(self, key)):
+                raise ConfigError(f"fleet.pxe.{key} = {getattr(self, key)!r}: expected an array of non-empty strings")
+        _positive("fleet.pxe.boot_timeout_s", self.boot_timeout_s)
+        _positive("fleet.pxe.lease_s", self.lease_s)
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"fleet.pxe.threads = {self.threads!r}: expected 0 (all CPUs) .. 1024")
+        macs = [d.mac for d in self.ducks]
+        addrs = [d.address for d in self.ducks]
+        if len(set(macs)) != len(macs) or len(set(addrs)) != len(addrs):
+            raise ConfigError("fleet.pxe.ducks: each MAC and each address may appear once")
+
+
+@dataclass(slots=True)
 class FleetConfig:
-    driver: str = "local"              # local | netns | wol
+    driver: str = "local"              # local | netns | wol | pxe
     ducks: int = 4
     threads_per_duck: int = 1
     tp: int = 0                        # tensor-parallel ranks; 0 = one per duck
@@ -191,14 +243,18 @@ class FleetConfig:
     data_mac: bool = True              # forwards and partials carry the link MAC; false only on trusted links
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     wol: WolConfig = field(default_factory=WolConfig)
+    pxe: PxeConfig = field(default_factory=PxeConfig)
 
     def __post_init__(self):
-        if self.driver not in ("local", "netns", "wol"):
-            raise ConfigError(f"fleet.driver = {self.driver!r}: expected local, netns or wol")
-        if self.driver == "wol":
-            self.ducks = len(self.wol.ducks)
+        if self.driver not in ("local", "netns", "wol", "pxe"):
+            raise ConfigError(f"fleet.driver = {self.driver!r}: expected local, netns, wol or pxe")
+        if self.driver in ("wol", "pxe"):
+            self.ducks = len(getattr(self, self.driver).ducks)
             if not self.ducks:
-                raise ConfigError("fleet.wol.ducks = []: the wol driver needs at least one duck")
+                raise ConfigError(f"fleet.{self.driver}.ducks = []: the {self.driver} driver needs at least one duck")
+        if self.driver == "pxe" and not self.pxe.interface:
+            raise ConfigError('fleet.pxe.interface = "": the pxe driver needs the host\'s interface on the fleet '
+                              'subnet (e.g. "eth1" or a bridge)')
         if not 1 <= self.ducks <= 256:
             raise ConfigError(f"fleet.ducks = {self.ducks!r}: expected 1..256")
         _positive("fleet.threads_per_duck", self.threads_per_duck)
@@ -272,12 +328,12 @@ def _build(cls, table: dict, where: str):
         sub = _SUBTABLES.get((cls, key))
         if sub is not None:
             value = _build(sub, value, f"{where}.{key}".lstrip("."))
-        elif (cls, key) == (WolConfig, "ducks"):
+        elif (cls, key) in _DUCK_LISTS:
             if not isinstance(value, list):
                 raise ConfigError(f"{where}.ducks = {value!r}: expected an array of tables")
-            value = [_build(WolDuck, v, f"{where}.ducks") for v in value]
+            value = [_build(_DUCK_LISTS[cls, key], v, f"{where}.ducks") for v in value]
         else:
-            default = getattr(cls(), key) if cls not in (WolDuck,) else None
+            default = getattr(cls(), key) if cls not in (WolDuck, PxeDuck) else None
             if default is not None and not _same_kind(default, value):
                 raise ConfigError(f"{where}.{key} = {value!r}: expected {type(default).__name__}".lstrip("."))
         kwargs[key] = value
@@ -296,7 +352,8 @@ def _same_kind(default, value) -> bool:
 
 
 _SUBTABLES = {(Config, "daemon"): DaemonConfig, (Config, "model"): ModelConfig, (Config, "fleet"): FleetConfig,
-              (FleetConfig, "netns"): NetnsConfig, (FleetConfig, "wol"): WolConfig}
+              (FleetConfig, "netns"): NetnsConfig, (FleetConfig, "wol"): WolConfig, (FleetConfig, "pxe"): PxeConfig}
+_DUCK_LISTS = {(WolConfig, "ducks"): WolDuck, (PxeConfig, "ducks"): PxeDuck}
 
 
 def load(path: str | os.PathLike | None) -> Config:

@@ -8,6 +8,8 @@
     duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
                                                    against the GPU-only and torch CPU baselines)
     duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: bench/plan_cli.py)
+    duckctl image build [--out DIR] [--kernel PATH] [--busybox PATH] [--json]
+                                                  (the duck boot image, from duckd's config; docs/boot.md)
 
 With no --address/--token it finds the running daemon (see duck_proto.client).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -148,6 +151,48 @@ def cmd_bench(args, rest: list[str]) -> int:
     return bench_main(rest, _stubs(args))
 
 
+def cmd_image(args) -> int:
+    """Builds the duck boot image on this host (no daemon needed): the fleet key and fleet.pxe's
+    settings come from --config (else the embedded default's)."""
+    import logging
+
+    from duckd.config import ConfigError, load
+    from duckd.drivers.pxe import image_settings
+    from duckd.image import ImageError, build_image
+
+    logging.basicConfig(level=logging.INFO, format="duckctl image: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load(args.config)
+        settings = image_settings(cfg.fleet)
+        if args.kernel or args.busybox:
+            from dataclasses import replace
+            settings = replace(settings, kernel=args.kernel or settings.kernel, busybox=args.busybox or settings.busybox)
+        state = cfg.state_path
+        key_file = state / "fleet.key"
+        if not key_file.exists():
+            from native.transport import write_key_file
+            state.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_key_file(key_file)
+            logging.getLogger("duckd.image").info("made a new fleet key %s (duckd uses it from now on)", key_file)
+        out = Path(args.out) if args.out else state / "image"
+        image = build_image(out, key_file, settings)
+    except (ConfigError, ImageError) as e:
+        print(f"duckctl: {e}", file=sys.stderr)
+        return 2
+    files = {name: str(out / name) for name in image.manifest["files"]}
+    if args.json:
+        print(json.dumps({"path": str(out), "digest": image.digest, "size": image.size, "files": files,
+                          "sha256": image.manifest["files"], "kernel_version": image.manifest["kernel_version"],
+                          "modules": len(image.manifest["modules"])}, indent=2))
+        return 0
+    print(f"image   {out}")
+    for name, path in files.items():
+        print(f"  {name:11} {Path(path).stat().st_size / 1e6:6.1f} MB  sha256 {image.manifest['files'][name]}")
+    print(f"size    {image.size / 1e6:.1f} MB ({image.size} bytes)")
+    print(f"digest  {image.digest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="duckctl", description="Client of duckd: fleet status, chat, cache, benchmarks.")
     ap.add_argument("--address", help="host:port of duckd (default: found from the running daemon)")
@@ -175,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["kernels", "transport", "e2e"])
     sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
                    add_help=False)
+    im = sub.add_parser("image", help="the duck boot image (kernel + initramfs) for network-booted ducks")
+    im.add_argument("action", choices=["build"])
+    im.add_argument("--out", help="folder of the image (default: <state_dir>/image)")
+    im.add_argument("--kernel", help="the vmlinuz to use (default: the newest /boot/vmlinuz-*)")
+    im.add_argument("--busybox", help="a static busybox (default: /bin/busybox from busybox-static)")
+    im.add_argument("--json", action="store_true")
     return ap
 
 
@@ -193,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_chat(args)
         if args.cmd == "cache":
             return cmd_cache(args)
+        if args.cmd == "image":
+            return cmd_image(args)
         return cmd_bench(args, rest)
     except DiscoveryError as e:
         print(f"duckctl: {e}", file=sys.stderr)

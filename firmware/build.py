@@ -5,7 +5,7 @@ Used by setup.py (release binary into native/bin/duckfw) and by the tests
 (sanitizer and fuzz variants into a build folder). Stdlib only: it runs
 before the project is installed.
 
-    python firmware/build.py [release|asan|fuzz] [-o OUTPUT]
+    python firmware/build.py [release|static|asan|fuzz] [-o OUTPUT]
 """
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ COMMON = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-sign-
           "-fno-strict-aliasing", *(f"-I{d}" for d in NATIVE_SOURCES.INCLUDE_DIRS), "-Ifirmware"]
 VARIANTS = {
     "release": (["-O3", "-DNDEBUG"], ["-lpthread", "-lm"]),
+    # the duck boot image (duckd/image): no shared libraries in an initramfs; generic x86-64
+    # code plus the runtime-dispatched AVX2 kernels, as the release build; no build path or
+    # build id in the binary, so the same sources give the same bytes
+    "static": (["-O3", "-DNDEBUG", "-ffile-prefix-map=" + str(ROOT) + "=."],
+               ["-static", "-Wl,--build-id=none", "-s", "-lpthread", "-lm"]),
     "asan": (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
               "-fno-sanitize-recover=undefined"], ["-fsanitize=address,undefined", "-lpthread", "-lm"]),
     # clang ignores kernels_avx2.c's `#pragma GCC target`: the fuzz build is AVX2 throughout

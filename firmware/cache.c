@@ -287,6 +287,10 @@ duck_cache *cache_open(const char *dir, uint64_t capacity, uint64_t *corrupt)
     c->capacity = capacity;
     c->size = 64;
     c->table = calloc(c->size, sizeof *c->table);
+    if (c->table && !dir[0]) {   /* --memory-cache */
+        dlog(DLOG_INFO, "cache: in memory only, %llu bytes", (unsigned long long)c->capacity);
+        return c;
+    }
     if (!c->table || (mkdir(dir, 0755) != 0 && errno != EEXIST)) {
         dlog(DLOG_ERROR, "cache: cannot create %s: %s", dir, strerror(errno));
         cache_close(c);
@@ -336,6 +340,8 @@ uint32_t cache_count(const duck_cache *c) { return c->count; }
 int cache_persist(duck_cache *c, const uint8_t *digest, const void *data, uint64_t len)
 {
     char name[2 * WIRE_DIGEST_BYTES + 1], path[4096 + 64], tmp[4096 + 64];
+    if (!c->dir[0])
+        return 0;
     cache_hex(digest, name);
     snprintf(path, sizeof path, "%s/%s.fp9", c->dir, name);
     snprintf(tmp, sizeof tmp, "%s/%s.fp9.tmp", c->dir, name);
@@ -359,7 +365,7 @@ int cache_persist(duck_cache *c, const uint8_t *digest, const void *data, uint64
 static void drop_entry(duck_cache *c, cache_entry *e)
 {
     char name[2 * WIRE_DIGEST_BYTES + 1], path[4096 + 64];
-    if (!e->synthetic) {
+    if (!e->synthetic && c->dir[0]) {
         cache_hex(e->digest, name);
         snprintf(path, sizeof path, "%s/%s.fp9", c->dir, name);
         unlink(path);

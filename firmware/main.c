@@ -18,12 +18,14 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: duckfw --cache-dir DIR --key-file FILE [options]\n"
+            "usage: duckfw --cache-dir DIR|--memory-cache --key-file FILE [options]\n"
             "  --bind ADDR              IPv4 address to bind (default 127.0.0.1)\n"
             "  --port N                 UDP port, 0 for any free one (default 0)\n"
             "  --port-file FILE         write the bound port there once listening\n"
             "  --id N                   duck id announced in hello (default 0)\n"
             "  --cache-dir DIR          weight cache directory (created if missing)\n"
+            "  --memory-cache           no cache directory: weights in memory only, gone at exit\n"
+            "                           (a disk-less duck, whose files would be RAM too)\n"
             "  --cache-capacity SIZE    bytes of weights held, e.g. 512M, 24G (default 1G)\n"
             "  --threads N              worker threads incl. the main one (default: CPUs)\n"
             "  --pin                    pin workers to CPUs (dedicated hardware only)\n"
@@ -126,10 +128,10 @@ static int die_with_parent(pid_t parent)
 int main(int argc, char **argv)
 {
     enum { O_BIND = 256, O_PORT, O_PORT_FILE, O_ID, O_CACHE_DIR, O_CAPACITY, O_THREADS, O_PIN, O_KEY, O_IDLE,
-           O_SPIN, O_MTU, O_DATA_MAC, O_NO_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
+           O_SPIN, O_MTU, O_MEMCACHE, O_DATA_MAC, O_NO_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
     static const struct option opts[] = {
         {"bind", 1, 0, O_BIND}, {"port", 1, 0, O_PORT}, {"port-file", 1, 0, O_PORT_FILE}, {"id", 1, 0, O_ID},
-        {"cache-dir", 1, 0, O_CACHE_DIR}, {"cache-capacity", 1, 0, O_CAPACITY}, {"threads", 1, 0, O_THREADS},
+        {"cache-dir", 1, 0, O_CACHE_DIR}, {"memory-cache", 0, 0, O_MEMCACHE}, {"cache-capacity", 1, 0, O_CAPACITY}, {"threads", 1, 0, O_THREADS},
         {"pin", 0, 0, O_PIN}, {"key-file", 1, 0, O_KEY}, {"idle", 1, 0, O_IDLE}, {"spin-us", 1, 0, O_SPIN},
         {"mtu", 1, 0, O_MTU}, {"data-mac", 0, 0, O_DATA_MAC}, {"no-data-mac", 0, 0, O_NO_DATA_MAC}, {"log-level", 1, 0, O_LOG},
         {"enable-fault-injection", 0, 0, O_FAULTS}, {"drop-rate", 1, 0, O_DROP}, {"delay-us", 1, 0, O_DELAY},
@@ -143,7 +145,7 @@ int main(int argc, char **argv)
     cfg.data_mac = 1;
     const char *key_file = NULL;
     pid_t parent = 0;
-    int spin = 0, faults_allowed = 0, fault_opts = 0, level = DLOG_INFO;
+    int spin = 0, faults_allowed = 0, fault_opts = 0, level = DLOG_INFO, memory_cache = 0;
     unsigned long spin_us = 50, v;
     cpu_set_t cpus;
     cfg.threads = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? (unsigned)CPU_COUNT(&cpus) : 1;
@@ -154,6 +156,7 @@ int main(int argc, char **argv)
         case O_PORT_FILE: cfg.port_file = optarg; break;
         case O_ID: if (parse_uint(optarg, UINT32_MAX, &v)) BAD("--id %s is not a number", optarg); cfg.duck_id = (uint32_t)v; break;
         case O_CACHE_DIR: cfg.cache_dir = optarg; break;
+        case O_MEMCACHE: memory_cache = 1; break;
         case O_CAPACITY: if (parse_size(optarg, &cfg.cache_capacity)) BAD("--cache-capacity %s is not a size like 512M", optarg); break;
         case O_THREADS: if (parse_uint(optarg, 256, &v) || !v) BAD("--threads %s is not 1..256", optarg); cfg.threads = (unsigned)v; break;
         case O_PIN: cfg.pin = 1; break;
@@ -193,8 +196,12 @@ int main(int argc, char **argv)
     }
     if (optind < argc)
         BAD("unexpected argument %s (see --help)", argv[optind]);
-    if (!cfg.cache_dir)
-        BAD("--cache-dir is required (see --help)");
+    if (memory_cache && cfg.cache_dir)
+        BAD("--memory-cache and --cache-dir %s exclude each other: pick one", cfg.cache_dir);
+    if (!cfg.cache_dir && !memory_cache)
+        BAD("--cache-dir DIR or --memory-cache is required (see --help)");
+    if (memory_cache)
+        cfg.cache_dir = "";    /* cache_open: no directory, nothing persisted */
     if (!key_file)
         BAD("--key-file is required: a duck accepts sessions only from a host that proves the shared key");
     if (fault_opts && !faults_allowed)

@@ -3,6 +3,7 @@
     local  duckfw processes on this host (the embedded default)
     netns  duckfw in network namespaces behind veth pairs and per-subnet bridges
     wol    real hardware woken by a Wake-on-LAN magic packet
+    pxe    bare hardware (or VMs) network-booted from duckd with the duck boot image
 """
 from __future__ import annotations
 
@@ -61,4 +62,7 @@ def make_driver(cfg, state_dir: Path, key_file: Path) -> Driver:
     if cfg.driver == "wol":
         from duckd.drivers.wol import WolDriver
         return WolDriver(cfg, state_dir, key_file)
-    raise ValueError(f"fleet.driver = {cfg.driver!r}: expected local, netns or wol")
+    if cfg.driver == "pxe":
+        from duckd.drivers.pxe import PxeDriver
+        return PxeDriver(cfg, state_dir, key_file)
+    raise ValueError(f"fleet.driver = {cfg.driver!r}: expected local, netns, wol or pxe")

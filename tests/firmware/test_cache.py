@@ -29,6 +29,21 @@ def test_restarted_duck_finds_its_cache(tmp_path):
         assert ducks.fleet.stats()[0]["upload_bytes"] == 0      # nothing sent to the new process
 
 
+def test_memory_cache_serves_uploads_and_writes_no_file(tmp_path):
+    """--memory-cache (a disk-less duck): uploads are held and verified as usual, nothing is written,
+    and a restarted duck has to get them again."""
+    ts = tensors(2)
+    with Ducks(1, tmp_path, args=["--memory-cache"]) as ducks:
+        assert ducks.fleet.upload([ts])["uploaded"] == 2
+        assert ducks.fleet.hello()[0].cache_entries == 2
+        assert ducks.fleet.invalidate(ts[0].digest()) == [1]
+        assert not ducks[0].cache_dir.exists() and "in memory only" in ducks[0].log()
+        ducks[0].kill9()
+        ducks[0].start()
+        assert ducks.fleet.hello()[0].cache_entries == 0
+        assert ducks.fleet.upload([ts])["uploaded"] == 2
+
+
 def test_corrupt_entry_is_discarded_and_reported(tmp_path):
     ts = tensors(2)
     with Ducks(1, tmp_path) as ducks:

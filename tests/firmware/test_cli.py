@@ -27,6 +27,13 @@ def test_key_is_required(tmp_path):
     assert r.returncode == 2 and "--key-file is required" in r.stderr
 
 
+def test_cache_dir_or_memory_cache(tmp_path, key_file):
+    r = run("--key-file", str(key_file))
+    assert r.returncode == 2 and "--cache-dir DIR or --memory-cache is required" in r.stderr
+    r = run("--key-file", str(key_file), "--memory-cache", "--cache-dir", str(tmp_path / "c"))
+    assert r.returncode == 2 and "exclude each other" in r.stderr
+
+
 @pytest.mark.parametrize("option", [["--drop-rate", "0.05"], ["--delay-us", "1000"]])
 def test_fault_injection_is_refused_unless_enabled(tmp_path, key_file, option):
     r = run("--cache-dir", str(tmp_path / "c"), "--key-file", str(key_file), *option)

@@ -46,8 +46,8 @@ class Duck:
         log = open(self.log_path, "ab")
         # the same port again after a restart, so the fleet's address list stays valid
         cmd = [str(self.binary), "--bind", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file),
-               "--id", str(self.index), "--cache-dir", str(self.cache_dir), "--key-file", str(self.key_file),
-               "--threads", "1", "--idle", "block", *self.args]
+               "--id", str(self.index), "--key-file", str(self.key_file), "--threads", "1", "--idle", "block",
+               *([] if "--memory-cache" in self.args else ["--cache-dir", str(self.cache_dir)]), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
         log.close()
         deadline = time.monotonic() + timeout
