@@ -43,6 +43,7 @@ class TorchSlotDecoder:
         self.model, self.cache, self.max_tokens = model, cache, max_tokens
         self.device = weight.device
         self._ntok = 0
+        self.last_batch: SlotBatch | None = None   # the last step's plan
         log.debug("torch slot decoder for %s on %s: %d slots of %d positions", type(model).__name__, self.device,
                   cache.slots, cache.max_model_len)
 
@@ -54,7 +55,7 @@ class TorchSlotDecoder:
                              f"{tuple(slots.shape)} must be one [T] each")
         if not 0 < ids.shape[0] <= self.max_tokens:
             raise ValueError(f"a step of {ids.shape[0]} tokens: this decoder takes 1..{self.max_tokens}")
-        batch = SlotBatch.plan(self.cache, positions.tolist(), slots.tolist(), self.device)
+        batch = self.last_batch = SlotBatch.plan(self.cache, positions.tolist(), slots.tolist(), self.device)
         self._ntok = ids.shape[0]
         return self.model(ids.to(self.device, torch.int64), batch.positions, batch)
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine import ops
@@ -150,6 +151,7 @@ class SlotBatch:
     flat: torch.Tensor           # [T] int64, on the model's device
     runs: list[tuple[int, int, int]]
     ends: list[int]              # per run: its last position + 1 (the slots it reads)
+    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # all runs one token: (slots [B], mask [B,1,1,E])
 
     @classmethod
     def plan(cls, cache: SlotKVCache, positions: list[int], slots: list[int], device) -> "SlotBatch":
@@ -174,8 +176,13 @@ class SlotBatch:
         if len({r[0] for r in runs}) != len(runs):
             raise ValueError("a slot batch takes each sequence's tokens as one run")
         flat = [s * length + p for s, p in zip(slots, positions)]
+        decode_rows = None
+        if len(runs) > 1 and len(runs) == len(slots):
+            end = max(ends)
+            mask = torch.arange(end, device=device)[None, :] < torch.tensor(ends, device=device)[:, None]
+            decode_rows = (torch.tensor(slots, dtype=torch.int64, device=device), mask[:, None, None, :])
         return cls(cache, torch.tensor(positions, dtype=torch.int64, device=device),
-                   torch.tensor(flat, dtype=torch.int64, device=device), runs, ends)
+                   torch.tensor(flat, dtype=torch.int64, device=device), runs, ends, decode_rows)
 
 
 def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -185,12 +192,31 @@ def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tens
     ck, cv = cache.k[layer], cache.v[layer]                  # [slots, S, KVH, D]
     ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
     cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
+    if batch.decode_rows is not None:   # every run one token (a decode step): one masked call for all
+        return _decode_rows_attention(batch, ck, cv, q, scale)
     outs = []
     for (slot, start, stop), end in zip(batch.runs, batch.ends):
         # the slot's cache up to its run's last position: the same call one sequence alone makes
         outs.append(ops.decode_attention_ref(q[start:stop], ck[slot, :end], cv[slot, :end],
                                              batch.positions[start:stop], scale, masked=stop - start > 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode_rows_attention(batch: SlotBatch, ck: torch.Tensor, cv: torch.Tensor, q: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [B, H, D], one token per slot: each row over its slot's cache up to its position, as
+    one SDPA call over the slots' first max(ends) positions, the rest masked. The slots' keys
+    and values are gathered [B, end, KVH, D] and zeroed past each row's position: a slot's
+    cache is not cleared (SlotKVCache), and a masked key's weight 0 times a NaN left there
+    would still be NaN."""
+    slots, mask = batch.decode_rows
+    end = mask.shape[-1]
+    past = ~mask[:, 0, 0, :, None, None]                            # [B, end, 1, 1]
+    keys = ck[:, :end].index_select(0, slots).masked_fill_(past, 0).transpose(1, 2)   # [B, KVH, end, D]
+    values = cv[:, :end].index_select(0, slots).masked_fill_(past, 0).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)          # [B, H, 1, D]
+    return out.reshape(q.shape[0], -1)
 
 
 def attention_end(cache: KVCache, positions: torch.Tensor) -> int:

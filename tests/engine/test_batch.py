@@ -129,8 +129,10 @@ def test_the_torch_path_batches_what_a_gpu_host_runs(kind, tiny_checkpoint, back
 
 
 def test_torch_batch_logits_match_one_sequence_alone(tiny_checkpoint):
-    """One step of three sequences at different positions (two decoding, one prefilling)
-    against each run alone in a fresh cache: the same logits within float rounding."""
+    """One step of three sequences at different positions (two decoding, one prefilling),
+    then a decode step of all three (one masked call over the gathered slots), against each
+    sequence alone in a fresh cache: the same logits within float rounding. The slot cache
+    starts full of NaN: what a slot has not written must never reach a result."""
     folder, _ = tiny_checkpoint("qwen3")
     lm = load_model(folder, device="cpu", backend="fp9")
     from engine.batch_torch import TorchSlotDecoder
@@ -139,6 +141,8 @@ def test_torch_batch_logits_match_one_sequence_alone(tiny_checkpoint):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, TINY["qwen3"]["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 4)]
     cache = SlotKVCache.allocate(lm.model.config, 4, 32, torch.float32)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
     dec = TorchSlotDecoder(lm.model, cache, max_tokens=32)
     # fill slots 3 and 0 with the first two prompts but their last token, then one mixed step
     for slot, p in ((3, prompts[0]), (0, prompts[1])):
@@ -148,11 +152,17 @@ def test_torch_batch_logits_match_one_sequence_alone(tiny_checkpoint):
     slots = [3, 0] + [2] * len(prompts[2])
     y = dec.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots))
     got = dec.logits(y, [0, 1, len(ids) - 1])
-    for row, p in zip(got, prompts):
+    nxt = [int(row.argmax()) for row in got]
+    y = dec.layers(torch.tensor(nxt), torch.tensor([len(p) for p in prompts]), torch.tensor([3, 0, 2]))
+    assert dec.last_batch.decode_rows is not None, "a step of one token per slot takes the one-call path"
+    then = dec.logits(y)
+    for row, row2, p, t in zip(got, then, prompts, nxt):
         alone = lm.model.make_cache(32)
         with torch.inference_mode():
             want = lm.model.compute_logits(lm.model(torch.tensor(p), torch.arange(len(p)), alone)[-1:])[0]
+            want2 = lm.model.compute_logits(lm.model(torch.tensor([t]), torch.tensor([len(p)]), alone))[0]
         torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row2, want2, rtol=1e-5, atol=1e-5)
 
 
 def test_slot_batch_plans_refuse_what_would_corrupt_a_cache(tiny_checkpoint):
