@@ -89,6 +89,6 @@ def link_limits(driver) -> dict:
     """The links as emulated: the config's limits, and where the delay and loss were made."""
     n = driver.n
     where = {True: "netem", False: "duckfw fault injection (the kernel has no netem)", None: "none asked"}
-    return {"delay_and_loss_by": where[driver.shaper.netem], "subnets": n.subnets, "duck_rate_mbit": n.duck_rate_mbit, "duck_delay_us": n.duck_delay_us,
-            "duck_jitter_us": n.duck_jitter_us, "duck_loss": n.duck_loss, "port_rate_mbit": n.port_rate_mbit,
+    return {"delay_and_loss_by": where[driver.shaper.netem], "subnets": n.subnets,
+            "duck_rate_mbit": n.duck_rate_mbit, "duck_delay_us": n.duck_delay_us, "duck_jitter_us": n.duck_jitter_us, "duck_loss": n.duck_loss, "port_rate_mbit": n.port_rate_mbit,
             "port_delay_us": n.port_delay_us, "link_mtu": n.link_mtu}

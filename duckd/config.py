@@ -136,11 +136,6 @@ class NetnsConfig:
                               "9000: jumbo frames)")
         if not 0 <= self.duck_loss < 1:
             raise ConfigError(f"fleet.netns.duck_loss = {self.duck_loss!r}: expected a fraction 0 <= loss < 1")
-
-    @property
-    def shaped(self) -> bool:
-        return bool(self.duck_rate_mbit or self.duck_delay_us or self.duck_loss or self.port_rate_mbit
-                    or self.port_delay_us)
         try:
             ipaddress.ip_network(f"{self.prefix}.0.0/16")
         except ValueError:

@@ -64,7 +64,7 @@ class Sequence:
 
 
 class BatchDecoder:
-    """Continuous batching on the CPU host (see the module docstring)."""
+    """Continuous batching on the native or the torch path (see the module docstring)."""
 
     def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
                  path: str = "native"):
@@ -74,18 +74,14 @@ class BatchDecoder:
             raise ValueError(f"step_tokens must be positive, got {step_tokens}")
         if path not in ("native", "torch"):
             raise ValueError(f"path must be 'native' (engine.cpu.decode) or 'torch' (engine.batch_torch), got {path!r}")
+        if path == "native":
+            from engine.cpu.decode import CpuDecoder as decoder   # fp32 weights and cache on the CPU
+        else:
+            from engine.batch_torch import TorchSlotDecoder as decoder
         weight = model.model.embed_tokens.weight
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
-        if path == "native":
-            from engine.cpu.decode import CpuDecoder
-
-            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, torch.float32, weight.device)
-            self.decoder = CpuDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
-        else:
-            from engine.batch_torch import TorchSlotDecoder
-
-            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
-            self.decoder = TorchSlotDecoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
+        self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
+        self.decoder = decoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
         if self.step_tokens < slots:
             raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "

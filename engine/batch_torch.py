@@ -7,24 +7,20 @@ each expert once for the whole batch, as on the native path; attention writes ea
 token's key and value at its slot's position (engine.layers.SlotBatch) and each
 sequence's run of tokens attends to its own slot with the call one sequence alone makes.
 
-Families: those whose attention is engine.models.llama.LlamaAttention (Llama, Qwen3,
-Qwen3-MoE). DeepSeek's latent cache and Qwen3.5's recurrent state have no slot form yet:
-UnsupportedModel. Eager only: no CUDA graphs per batch size yet."""
+Families: the native decoder's (engine.cpu.host_model.FAMILIES: Llama, Qwen3, Qwen3-MoE,
+whose attention is engine.models.llama.LlamaAttention). DeepSeek's latent cache and
+Qwen3.5's recurrent state have no slot form yet: UnsupportedModel. Eager only: no CUDA
+graphs per batch size yet."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from engine.cpu.host_model import UnsupportedModel
+from engine.cpu.host_model import FAMILIES, UnsupportedModel
 from engine.layers import SlotBatch, SlotKVCache
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
-
-FAMILIES = (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 
 class TorchSlotDecoder:
@@ -32,8 +28,7 @@ class TorchSlotDecoder:
     layers(ids, positions, slots) -> the final hidden states [T, H]; logits(y, rows)."""
 
     def __init__(self, model, cache: SlotKVCache, max_tokens: int):
-        if type(model) not in FAMILIES or not all(isinstance(layer.self_attn, LlamaAttention)
-                                                  for layer in model.model.layers):
+        if type(model) not in FAMILIES:   # the native decoder's: their attention is LlamaAttention
             raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch "
                                    f"path (Llama, Qwen3 and Qwen3-MoE have)")
         weight = model.model.embed_tokens.weight

@@ -259,16 +259,11 @@ def rotary_cached_attention(layer: int, cache: KVCache, positions: torch.Tensor,
     """cached_attention of q, k after their per-head norms (Qwen3; None: Llama) and rotary,
     the norms, rotary and cache write being one op (engine.ops.qk_norm_rope). A SlotBatch
     instead of a cache: rotary at each token's position, then each run in its own slot."""
+    norms = ((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0))
+    inv_freq = rotary.inv_freq_on(q.device)
     if isinstance(cache, SlotBatch):
-        q, k = ops.qk_norm_rope(q, k, cache.positions, rotary.inv_freq_on(q.device),
-                                q_norm.weight if q_norm is not None else None,
-                                k_norm.weight if k_norm is not None else None,
-                                q_norm.eps if q_norm is not None else 0.0)
+        q, k = ops.qk_norm_rope(q, k, cache.positions, inv_freq, *norms)
         return _slot_attention(layer, cache, q, k, v, scale)
     end = attention_end(cache, positions)
-    q, _ = ops.qk_norm_rope(q, k, positions, rotary.inv_freq_on(positions.device),
-                            q_norm.weight if q_norm is not None else None,
-                            k_norm.weight if k_norm is not None else None,
-                            q_norm.eps if q_norm is not None else 0.0,
-                            v=v, k_cache=cache.k[layer], v_cache=cache.v[layer])
+    q, _ = ops.qk_norm_rope(q, k, positions, inv_freq, *norms, v=v, k_cache=cache.k[layer], v_cache=cache.v[layer])
     return attend_cache(layer, cache, positions, q, end, scale)

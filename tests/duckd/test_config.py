@@ -58,7 +58,8 @@ def test_fault_drop_rate_turns_on_the_ducks_fault_injection():
                                         ({"duck_delay_us": 10, "duck_jitter_us": 20},
                                          "fleet.netns.duck_jitter_us = 20: more than duck_delay_us"),
                                         ({"duck_loss": 1.0}, "fleet.netns.duck_loss = 1.0: expected a fraction"),
-                                        ({"name": "much-too-long"}, "fleet.netns.name = 'much-too-long'")])
+                                        ({"name": "much-too-long"}, "fleet.netns.name = 'much-too-long'"),
+                                        ({"prefix": "10.999"}, "fleet.netns.prefix = '10.999': expected two octets")])
 def test_bad_link_emulation_values_are_named(netns, text):
     from duckd.config import NetnsConfig
     with pytest.raises(ConfigError, match=text):

@@ -4,14 +4,14 @@ Python socket. The duck drops each one after a CRC and a MAC check, before
 reassembly, answers none, and counts them; decode keeps >= 0.8x of its rate
 without the flood. Short chats alternate flooded and clean and their medians
 are compared, so a loaded 2-core machine's noise falls on both sides alike."""
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
 import socket
 import statistics
 import time
-import ctypes
-import ctypes.util
 
 from native._native import ffi, lib
 from native.transport import Fleet, read_key_file

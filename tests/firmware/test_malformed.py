@@ -179,7 +179,7 @@ def fragments(payload: bytes, key, mtype: int, session: int, sequence: int, tota
 
 
 def test_hello_announces_the_kernels_limit_and_more_tokens_are_refused(asan_duck):
-    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    fleet, duck = asan_duck.fleet, asan_duck[0]
     assert fleet.hello()[0].max_tokens == KERNEL_MAX_TOKENS
     session = fleet.open_session({0: [[]]}, 64)
     try:
@@ -205,7 +205,7 @@ def test_hello_announces_the_kernels_limit_and_more_tokens_are_refused(asan_duck
 
 def test_a_malformed_large_forward_gets_an_error(asan_duck):
     """3 MB in 53 datagrams that claim 64 tokens of hidden 8192 but hold 3 bytes too many."""
-    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    fleet, duck = asan_duck.fleet, asan_duck[0]
     session = fleet.open_session({0: [[]]}, 8192)
     try:
         errors = fleet.stats()[0]["errors"]
@@ -221,7 +221,7 @@ def test_a_malformed_large_forward_gets_an_error(asan_duck):
 
 
 def test_large_messages_that_are_not_forwards_of_the_open_session_are_dropped_at_once(asan_duck):
-    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    fleet, duck = asan_duck.fleet, asan_duck[0]
     session = fleet.open_session({0: [[]]}, 64)
     try:
         before = fleet.stats()[0]
@@ -245,7 +245,7 @@ def test_a_flood_of_huge_claims_stays_within_the_reassembly_budget(asan_duck):
     """First fragments of 64 forwards of the open session, each claiming a 64 MiB message:
     the duck holds at most REASM_BUDGET (2 x 64 MiB) of them, drops the oldest (counted as
     stale), and still answers a real forward afterwards, and a large one in full."""
-    fleet, duck, key = asan_duck.fleet, asan_duck[0], asan_duck.key
+    fleet, duck = asan_duck.fleet, asan_duck[0]
     hidden = 4096
     session = fleet.open_session({0: [[]]}, hidden)
     try:
