@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="duckd's config file (default: $DUCK_CONFIG)")
     p.add_argument("--interval", type=float, default=0.0, help="seconds between fleet snapshots (0: the daemon's)")
     p.add_argument("--log-file", help="write the console's log here (the terminal belongs to the UI)")
-    return p.parse_args(argv)
+    return p.parse_args(client.join_option_values(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,19 @@ def default_state_dir() -> Path:
     return Path(base) / "duck"
 
 
+def join_option_values(argv: list[str], options: tuple[str, ...] = ("--token",)) -> list[str]:
+    """`--token -x...` as `--token=-x...`: a token may begin with '-' (older duckd drew
+    them from the URL-safe alphabet), which argparse would read as an option."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a in options:
+            nxt = next(it, None)
+            out.append(a if nxt is None else f"{a}={nxt}")
+        else:
+            out.append(a)
+    return out
+
+
 @dataclass(slots=True)
 class Endpoint:
     address: str

@@ -25,7 +25,7 @@ from google.protobuf.json_format import MessageToDict
 
 from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
-from duck_proto.client import DiscoveryError, discover, sync_channel
+from duck_proto.client import DiscoveryError, discover, join_option_values, sync_channel
 
 STATES = {v: k for k, v in pb.DuckState.items()}
 
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args, rest = ap.parse_known_args(argv)
+    args, rest = ap.parse_known_args(join_option_values(sys.argv[1:] if argv is None else argv))
     if args.cmd == "plan":
         from bench.plan_cli import main as plan_main
         return plan_main(rest)

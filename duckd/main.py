@@ -44,7 +44,7 @@ def resolve_token(cfg: Config) -> tuple[str, Path]:
             raise ConfigError(f"daemon.token_file = {str(path)!r}: the file is empty")
         return token, path
     path = state / "token"
-    token = cfg.daemon.token or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(24)
+    token = cfg.daemon.token or (path.read_text().strip() if path.exists() else "") or secrets.token_hex(24)
     if path.exists() and path.stat().st_mode & 0o077:
         log.warning("token file %s was readable by others: rewritten 0600", path)
         path.unlink()

@@ -80,3 +80,21 @@ def test_link_shapes_become_tc_arguments_and_duckfw_stands_in_for_a_missing_nete
     assert shaper.duck_fallback(duck, port) == ["--enable-fault-injection", "--delay-us", "110", "--drop-rate", "0.01"]
     with pytest.raises(LinkError, match="duck_jitter_us needs the kernel's netem"):
         shaper.duck_fallback(Shape(2500, 50, 10), port)
+
+
+def test_a_new_token_never_reads_as_an_option_and_an_old_one_still_passes(tmp_path):
+    """A token that began with '-' made `duckctl --token <it>` an argparse error (CI drew one)."""
+    from duck_proto.client import join_option_values
+    from duckd.config import load
+    from duckd.ctl import build_parser
+    from duckd.main import resolve_token
+    cfg_file = tmp_path / "duckd.toml"
+    cfg_file.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n')
+    for _ in range(64):
+        token, path = resolve_token(load(cfg_file))
+        assert not token.startswith("-") and path.read_text().strip() == token
+        path.unlink()
+    argv = join_option_values(["--address", "127.0.0.1:1", "--token", "-Zx_9", "status", "--json"])
+    args = build_parser().parse_args(argv)
+    assert args.token == "-Zx_9" and args.cmd == "status" and args.json
+    assert join_option_values(["status", "--token"]) == ["status", "--token"]
