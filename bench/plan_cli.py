@@ -15,6 +15,7 @@ import dataclasses
 import glob
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -82,12 +83,29 @@ def from_e2e(d: dict, day: str = "2026-12-01") -> tuple[dict, ModelShape, float]
 
 
 def netns_cases(d: dict, dtype: str = "fp32") -> list[tuple[int, float]]:
-    """(ducks, median us) of the netns partials cases of a `bench transport --netns` file."""
+    """(ducks, median us) of the netns partials cases of a `bench transport --netns` file
+    (of several runs merged by merge_netns_runs: the median of the runs' medians)."""
     out = []
     for k, v in d.items():
         if k.startswith("netns_partials_") and k.endswith(f"_{dtype}"):
             out.append((v["ducks"], v["median_us"]))
     return sorted(out)
+
+
+def merge_netns_runs(paths: list[str]) -> dict:
+    """Several `bench transport --netns --json` runs of the same links as one: each case's
+    median_us the median over the runs (a shared machine moves one run by 15 % or more)."""
+    runs = [_read(p) for p in paths]
+    first = runs[0]
+    for p, d in zip(paths[1:], runs[1:]):
+        if d.get("links") != first.get("links") or d.get("cpus") != first.get("cpus"):
+            raise PlanError(f"{p}: other links or CPUs than {paths[0]}: runs to merge must repeat one setup")
+    merged = dict(first)
+    for k, v in first.items():
+        if k.startswith("netns_partials_") and isinstance(v, dict):
+            medians = [d[k]["median_us"] for d in runs if k in d]
+            merged[k] = {**v, "median_us": statistics.median(medians), "runs_median_us": medians}
+    return merged
 
 
 def netns_fleet(d: dict, ducks: int, dtype: str, calibrate_at: int | None) -> Fleet:
@@ -130,7 +148,8 @@ def validate(transport_file: str | None = None) -> dict:
                                f"transport {fleet['call_us'] / 1e3:.3f} ms per layer (measured), head "
                                f"{fleet['head_ms']:.2f} ms"})
     if transport_file:
-        d = _read(transport_file)
+        paths = [p for p in transport_file.split(",") if p]
+        d = merge_netns_runs(paths)
         for dtype in ("fp32", "bf16"):
             cases = netns_cases(d, dtype)
             if not cases:
@@ -139,7 +158,10 @@ def validate(transport_file: str | None = None) -> dict:
             for n, measured in cases:
                 f = netns_fleet(d, n, dtype, n0)
                 t = transport_us(f, HIDDEN)
-                rows.append({"case": f"netns {n} ducks hidden {HIDDEN} {dtype} partials", "source": "emulated LAN",
+                runs = d[f"netns_partials_{n}_ducks_hidden{HIDDEN}_{dtype}"].get("runs_median_us", [measured])
+                rows.append({"case": f"netns {n} ducks hidden {HIDDEN} {dtype} partials"
+                                     + (f" (median of {len(runs)} runs)" if len(runs) > 1 else ""),
+                             "source": "emulated LAN",
                              "measured": measured, "predicted": round(t["total_us"], 1), "tolerance": 0.15,
                              "inputs": f"wire {t['wire_us']:.0f} us at {f.duck_link_gbit:g}/{f.port_gbit:g} Gbit/s; "
                                        f"shared CPUs {t.get('colocated_cpu_us', 0):.0f} us "
@@ -156,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--validate", action="store_true", help="predicted vs measured runs (docs/plan.md)")
     p.add_argument("--kernels", help="a `bench kernels --json` file of the duck's hardware")
-    p.add_argument("--transport", help="a `bench transport --json` file (with --validate: a --netns one)")
+    p.add_argument("--transport", help="a `bench transport --json` file (with --validate: --netns runs, "
+                                       "comma-separated: each case's median over them)")
     p.add_argument("--e2e", help="a `bench e2e --synthetic --json` file: the host stage, head and transport")
     for f in dataclasses.fields(Fleet):
         if f.name == "notes":

@@ -88,3 +88,21 @@ def test_duckctl_plan_json_and_table(capsys):
     assert out.count("decode") == 2 and "MTP1 dual lane" in out
     assert main(["deepseek-v32", "--ducks", "0"]) == 2
     assert "ducks = 0" in capsys.readouterr().err
+
+
+def test_the_emulated_fleet_repeated_runs_merge_by_median_and_mostly_fall_within_15_percent(tmp_path):
+    """Three quiet runs of `bench transport --netns 32 --link-mtu 9000`: each case the median of the
+    runs; calibrated at 8 ducks, the 16- and 32-duck predictions (docs/plan.md, Emulated fleet)."""
+    runs = [str(RESULTS / f"2026-12-02-transport-netns32-dev-2core-mtu9000-quiet-run{i}.json") for i in (1, 2, 3)]
+    rows = [r for r in validate(",".join(runs))["rows"] if r["source"] == "emulated LAN"]
+    assert len(rows) == 6 and all("median of 3 runs" in r["case"] for r in rows)
+    key = "netns_partials_16_ducks_hidden7168_fp32"
+    medians = sorted(json.loads(open(p).read())[key]["median_us"] for p in runs)
+    assert [r["measured"] for r in rows if r["case"].startswith("netns 16 ducks hidden 7168 fp32")] == [medians[1]]
+    predicted = [r for r in rows if "calibration point" not in r["inputs"]]
+    assert sum(abs(r["error"]) <= 0.15 for r in predicted) >= 3, [(r["case"], r["error"]) for r in predicted]
+    other = json.loads(open(runs[0]).read())
+    other["links"] = {**other["links"], "duck_rate_mbit": 1000.0}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(PlanError, match="other links"):
+        validate(f"{runs[0]},{tmp_path / 'other.json'}")
