@@ -80,7 +80,13 @@ class BatchDecoder:
             from engine.batch_torch import TorchSlotDecoder as decoder
         weight = model.model.embed_tokens.weight
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
-        self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
+        if path == "native":
+            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
+        elif getattr(type(model), "slot_batching", False):
+            self.cache = model.make_slot_cache(slots, max_model_len)   # the family's own (latent, recurrent)
+        else:
+            from engine.cpu.host_model import UnsupportedModel
+            raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch path")
         self.decoder = decoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
         if self.step_tokens < slots:
@@ -89,9 +95,10 @@ class BatchDecoder:
         self.free = list(range(slots - 1, -1, -1))   # popped from the end: slot 0 first
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
-        log.info("batch decoder (%s path): %d slots of %d positions (%.0f MB of KV cache), steps of up to %d tokens",
-                 path, slots, max_model_len, 2 * self.cache.k.numel() * self.cache.k.element_size() / 1e6,
-                 self.step_tokens)
+        from engine.batch_torch import cache_tensors
+        cache_mb = sum(t.numel() * t.element_size() for t in cache_tensors(self.cache)) / 1e6
+        log.info("batch decoder (%s path): %d slots of %d positions (%.0f MB of cache), steps of up to %d tokens",
+                 path, slots, max_model_len, cache_mb, self.step_tokens)
 
     @property
     def slots(self) -> int:
@@ -179,8 +186,8 @@ class BatchDecoder:
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
                   gpu: bool = False):
     """A BatchDecoder where one applies, None otherwise (with why at info level): on the
-    CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), or the torch path's with
-    DUCK_CPU_NATIVE=0; on a GPU host the torch path's only when gpu is set (duckd's
+    CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), else the torch path's (other
+    families with slot_batching, or any with DUCK_CPU_NATIVE=0); on a GPU host the torch path's only when gpu is set (duckd's
     model.gpu_batching: eager steps, not yet measured against one request at a time with
     CUDA graphs)."""
     from engine.cpu.decode import native_mode
@@ -190,12 +197,15 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
     if not on_cpu and not gpu:
         log.info("no continuous batching on the GPU host (model.gpu_batching is off): one request at a time")
         return None
-    path = "native" if on_cpu and native_mode() != "off" else "torch"
-    try:
-        return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path)
-    except UnsupportedModel as e:
-        log.info("no continuous batching: %s", e)
-        return None
+    paths = ["native", "torch"] if on_cpu and native_mode() != "off" else ["torch"]
+    why = []
+    for path in paths:   # on the CPU host: the native decoder, else the torch path (a family it lacks)
+        try:
+            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path)
+        except UnsupportedModel as e:
+            why.append(f"{path} path: {e}")
+    log.info("no continuous batching: %s", "; ".join(why))
+    return None
 
 
 @dataclass(eq=False)

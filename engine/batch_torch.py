@@ -1,24 +1,27 @@
 """The torch path of continuous batching (engine.batch): one forward of the model's own
-modules over the tokens of many sequences, each in its own slot of a SlotKVCache, for
-hosts where the native CPU decoder does not run (a GPU host, or DUCK_CPU_NATIVE=0).
+modules over the tokens of many sequences, each in its own slot of the model's slot cache
+(make_slot_cache), for hosts where the native CPU decoder does not run (a GPU host, a
+family the native decoder lacks, or DUCK_CPU_NATIVE=0).
 
 The step's tokens go through every projection and FFN call together, so a duck streams
 each expert once for the whole batch, as on the native path; attention writes each
-token's key and value at its slot's position (engine.layers.SlotBatch) and each
-sequence's run of tokens attends to its own slot with the call one sequence alone makes.
+token's cache entries at its slot's position (engine.layers.SlotBatch) and each
+sequence's run of tokens attends to its own slot with the call one sequence alone makes
+(a decode step, one token per slot: one masked call for all slots).
 
-Families: the native decoder's (engine.cpu.host_model.FAMILIES: Llama, Qwen3, Qwen3-MoE,
-whose attention is engine.models.llama.LlamaAttention). DeepSeek's latent cache and
-Qwen3.5's recurrent state have no slot form yet: UnsupportedModel. Eager only: no CUDA
-graphs per batch size yet."""
+Families: those whose class sets slot_batching (engine.models.base.CausalLM): Llama,
+Qwen3, Qwen3-MoE (engine.layers' attention over a SlotKVCache), DeepSeek-V3/V3.2 (the
+latent cache, engine.models.deepseek_v3.SlotMlaCache). Eager only: no CUDA graphs per
+batch size yet."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from engine.cpu.host_model import FAMILIES, UnsupportedModel
-from engine.layers import SlotBatch, SlotKVCache
+from engine.cpu.host_model import UnsupportedModel
+from engine.layers import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +30,15 @@ class TorchSlotDecoder:
     """Steps of many sequences through the model's torch modules (see the module docstring):
     layers(ids, positions, slots) -> the final hidden states [T, H]; logits(y, rows)."""
 
-    def __init__(self, model, cache: SlotKVCache, max_tokens: int):
-        if type(model) not in FAMILIES:   # the native decoder's: their attention is LlamaAttention
+    def __init__(self, model, cache, max_tokens: int):
+        if not getattr(type(model), "slot_batching", False):
             raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch "
-                                   f"path (Llama, Qwen3 and Qwen3-MoE have)")
+                                   f"path (Llama, Qwen3, Qwen3-MoE and DeepSeek-V3/V3.2 have)")
         weight = model.model.embed_tokens.weight
-        if cache.k.device != weight.device or cache.k.dtype != weight.dtype:
-            raise UnsupportedModel(f"the slot cache is {cache.k.dtype} on {cache.k.device}, the model "
-                                   f"{weight.dtype} on {weight.device}")
+        for t in cache_tensors(cache):
+            if t.device != weight.device or t.dtype not in (weight.dtype, torch.float32):
+                raise UnsupportedModel(f"the slot cache holds {t.dtype} on {t.device}, the model is "
+                                       f"{weight.dtype} on {weight.device}")
         self.model, self.cache, self.max_tokens = model, cache, max_tokens
         self.device = weight.device
         self._ntok = 0
@@ -62,3 +66,15 @@ class TorchSlotDecoder:
         if rows is not None:
             y = y[torch.tensor(rows, dtype=torch.int64, device=y.device)]
         return self.model.compute_logits(y).float()
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The tensors of a slot cache (a dataclass of tensors and of such dataclasses)."""
+    out = []
+    for f in dataclasses.fields(cache):
+        v = getattr(cache, f.name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif dataclasses.is_dataclass(v):
+            out += cache_tensors(v)
+    return out

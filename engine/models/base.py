@@ -9,7 +9,7 @@ from torch import nn
 from engine import ops
 from engine.config import ModelConfig
 from engine.ffn import ExpertWeights, FfnBackend, FfnLayer, ffn_call
-from engine.layers import KVCache, RMSNorm
+from engine.layers import KVCache, RMSNorm, SlotKVCache
 from engine.weights import WeightSpec
 
 
@@ -140,9 +140,18 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    # the family's attention takes an engine.layers.SlotBatch for its cache (continuous
+    # batching on the torch path: engine.batch_torch); make_slot_cache gives its slot cache
+    slot_batching = False
+
     def make_cache(self, max_model_len: int) -> KVCache:
         p = self.model.embed_tokens.weight
         return KVCache.allocate(self.config, max_model_len, p.dtype, p.device)
+
+    def make_slot_cache(self, slots: int, max_model_len: int) -> SlotKVCache:
+        """The caches of `slots` sequences at once (engine.batch), in the model's dtype and device."""
+        p = self.model.embed_tokens.weight
+        return SlotKVCache.allocate(self.config, slots, max_model_len, p.dtype, p.device)
 
     def ffn_modules(self):
         """Every module whose FFN a backend runs (its .ffn is the backend)."""

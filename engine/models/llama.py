@@ -60,6 +60,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    slot_batching = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

@@ -15,6 +15,8 @@ def qwen3_stack(config: ModelConfig, make_mlp=None) -> DecoderStack:
 
 
 class Qwen3ForCausalLM(CausalLM):
+    slot_batching = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

@@ -30,6 +30,8 @@ def _make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
 
 class Qwen3MoeForCausalLM(CausalLM):
+    slot_batching = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
