@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.layers import RMSNorm, static_decode_active
+from engine.layers import RMSNorm, SlotBatch, static_decode_active
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts
 from engine.weights import WeightSpec
 
@@ -166,6 +166,23 @@ class MlaCache:
         return self.latent.shape[1]
 
 
+@dataclass(slots=True)
+class SlotMlaCache:
+    """The latent caches of several sequences at once (engine.batch on the torch path):
+    latent [layers, slots, S, kv_lora_rank], k_rope [layers, slots, S, rope_dim]; the main
+    layers only (a batch runs no MTP)."""
+    latent: torch.Tensor
+    k_rope: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.latent.shape[1]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.latent.shape[2]
+
+
 class DeepseekV32Indexer(nn.Module):
     """DSA lightning indexer: loaded and shape-checked; dense attention within index_topk needs no selection."""
 
@@ -204,6 +221,9 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_rope = q.view(t, self.num_heads, -1).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)  # [T, R], [T, r]
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope[:, None, :])             # [T, H, r], [T, 1, r]
+        if isinstance(cache, SlotBatch):   # many sequences, each in its own slot
+            out = self._slots(q_nope, q_rope, self.kv_a_layernorm(latent), k_rope[:, 0], cache)
+            return self.o_proj(out.reshape(t, -1))
         # static_decode: the whole cache under the mask below (make_cache kept it within index_topk)
         end = cache.max_model_len if static_decode_active() else int(positions[-1]) + 1
         if end > cache.max_model_len:
@@ -219,6 +239,45 @@ class DeepseekV3Attention(nn.Module):
         out = attend(q_nope, q_rope, latents, k_ropes, mask)                            # [T, H, v]
         return self.o_proj(out.reshape(t, -1))
 
+    def _slots(self, q_nope, q_rope, latent, k_rope, batch: SlotBatch) -> torch.Tensor:
+        """The tokens' latents and rotary keys written at their slots' positions; each run
+        of tokens then attends to its own slot with the call one sequence alone makes, or,
+        when every run is one token (a decode step), all of them in one absorbed call."""
+        a, cache, layer = self.args, batch.cache, self.layer_idx
+        if a.index_topk and max(batch.ends) > a.index_topk:
+            raise ValueError(f"position {max(batch.ends) - 1}: DeepSeek-V3.2 runs dense attention here, exact only "
+                             f"within index_topk={a.index_topk} tokens")
+        latents, k_ropes = cache.latent[layer], cache.k_rope[layer]                      # [slots, S, R], [slots, S, r]
+        latents.view(-1, latents.shape[-1]).index_copy_(0, batch.flat, latent)
+        k_ropes.view(-1, k_ropes.shape[-1]).index_copy_(0, batch.flat, k_rope)
+        if batch.decode_rows is not None:
+            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, batch)
+        outs = []
+        for (slot, start, stop), end in zip(batch.runs, batch.ends):
+            positions = batch.positions[start:stop]
+            mask = positions[:, None] >= torch.arange(end, device=positions.device)[None, :]   # [t, S]
+            attend = self._absorbed if stop - start <= ABSORB_MAX_TOKENS else self._expanded
+            outs.append(attend(q_nope[start:stop], q_rope[start:stop], latents[slot, :end], k_ropes[slot, :end],
+                               mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _absorbed_rows(self, q_nope, q_rope, latents, k_ropes, batch: SlotBatch) -> torch.Tensor:
+        """_absorbed for B tokens, each of its own slot, in one call: the slots' latents and
+        rotary keys gathered [B, E, .] (E: the furthest row's end), zeroed past each row's
+        position (a reused slot's stale entries, or never-written memory, must not reach a
+        result: weight 0 times NaN is NaN), masked in the softmax."""
+        slots, mask = batch.decode_rows                                                 # [B], [B, 1, 1, E]
+        end, keep = mask.shape[-1], mask[:, 0]                                           # keep [B, 1, E]
+        lat = latents[:, :end].index_select(0, slots).masked_fill_(~keep[:, 0, :, None], 0)   # [B, E, R]
+        kr = k_ropes[:, :end].index_select(0, slots).masked_fill_(~keep[:, 0, :, None], 0)    # [B, E, r]
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)                           # [B, H, R]
+        scores = (torch.einsum("bhr,ber->bhe", q_latent, lat)
+                  + torch.einsum("bhp,bep->bhe", q_rope, kr)) * self.scale              # [B, H, E]
+        probs = scores.float().masked_fill(~keep, float("-inf")).softmax(-1).to(lat.dtype)
+        o_latent = torch.einsum("bhe,ber->bhr", probs, lat)                             # [B, H, R]
+        return torch.einsum("bhr,hvr->bhv", o_latent, w_uv)                             # [B, H, v]
+
     def _expanded(self, q_nope, q_rope, latents, k_ropes, mask):
         """Prefill: K/V of every cached token from its latent, then ordinary attention."""
         a, s = self.args, latents.shape[0]
@@ -230,11 +289,14 @@ class DeepseekV3Attention(nn.Module):
                                              attn_mask=mask, scale=self.scale)          # [H, T, v]
         return out.transpose(0, 1)
 
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split for absorption: w_uk [H, nope, R] (into q), w_uv [H, v, R] (out of the latent)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, -1, self.args.kv_lora_rank)   # [H, nope + v, R]
+        return w[:, :self.args.qk_nope_head_dim], w[:, self.args.qk_nope_head_dim:]
+
     def _absorbed(self, q_nope, q_rope, latents, k_ropes, mask):
         """Decode: kv_b_proj folded into q (nope part) and the output; attention runs in latent space."""
-        a = self.args
-        w = self.kv_b_proj.weight.view(self.num_heads, -1, a.kv_lora_rank)            # [H, nope + v, R]
-        w_uk, w_uv = w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]             # [H, nope, R], [H, v, R]
+        w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)                          # [T, H, R]
         scores = (torch.einsum("thr,sr->hts", q_latent, latents)
                   + torch.einsum("thp,sp->hts", q_rope, k_ropes)) * self.scale         # [H, T, S]
@@ -359,6 +421,8 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    slot_batching = True   # the latent cache per slot: SlotMlaCache
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -387,14 +451,26 @@ class DeepseekV3ForCausalLM(CausalLM):
     def mtp_layers(self) -> list[DeepseekV3MTPLayer]:
         return list(self.model.layers[self.model.num_main_layers:])
 
-    def make_cache(self, max_model_len: int) -> MlaCache:
+    def _check_len(self, max_model_len: int) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if self.args.index_topk and max_model_len > self.args.index_topk:
             raise ValueError(f"max_model_len={max_model_len} exceeds index_topk={self.args.index_topk}: "
                              f"DeepSeek-V3.2 runs dense attention here, which is exact only within index_topk "
                              f"tokens; use max_model_len <= {self.args.index_topk}")
+
+    def make_cache(self, max_model_len: int) -> MlaCache:
+        self._check_len(max_model_len)
         p = self.model.embed_tokens.weight
         layers = len(self.model.layers)
         return MlaCache(torch.zeros(layers, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
                         torch.zeros(layers, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))
+
+    def make_slot_cache(self, slots: int, max_model_len: int) -> SlotMlaCache:
+        self._check_len(max_model_len)
+        if slots <= 0:
+            raise ValueError(f"slots must be positive, got {slots}")
+        p, layers = self.model.embed_tokens.weight, self.model.num_main_layers
+        return SlotMlaCache(
+            torch.zeros(layers, slots, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
+            torch.zeros(layers, slots, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))
