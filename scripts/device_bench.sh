@@ -13,7 +13,8 @@
 # The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback), each duck pinned to
 # 4 CPUs of its own as 4 boxes would be (PIN=0: unpinned). Environment:
 #   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
-#   --backends fleet --duck-spin-us 300"), TAG (suffix of the e2e file names), KTHREADS (1,4,16)
+#   --backends fleet --duck-spin-us 300"; "--batch 1,8,32" adds continuous batching on the torch
+#   path, what model.gpu_batching runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

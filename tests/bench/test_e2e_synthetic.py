@@ -28,7 +28,7 @@ def test_synthetic_configs_keep_the_published_widths():
 def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     rc = duckctl(["bench", "e2e", "--synthetic", "qwen3-30b-a3b", "--layers", "2", "--experts", "16",
                   "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3", "--prefill-chunk", "8",
-                  "--backends", "fleet,cpu-torch", "--json"])
+                  "--backends", "fleet,cpu-torch", "--batch", "1,3", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert "synthetic" in r["note"] and r["shape"]["hidden"] == 2048 and r["shape"]["layers"] == 2
@@ -52,6 +52,11 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     assert pair["lanes"]["ffn_calls_per_step"] == 4 and pair["batch"]["ffn_calls_per_step"] == 2
     assert pair["serial_ms"] == pytest.approx(2 * pair["single_step_ms"])
     assert fleet["speedup_over_cpu_torch"] == pytest.approx(fleet["decode_tok_s"] / cpu["decode_tok_s"])
+    # the torch batching path: 3 sequences in one step; the ducks stream the union of their experts once
+    one, three = fleet["batched"]
+    assert (one["sequences"], three["sequences"]) == (1, 3) and one["over_one_sequence"] == 1
+    assert three["tok_s"] > 0 and three["over_one_sequence"] == pytest.approx(three["tok_s"] / one["tok_s"])
+    assert 1.0 <= three["ffn_bytes_streamed_per_step"] / one["ffn_bytes_streamed_per_step"] <= 16 / 8 + 0.1
     # routing honesty: the ids the FFN calls carried, counted per routed layer and step
     routing = d["routing"]
     assert routing["layers"] == 2 and routing["steps"] == 3 and routing["experts"] == 16
