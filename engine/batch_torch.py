@@ -11,8 +11,11 @@ sequence's run of tokens attends to its own slot with the call one sequence alon
 
 Families: those whose class sets slot_batching (engine.models.base.CausalLM): Llama,
 Qwen3, Qwen3-MoE (engine.layers' attention over a SlotKVCache), DeepSeek-V3/V3.2 (the
-latent cache, engine.models.deepseek_v3.SlotMlaCache). Eager only: no CUDA graphs per
-batch size yet."""
+latent cache, engine.models.deepseek_v3.SlotMlaCache), Qwen3.5 dense and MoE
+(engine.models.qwen3_5.SlotHybridCache: a SlotKVCache over the full-attention layers, and
+per linear-attention layer and slot the DeltaNet conv and recurrent states, zeroed when a
+sequence starts in the slot; a decode step updates all slots' states in one batched call,
+engine.delta_rule.gated_delta_mixer_slots). Eager only: no CUDA graphs per batch size yet."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +36,7 @@ class TorchSlotDecoder:
     def __init__(self, model, cache, max_tokens: int):
         if not getattr(type(model), "slot_batching", False):
             raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch "
-                                   f"path (Llama, Qwen3, Qwen3-MoE and DeepSeek-V3/V3.2 have)")
+                                   f"path (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3/V3.2 and Qwen3.5 have)")
         weight = model.model.embed_tokens.weight
         for t in cache_tensors(cache):
             if t.device != weight.device or t.dtype not in (weight.dtype, torch.float32):

@@ -7,6 +7,9 @@ Per value head, state S [Dk, Dv]: S <- exp(g) S; u = beta (v - S^T k); S <- S + 
     gated_delta_mixer       the whole mixer between its input projections and out_proj:
                             causal depthwise conv (its state: the last K-1 inputs), silu,
                             l2-normed q and k, the gates, the rule, the gated RMSNorm
+    gated_delta_mixer_slots the mixer for one token of each of B sequences at once (a batch's
+                            decode step, engine.batch_torch), their states gathered from their
+                            slots and scattered back; gated_delta_mixer per sequence is its reference
 
 gated_delta_mixer is the reference of engine.gpu.delta_triton's fused decode kernel
 (engine.ops.gated_delta_decode chooses).
@@ -106,3 +109,32 @@ def gated_delta_mixer(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: to
     state.copy_(new_state)
     out = gated_rms_norm(out.transpose(0, 1).to(qkv.dtype), z.reshape(t, hv, dv), norm_weight, eps)  # [T, Hv, Dv]
     return out.reshape(t, hv * dv)
+
+
+def gated_delta_mixer_slots(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                            conv_state: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                            dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                            heads: tuple[int, int, int, int], slots: torch.Tensor) -> torch.Tensor:
+    """gated_delta_mixer of one token for each of B sequences, batched over B: row i of qkv
+    [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], b, a [B, Hv] is the next token of the sequence in slot
+    slots[i] (distinct) of conv_state [S, C, K-1] and state [S, Hv, Dk, Dv] (fp32), whose rows
+    are updated in place; the other slots are left alone. -> [B, Hv Dv] (qkv's dtype)."""
+    hk, dk, hv, dv = heads
+    n = qkv.shape[0]
+    mixed = torch.cat((conv_state.index_select(0, slots), qkv[:, :, None]), dim=-1)   # [B, C, K]
+    conv_state.index_copy_(0, slots, mixed[:, :, 1:])
+    mixed = F.silu(F.conv1d(mixed, conv_weight, groups=mixed.shape[1]))[:, :, 0]     # [B, C]
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    rep = hv // hk
+    q = l2norm(q.reshape(n, hk, dk).repeat_interleave(rep, dim=1).float()) * dk ** -0.5   # [B, Hv, Dk]
+    k = l2norm(k.reshape(n, hk, dk).repeat_interleave(rep, dim=1).float())
+    v = v.reshape(n, hv, dv).float()                                                  # [B, Hv, Dv]
+    beta = b.float().sigmoid()                                                        # [B, Hv]
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())                # [B, Hv]
+    s = state.index_select(0, slots) * g.exp()[..., None, None]                       # [B, Hv, Dk, Dv]
+    u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, s))                   # [B, Hv, Dv]
+    s = s + k[..., None] * u[..., None, :]
+    state.index_copy_(0, slots, s)
+    out = torch.einsum("bhk,bhkv->bhv", q, s)                                         # [B, Hv, Dv]
+    out = gated_rms_norm(out.to(qkv.dtype), z.reshape(n, hv, dv), norm_weight, eps)
+    return out.reshape(n, hv * dv)

@@ -9,7 +9,7 @@ Checkpoints are Qwen3_5(Moe)ForConditionalGeneration: the text model lives under
 backend; the MoE shared expert stays on the host."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,8 @@ from torch import nn
 
 from engine import ops
 from engine.config import ConfigError, ModelConfig
-from engine.delta_rule import gated_delta_mixer, gated_rms_norm
-from engine.layers import KVCache, cached_attention, static_decode_active
+from engine.delta_rule import gated_delta_mixer, gated_delta_mixer_slots, gated_rms_norm
+from engine.layers import KVCache, SlotBatch, SlotKVCache, cached_attention, static_decode_active
 from engine.merged_linear import MergedLinear
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts, TopKRouter
 from engine.weights import WeightSpec
@@ -109,19 +109,62 @@ class HybridCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, s: HybridSettings, max_model_len: int, dtype, device) -> HybridCache:
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        full = [i for i, kind in enumerate(s.layer_types) if kind == FULL]
-        linear = [i for i, kind in enumerate(s.layer_types) if kind == LINEAR]
-        kv_shape = (len(full), max_model_len, config.num_key_value_heads, config.head_dim)
-        conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim
+        kv, conv, recurrent, slot = _hybrid_shapes(config, s, max_model_len)
 
-        def zeros(*shape, dt=dtype):
+        def zeros(shape, dt=dtype):
             return torch.zeros(shape, dtype=dt, device=device)
 
-        return cls(KVCache(zeros(*kv_shape), zeros(*kv_shape)), zeros(len(linear), conv_dim, s.conv_kernel - 1),
-                   zeros(len(linear), s.num_v_heads, s.head_k_dim, s.head_v_dim, dt=torch.float32),
-                   {i: j for ids in (full, linear) for j, i in enumerate(ids)})
+        return cls(KVCache(zeros(kv), zeros(kv)), zeros(conv), zeros(recurrent, torch.float32), slot)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.kv.max_model_len
+
+
+def _hybrid_shapes(config: ModelConfig, s: HybridSettings, max_model_len: int, *slots: int):
+    """A hybrid cache's kv, conv and recurrent shapes (slots, where given, after the layer
+    dimension) and its layer -> index map: full-attention layers index kv, linear ones conv/recurrent."""
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    full = [i for i, kind in enumerate(s.layer_types) if kind == FULL]
+    linear = [i for i, kind in enumerate(s.layer_types) if kind == LINEAR]
+    conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim
+    return ((len(full), *slots, max_model_len, config.num_key_value_heads, config.head_dim),
+            (len(linear), *slots, conv_dim, s.conv_kernel - 1),
+            (len(linear), *slots, s.num_v_heads, s.head_k_dim, s.head_v_dim),
+            {i: j for ids in (full, linear) for j, i in enumerate(ids)})
+
+
+@dataclass(slots=True)
+class SlotHybridCache:
+    """HybridCache for several sequences at once (engine.batch on the torch path): kv a
+    SlotKVCache over the full-attention layers only; per linear-attention layer and slot the
+    conv inputs conv [n_linear, slots, C, K-1] (model dtype) and the delta-rule state
+    recurrent [n_linear, slots, Hv, Dk, Dv] (fp32). Not zeroed: a sequence's run from
+    position 0 zeroes its slot's states first (a slot serves one sequence after another);
+    consumed[linear index][slot] counts the tokens those states have taken."""
+    kv: SlotKVCache
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    slot: dict[int, int]    # decoder layer -> index in kv (full) or conv/recurrent (linear)
+    consumed: list[list[int]]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, s: HybridSettings, slots: int, max_model_len: int, dtype,
+                 device) -> SlotHybridCache:
+        if slots <= 0:
+            raise ValueError(f"slots must be positive, got {slots}")
+        kv, conv, recurrent, slot = _hybrid_shapes(config, s, max_model_len, slots)
+
+        def empty(shape, dt=dtype):
+            return torch.empty(shape, dtype=dt, device=device)
+
+        return cls(SlotKVCache(empty(kv), empty(kv)), empty(conv), empty(recurrent, torch.float32), slot,
+                   [[0] * slots for _ in range(conv[0])])   # conv[0]: the linear-attention layers
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
 
     @property
     def max_model_len(self) -> int:
@@ -150,6 +193,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.heads = (s.num_k_heads, s.head_k_dim, s.num_v_heads, s.head_v_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        if isinstance(cache, SlotBatch):
+            return self.out_proj(self._slot_forward(x, cache))
         t, slot = x.shape[0], cache.slot[self.layer_idx]
         static = static_decode_active()   # no host sync: whoever runs static decode keeps cache.consumed
         if not static:
@@ -166,6 +211,36 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         # static decode: a few tokens, the fused kernel where it runs; a prompt: the chunked rule
         out = ops.gated_delta_decode(*args) if t == 1 or static else gated_delta_mixer(*args, chunked=True)
         return self.out_proj(out)
+
+    def _slot_forward(self, x: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
+        """x [T, H] of a SlotBatch over a SlotHybridCache -> the mixer output [T, Hv Dv]: each run
+        on its slot's states, from zero at position 0 (the slot may hold an earlier sequence's
+        states, or garbage), else where that slot's states left off; a decode step (one token
+        per run) as one update batched over the slots."""
+        cache = batch.cache
+        layer = cache.slot[self.layer_idx]
+        conv, recurrent, consumed = cache.conv[layer], cache.recurrent[layer], cache.consumed[layer]
+        firsts = [end - (stop - start) for (_, start, stop), end in zip(batch.runs, batch.ends)]   # host ints
+        for (slot, _, _), first in zip(batch.runs, firsts):   # all checked before any state changes
+            if first and first != consumed[slot]:
+                raise ValueError(f"layer {self.layer_idx}, slot {slot}: linear attention continues at token "
+                                 f"{consumed[slot]}, got a run from position {first}; its state cannot skip or "
+                                 f"rewind (a sequence starts at position 0)")
+        for (slot, start, stop), first in zip(batch.runs, firsts):
+            if first == 0:
+                conv[slot].zero_()
+                recurrent[slot].zero_()
+            consumed[slot] = first + stop - start
+        qkv, z, b, a = self.in_proj(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps)
+        if batch.decode_rows is not None:
+            return gated_delta_mixer_slots(qkv, z, b, a, conv, *weights, recurrent, self.heads, batch.decode_rows[0])
+        outs = []
+        for slot, start, stop in batch.runs:   # the call the sequence alone makes, on its slot's views
+            args = (qkv[start:stop], z[start:stop], b[start:stop], a[start:stop], conv[slot], *weights,
+                    recurrent[slot], self.heads)
+            outs.append(ops.gated_delta_decode(*args) if stop - start == 1 else gated_delta_mixer(*args, chunked=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class Qwen3_5Attention(nn.Module):
@@ -206,7 +281,11 @@ class Qwen3_5Attention(nn.Module):
         q = self.rotate(self.q_norm(q), positions)
         k = self.rotate(self.k_norm(k.view(t, self.num_kv_heads, hd)), positions)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, hd)
-        out = cached_attention(cache.slot[self.layer_idx], cache.kv, positions, q, k, v, self.scale)  # [T, H*D]
+        if isinstance(cache, SlotBatch):   # each run in its slot of the SlotHybridCache's kv
+            layer, kv = cache.cache.slot[self.layer_idx], replace(cache, cache=cache.cache.kv)
+        else:
+            layer, kv = cache.slot[self.layer_idx], cache.kv
+        out = cached_attention(layer, kv, positions, q, k, v, self.scale)        # [T, H*D]
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 
@@ -279,6 +358,8 @@ class Qwen3_5TextModel(nn.Module):
 class Qwen3_5ForConditionalGeneration(CausalLM):
     """Dense (qwen3_5) and MoE (qwen3_5_moe) alike; config.num_experts tells them apart."""
 
+    slot_batching = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -295,3 +376,7 @@ class Qwen3_5ForConditionalGeneration(CausalLM):
     def make_cache(self, max_model_len: int) -> HybridCache:
         p = self.model.embed_tokens.weight
         return HybridCache.allocate(self.config, self.settings, max_model_len, p.dtype, p.device)
+
+    def make_slot_cache(self, slots: int, max_model_len: int) -> SlotHybridCache:
+        p = self.model.embed_tokens.weight
+        return SlotHybridCache.allocate(self.config, self.settings, slots, max_model_len, p.dtype, p.device)
