@@ -212,19 +212,20 @@ class ChatService:
     def batch_runner(self):
         """The continuous-batching runner when it applies (model.max_seqs > 1, a family with a
         batched path: engine.batch.batch_decoder; on a GPU host only with model.gpu_batching;
-        no MTP); None: one generation at a time."""
+        with model.mtp and an MTP head, the batch drafts with it); None: one generation at a time."""
         if self._batch_checked:
             return self._batch
         self._batch_checked = True
         cfg, loaded = self.daemon.cfg.model, self.daemon.model.loaded
-        if cfg.max_seqs <= 1 or (cfg.mtp and getattr(loaded.model, "mtp_layers", None)):
+        if cfg.max_seqs <= 1:
             return None
         from engine.batch import BatchRunner, batch_decoder
         batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens,
-                              gpu=cfg.gpu_batching)
+                              gpu=cfg.gpu_batching, mtp=cfg.mtp)
         if batch is not None:
             self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
-            log.info("continuous batching (%s path): up to %d sequences per step", batch.path, cfg.max_seqs)
+            log.info("continuous batching (%s path%s): up to %d sequences per step", batch.path,
+                     ", MTP drafts" if batch.mtp else "", cfg.max_seqs)
         return self._batch
 
     def _admit(self, job) -> None:

@@ -17,6 +17,14 @@ ducks, run once per step for the whole batch: a duck streams each expert (or
 dense MLP) once for the union of the sequences' tokens. The logits are made
 only for the tokens that need them (each sequence's last token of the step).
 
+With mtp (a model with an MTP head, DeepSeek-V3/V3.2, on the torch path), each step
+first drafts the next token of every decoding sequence with the MTP layer (one forward
+over all of them: the positions each has accepted since its last draft), then feeds
+each the pair (its last token, its draft) at two positions and verifies the draft as
+engine.mtp does (engine.mtp.verify_draft): greedy output is token-identical to plain
+decoding, sampled output keeps its distribution. A sequence with a repetition penalty
+takes no drafts (they know no penalty).
+
 Each sequence keeps its own sampling generator, stop strings and text stream
 (engine.generate.TokenStream), so its output is the one it would get alone as
 long as the per-token arithmetic does not depend on the batch (tests hold that).
@@ -32,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.generate import GenerationResult, GenerationStats, SamplingParams, TokenStream
+from engine.generate import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs
+from engine.mtp import verify_draft
 from engine.layers import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,14 @@ class Sequence:
     start: float = field(default_factory=time.perf_counter)
     ttft: float = 0.0
     result: GenerationResult | None = None
+    speculate: bool = False             # MTP drafts (BatchDecoder with mtp, no repetition penalty)
+    draft: int | None = None            # this step's draft of the token after the last one
+    q: torch.Tensor | None = None       # the distribution it was drawn from (sampling)
+    mtp_hidden: list[torch.Tensor] = field(default_factory=list)   # main hidden states the MTP layer has not read
+    mtp_from: int = 0                   # ... from this position on, one per token of mtp_follow
+    mtp_follow: list[int] = field(default_factory=list)            # the token after each of those positions
+    accepted: int = 0
+    verified: int = 0
 
     @property
     def decoding(self) -> bool:
@@ -67,7 +84,7 @@ class BatchDecoder:
     """Continuous batching on the native or the torch path (see the module docstring)."""
 
     def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 path: str = "native"):
+                 path: str = "native", mtp: bool = False):
         if slots < 1 or max_model_len < 2:
             raise ValueError(f"a batch needs slots >= 1 and max_model_len >= 2, got {slots} and {max_model_len}")
         if not 1 <= step_tokens:
@@ -80,8 +97,18 @@ class BatchDecoder:
             from engine.batch_torch import TorchSlotDecoder as decoder
         weight = model.model.embed_tokens.weight
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
+        self.mtp = mtp
+        if mtp:
+            if path != "torch" or not getattr(model, "mtp_layers", None):
+                raise ValueError(f"MTP drafts in a batch need the torch path and a model with an MTP layer "
+                                 f"({type(model).__name__}, path {path!r})")
+            if step_tokens < 2 * slots:
+                raise ValueError(f"MTP drafts: {slots} sequences feed 2 tokens each per step, steps of "
+                                 f"{step_tokens} tokens are too few (model.step_tokens >= 2 x model.max_seqs)")
         if path == "native":
             self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
+        elif mtp:
+            self.cache = model.make_slot_cache(slots, max_model_len, mtp=True)   # the MTP layer's latents too
         elif getattr(type(model), "slot_batching", False):
             self.cache = model.make_slot_cache(slots, max_model_len)   # the family's own (latent, recurrent)
         else:
@@ -116,19 +143,22 @@ class BatchDecoder:
         device = self.model.model.embed_tokens.weight.device
         emit = (lambda text: _report(on_text, text)) if on_text is not None else None   # one caller's error stays its own
         seq = Sequence(prompt, params, self.free.pop(), TokenStream(self.tokenizer, prompt, params, device, emit),
-                       should_stop)
+                       should_stop, speculate=self.mtp and params.repetition_penalty == 1.0)
         self.active.append(seq)
         return seq
 
-    def _plan(self) -> tuple[list[int], list[int], list[int], list[tuple[Sequence, int]]]:
-        """The step's ids, positions, slots, and (sequence, row) of the rows that get logits."""
-        ids, positions, slots, wants = [], [], [], []
+    def _plan(self):
+        """The step's ids, positions, slots; (sequence, first row, rows) of the rows that get
+        logits (a decoding sequence's last token, and its draft; a prompt's last token); and
+        (sequence, first row, tokens, first position) of the prefill chunks."""
+        ids, positions, slots, wants, chunks = [], [], [], [], []
         for seq in self.active:
             if seq.decoding:
-                wants.append((seq, len(ids)))
-                ids.append(seq.out.out_ids[-1])
-                positions.append(seq.position)
-                slots.append(seq.slot)
+                pair = [seq.draft] if seq.draft is not None else []
+                wants.append((seq, len(ids), 1 + len(pair)))
+                ids += [seq.out.out_ids[-1]] + pair
+                positions += range(seq.position, seq.position + 1 + len(pair))
+                slots += [seq.slot] * (1 + len(pair))
         budget = self.step_tokens - len(ids)
         for seq in self.active:
             if budget <= 0:
@@ -136,14 +166,15 @@ class BatchDecoder:
             if seq.decoding:
                 continue
             n = min(budget, len(seq.prompt) - seq.prefilled)
+            chunks.append((seq, len(ids), n, seq.prefilled))
             ids += seq.prompt[seq.prefilled:seq.prefilled + n]
             positions += range(seq.prefilled, seq.prefilled + n)
             slots += [seq.slot] * n
             seq.prefilled += n
             budget -= n
             if seq.decoding:   # the prompt is in: its last token's logits give the first new token
-                wants.append((seq, len(ids) - 1))
-        return ids, positions, slots, wants
+                wants.append((seq, len(ids) - 1, 1))
+        return ids, positions, slots, wants, chunks
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -153,24 +184,91 @@ class BatchDecoder:
             self._end(seq, "cancelled")
         if not self.active:
             return finished
-        ids, positions, slots, wants = self._plan()
+        if self.mtp:
+            self._drafts()
+        ids, positions, slots, wants, chunks = self._plan()
         wants.sort(key=lambda w: w[1])
         y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
-        logits = self.decoder.logits(y, [row for _, row in wants]) if wants else None
+        rows = [r for _, first, n in wants for r in range(first, first + n)]
+        logits = self.decoder.logits(y, rows) if rows else None
         self.steps += 1
         now = time.perf_counter()
-        for i, (seq, _) in enumerate(wants):
-            done = seq.out.push(logits[i])
-            if len(seq.out.out_ids) == 1:
+        at, ended = 0, []
+        for seq, first, n in wants:
+            decoded = bool(seq.out.out_ids)   # a decode row (not a prompt's last token)
+            if n == 2:
+                done = self._verify(seq, logits[at], logits[at + 1], y, first)
+            else:
+                done = seq.out.push(logits[at])
+                if seq.speculate and decoded:
+                    self._unread(seq, y[first:first + 1], positions[first], seq.out.out_ids[-1:])
+            at += n
+            if not seq.ttft:
                 seq.ttft = now - seq.start
             if done or seq.position >= self.max_model_len:
-                self._end(seq)
-                finished.append(seq)
+                ended.append(seq)
+        for seq, first, n, pos in chunks:   # the MTP layer reads the prompt too: token i+1 beside state i
+            if seq.speculate and seq not in ended:
+                follow = seq.prompt[pos + 1:pos + 1 + n]
+                self._unread(seq, y[first:first + n], pos, follow + seq.out.out_ids[:n - len(follow)])
+        for seq in ended:
+            self._end(seq)
+            finished.append(seq)
         return finished
+
+    def _unread(self, seq: Sequence, hidden: torch.Tensor, pos: int, follow: list[int]) -> None:
+        """Main hidden states at pos.. and the tokens after them: the MTP layer's next input."""
+        if not seq.mtp_follow:
+            seq.mtp_from = pos
+        seq.mtp_hidden.append(hidden)
+        seq.mtp_follow += follow
+
+    def _drafts(self) -> None:
+        """One MTP forward over every decoding sequence that can feed a pair this step: it reads
+        what each has accepted since its last draft, its last row drafts the next token."""
+        seqs = [s for s in self.active if s.speculate and s.decoding and s.mtp_follow
+                and s.position + 1 < self.max_model_len]
+        if not seqs:
+            return
+        ids, positions, slots, last = [], [], [], []
+        for seq in seqs:
+            ids += seq.mtp_follow
+            positions += range(seq.mtp_from, seq.mtp_from + len(seq.mtp_follow))
+            slots += [seq.slot] * len(seq.mtp_follow)
+            last.append(len(ids) - 1)
+        hidden = torch.cat([h for seq in seqs for h in seq.mtp_hidden])
+        logits = self.decoder.draft(torch.tensor(ids), hidden, torch.tensor(positions), torch.tensor(slots))
+        for seq, row in zip(seqs, last):
+            seq.mtp_hidden, seq.mtp_follow = [], []
+            if seq.params.temperature == 0.0:
+                seq.draft, seq.q = int(logits[row].argmax()), None
+            else:
+                seq.q = sampling_probs(logits[row], seq.params)
+                seq.draft = int(torch.multinomial(seq.q, 1, generator=seq.out.generator))
+
+    def _verify(self, seq: Sequence, first: torch.Tensor, second: torch.Tensor, y: torch.Tensor, row: int) -> bool:
+        """The pair (last token, draft): the draft verified against the main model's logits at
+        its position (first), and when accepted the next token from the draft's row (second)
+        for free. -> whether the sequence is done."""
+        gen = seq.out.generator
+        p = first.float() if gen is None else sampling_probs(first, seq.params)
+        ok, token = verify_draft(p, seq.q, seq.draft, gen)
+        pos, seq.draft, seq.q = seq.position, None, None
+        seq.verified += 1
+        done = seq.out.add(token)
+        if ok:
+            seq.accepted += 1
+            if not done:
+                done = seq.out.push(second)
+                self._unread(seq, y[row:row + 2], pos, seq.out.out_ids[-2:])
+        elif not done:
+            self._unread(seq, y[row:row + 1], pos, [token])
+        return done
 
     def _end(self, seq: Sequence, finish: str | None = None) -> None:
         text = seq.out.close(finish)
-        stats = GenerationStats(len(seq.prompt), len(seq.out.out_ids), time.perf_counter() - seq.start, seq.ttft)
+        stats = GenerationStats(len(seq.prompt), len(seq.out.out_ids), time.perf_counter() - seq.start, seq.ttft,
+                                mtp=(seq.accepted, seq.verified) if seq.speculate else None)
         seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats)
         self.active.remove(seq)
         self.free.append(seq.slot)
@@ -184,12 +282,13 @@ class BatchDecoder:
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                  gpu: bool = False):
+                  gpu: bool = False, mtp: bool = False):
     """A BatchDecoder where one applies, None otherwise (with why at info level): on the
     CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), else the torch path's (other
     families with slot_batching, or any with DUCK_CPU_NATIVE=0); on a GPU host the torch path's only when gpu is set (duckd's
     model.gpu_batching: eager steps, not yet measured against one request at a time with
-    CUDA graphs)."""
+    CUDA graphs). mtp: the batch drafts with the model's MTP layer (the torch path), or
+    without MTP where it cannot (says why)."""
     from engine.cpu.decode import native_mode
     from engine.cpu.host_model import UnsupportedModel
 
@@ -197,6 +296,11 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
     if not on_cpu and not gpu:
         log.info("no continuous batching on the GPU host (model.gpu_batching is off): one request at a time")
         return None
+    if mtp and getattr(model, "mtp_layers", None):
+        try:
+            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path="torch", mtp=True)
+        except (UnsupportedModel, ValueError) as e:
+            log.warning("continuous batching without MTP drafts: %s", e)
     paths = ["native", "torch"] if on_cpu and native_mode() != "off" else ["torch"]
     why = []
     for path in paths:   # on the CPU host: the native decoder, else the torch path (a family it lacks)

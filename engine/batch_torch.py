@@ -62,6 +62,17 @@ class TorchSlotDecoder:
         return self.model(ids.to(self.device, torch.int64), batch.positions, batch)
 
     @torch.inference_mode()
+    def draft(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over many sequences (engine.batch's speculative steps): token t is
+        ids[t] at positions[t] + 1 of slot slots[t], hidden[t] the main model's hidden state
+        at positions[t] -> the drafts' logits [T, V] (for positions[t] + 2)."""
+        mtp = self.model.mtp_layers[0]
+        batch = SlotBatch.plan(self.cache, positions.tolist(), slots.tolist(), self.device)
+        embeds = self.model.model.embed_tokens(ids.to(self.device, torch.int64))
+        return mtp.draft(embeds, hidden, batch.positions, batch).float()
+
+    @torch.inference_mode()
     def logits(self, y: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """lm_head of the rows asked for (all by default) -> [len(rows), V] fp32."""
         if y.shape[0] != self._ntok:

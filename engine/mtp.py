@@ -68,6 +68,23 @@ class _Output(TokenStream):
         return True
 
 
+def verify_draft(p: torch.Tensor, q: torch.Tensor | None, draft: int,
+                 gen: torch.Generator | None) -> tuple[bool, int]:
+    """The main model's distribution p [V] at the draft's position, the MTP head's q [V] the
+    draft was drawn from (gen None: greedy, q unused) -> (accepted, the token there): the draft
+    when u * q(d) <= p(d) (greedy: d = argmax p), else a draw from max(0, p - q) (greedy:
+    argmax p), which keeps the output distributed as p. Shared by generate_mtp and engine.batch."""
+    if gen is None:
+        best = int(p.argmax())
+        return best == draft, best
+    u = float(torch.rand((), generator=gen, device=p.device))
+    if u * float(q[draft]) <= float(p[draft]):
+        return True, draft
+    residual = (p - q).clamp_min(0.0)
+    probs = residual / residual.sum() if float(residual.sum()) > 0 else p
+    return False, int(torch.multinomial(probs, 1, generator=gen))
+
+
 @torch.inference_mode()
 def generate_mtp(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
                  on_text: Callable[[str], None] | None = None, max_model_len: int | None = None,
@@ -157,20 +174,7 @@ def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, devic
             hidden = forward(step_ids, positions)                                    # [1 or 2, H]
         logits = model.compute_logits(hidden)                                        # [1 or 2, V]
         p = dist(logits[0])
-        if not pair:
-            ok = False
-        elif greedy:
-            ok = int(p.argmax()) == draft
-        else:
-            u = float(torch.rand((), generator=gen, device=device))
-            ok = u * float(q[draft]) <= float(p[draft])
-        if ok:
-            token = draft
-        elif greedy or not pair:
-            token = draw(p)
-        else:                                   # the residual keeps the output distributed as p
-            residual = (p - q).clamp_min(0.0)
-            token = draw(residual / residual.sum()) if float(residual.sum()) > 0 else draw(p)
+        ok, token = verify_draft(p, q, draft, gen) if pair else (False, draw(p))
         going = out.push(token)
         if pair:
             verified += 1

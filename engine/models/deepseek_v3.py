@@ -170,7 +170,7 @@ class MlaCache:
 class SlotMlaCache:
     """The latent caches of several sequences at once (engine.batch on the torch path):
     latent [layers, slots, S, kv_lora_rank], k_rope [layers, slots, S, rope_dim]; the main
-    layers only (a batch runs no MTP)."""
+    layers, and the MTP layers when the batch drafts with them."""
     latent: torch.Tensor
     k_rope: torch.Tensor
 
@@ -466,11 +466,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         return MlaCache(torch.zeros(layers, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
                         torch.zeros(layers, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))
 
-    def make_slot_cache(self, slots: int, max_model_len: int) -> SlotMlaCache:
+    def make_slot_cache(self, slots: int, max_model_len: int, mtp: bool = False) -> SlotMlaCache:
+        """mtp: the MTP layers' latents too (engine.batch with speculative steps)."""
         self._check_len(max_model_len)
         if slots <= 0:
             raise ValueError(f"slots must be positive, got {slots}")
-        p, layers = self.model.embed_tokens.weight, self.model.num_main_layers
+        p = self.model.embed_tokens.weight
+        layers = len(self.model.layers) if mtp else self.model.num_main_layers
         return SlotMlaCache(
             torch.zeros(layers, slots, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
             torch.zeros(layers, slots, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))

@@ -167,8 +167,8 @@ def test_a_full_queue_answers_429_and_the_rest_complete(tmp_path):
 
 
 def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp_checkpoint):
-    """A tiny DeepSeek-V3 with an MTP head on a 2-duck fleet, served with model.mtp true
-    and false: the same greedy completion; acceptance in the stats and /metrics."""
+    """A tiny DeepSeek-V3 with an MTP head on a 2-duck fleet, served (continuous batching) with
+    model.mtp true and false: the same greedy completion; acceptance in the stats and /metrics."""
     from tests.duckd_fixture import RunningDaemon, write_config
 
     texts, stats = {}, {}
@@ -184,6 +184,8 @@ def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp
             status, body = _get(daemon, "/metrics")
             families = {f.name: f for f in text_string_to_metric_families(body.decode())}
             stats[mtp] = [s.value for s in families["duck_mtp_drafts_verified"].samples if s.name.endswith("_total")]
+            # served by the batch (max_seqs 32), which drafts with the MTP layer when mtp is on
+            assert f"continuous batching (torch path{', MTP drafts' if mtp else ''})" in daemon.log()
         finally:
             daemon.stop()
     assert texts[True] == texts[False] and texts[True]

@@ -33,6 +33,11 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
 
 def drain(batch: BatchDecoder, requests) -> list[list[int]]:
     """Every request through the batch, added as slots free; their tokens, in order."""
+    return [r.token_ids for r in drain_results(batch, requests)]
+
+
+def drain_results(batch: BatchDecoder, requests) -> list:
+    """drain()'s GenerationResults."""
     waiting, seqs = list(enumerate(requests)), {}
     while waiting or batch.active:
         while waiting:
@@ -42,7 +47,7 @@ def drain(batch: BatchDecoder, requests) -> list[list[int]]:
             seqs[waiting.pop(0)[0]] = seq
         batch.step()
     assert len(batch.free) == batch.slots and batch.steps > 0
-    return [seqs[i].result.token_ids for i in range(len(requests))]
+    return [seqs[i].result for i in range(len(requests))]
 
 
 def _run_batch(lm, requests, slots: int, step_tokens: int = 16, path: str = "native") -> list[list[int]]:
