@@ -13,6 +13,7 @@ from engine.generate import SamplingParams, generate
 from engine.loader import load_model
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
 from tests.engine.test_batch import drain
+from tests.engine.test_deepseek_mtp import mtp_checkpoint  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,5 +40,62 @@ def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
             alone = [generate(lm.model, lm.tokenizer, prompt, params, max_model_len=64).token_ids
                      for prompt, params in requests]
             assert together == alone
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _ds_folder(tmp_path, kind: str):
+    from tests.engine.test_deepseek import TINY_DS, hf_deepseek
+    folder = tmp_path / kind
+    hf_deepseek(kind).save_pretrained(folder)
+    write_word_tokenizer(folder, TINY_DS[kind]["vocab_size"])
+    return folder, TINY_DS[kind]["vocab_size"]
+
+
+def _q35_folder(tmp_path, kind: str):
+    from tests.engine.test_qwen3_5 import TINY as TINY_Q35, _hf_model
+    folder = tmp_path / kind
+    _hf_model(kind).save_pretrained(folder)
+    write_word_tokenizer(folder, TINY_Q35[kind]["vocab_size"])
+    return folder, TINY_Q35[kind]["vocab_size"]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v32", "qwen3_5", "qwen3_5_moe"])
+def test_gpu_batch_of_the_latent_and_hybrid_caches(kind, tmp_path):
+    """DeepSeek's latent cache and Qwen3.5's DeltaNet states per slot on CUDA, fp32 (TF32 off):
+    each request's tokens in a batch of three are those it gets in a batch of one."""
+    folder, vocab = (_ds_folder if kind.startswith("deepseek") else _q35_folder)(tmp_path, kind)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        lm = load_model(folder, device="cuda", dtype="float32", backend="fp9")
+        g = torch.Generator().manual_seed(6)
+        requests = [(torch.randint(2, vocab, (3 + 6 * i,), generator=g).tolist(),
+                     SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True)) for i in range(5)]
+        together = drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True), requests)
+        assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
+        assert together == [drain(batch_decoder(lm.model, lm.tokenizer, 1, 64, 16, gpu=True), [r])[0]
+                            for r in requests]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint):
+    """MTP1 drafts inside the batch on CUDA, fp32: the same greedy tokens as the batch without them."""
+    from tests.engine.test_deepseek import TINY_DS
+    from tests.engine.test_deepseek_mtp import KIND
+
+    folder = mtp_checkpoint
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        lm = load_model(folder, device="cuda", dtype="float32", backend="fp9")
+        g = torch.Generator().manual_seed(8)
+        requests = [(torch.randint(2, TINY_DS[KIND]["vocab_size"], (4 + 5 * i,), generator=g).tolist(),
+                     SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
+        with_mtp = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True, mtp=True)
+        assert with_mtp.mtp
+        assert drain(with_mtp, requests) == drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True),
+                                                  requests)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
