@@ -19,6 +19,13 @@ GEMM_EXPERTS = 8             # experts per pool run
 FMA_ROUNDS = 1 << 20
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to the nearest bf16 (ties to even), kept in fp32."""
+    bits = a.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
 def fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
     """The FMA peak of every instruction set the compared kernel sets use."""
     cases = []
@@ -38,8 +45,10 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
     groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
     cases = []
     for ntok in GEMM_TOKENS:
-        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats
-        x = (rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32)
+        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. The
+        # gate/up input is bf16 (what a GPU host sends: the avx512-bf16 set's case), the down input fp32
+        # (silu(gate) * up, made on the duck)
+        x = _bf16((rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32))
         h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
         gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
         rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))

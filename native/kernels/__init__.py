@@ -17,13 +17,14 @@ _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out 
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
 
 
-KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512")
-_NEEDS = {"avx2": "AVX2+FMA", "avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL"}
+KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16")
+_NEEDS = {"avx2": "AVX2+FMA", "avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL",
+          "avx512-bf16": "AVX-512 F/BW/VL and AVX512_BF16"}
 
 
 def kernels(name: str = "best"):
     """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref',
-    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend' or 'avx512'."""
+    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend', 'avx512' or 'avx512-bf16'."""
     if name not in KERNEL_SETS:
         raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
     k = lib.duck_kernels_named(name.encode())

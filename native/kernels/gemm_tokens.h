@@ -26,11 +26,23 @@
 #ifndef GEMM_PAIRS
 #error "define GEMM_PAIRS, GEMM_TOKENS, decode_panel and tile before including gemm_tokens.h"
 #endif
+/* A kernel set may include this twice, the second time with other activations
+ * (GEMM_X_T: what x points to), another name (GEMM_FN), its own decode_panel and
+ * tile, and a factor its decoded weights carry beyond fp9.h's (GEMM_OUT_EXTRA,
+ * folded into the outputs' scale). */
+#ifndef GEMM_X_T
+#define GEMM_X_T float
+#endif
+#ifndef GEMM_FN
+#define GEMM_FN gemm_tokens
+#endif
+#ifndef GEMM_OUT_EXTRA
+#define GEMM_OUT_EXTRA 1.0f
+#endif
 
+#ifndef GEMM_TOKENS_COMMON   /* once per file, whichever inclusion comes first */
+#define GEMM_TOKENS_COMMON
 #define GEMM_COLS FP9_SCALE_BLOCK   /* columns decoded per pass */
-
-#define GEMM_TILE(T) \
-    case T: tile(wt, n, x + t, k0, T, y + t, row, live, scale, load); break;
 
 /* The weights of row pairs [p, p + np) in the panel at g0: one run of
  * *bytes (blocks are pair-major within a panel). */
@@ -39,13 +51,17 @@ static inline const char *pairs_run(const fp9_matrix *m, uint32_t p, uint32_t np
     *bytes = (size_t)np * fp9_panel_groups(m->groups, g0) * sizeof(fp9_block);
     return (const char *)fp9_pair_run(m, p, g0);
 }
+#endif
 
-static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
-                        const float *const *x, float *const *y, int accumulate)
+#define GEMM_TILE(T) \
+    case T: tile(wt, n, x + t, k0, T, y + t, row, live, scale, load); break;
+
+static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                    const GEMM_X_T *const *x, float *const *y, int accumulate)
 {
     float wt[GEMM_COLS * 2 * GEMM_PAIRS] __attribute__((aligned(64)));
     float scale[2 * GEMM_PAIRS] __attribute__((aligned(64)));
-    const float out_scale = m->prescale * 0x1p48f;
+    const float out_scale = m->prescale * 0x1p48f * GEMM_OUT_EXTRA;
     const uint32_t sc = fp9_scale_cols(m);
     /* tiles of balanced sizes: 16 tokens run as 8 + 8, not 12 + 4 */
     const uint32_t ntiles = (ntok + GEMM_TOKENS - 1) / GEMM_TOKENS;
@@ -94,3 +110,6 @@ static void gemm_tokens(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
 }
 
 #undef GEMM_TILE
+#undef GEMM_X_T
+#undef GEMM_FN
+#undef GEMM_OUT_EXTRA

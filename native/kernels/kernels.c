@@ -6,7 +6,9 @@
 
 static const duck_kernels *fastest(void)
 {
-    const duck_kernels *k = duck_kernels_avx512();
+    const duck_kernels *k = duck_kernels_avx512_bf16();
+    if (!k)
+        k = duck_kernels_avx512();
     if (!k)
         k = duck_kernels_avx2();
     return k ? k : duck_kernels_ref();
@@ -28,6 +30,8 @@ const duck_kernels *duck_kernels_named(const char *name)
         return duck_kernels_avx2_variant(1);
     if (strcmp(name, "avx512") == 0)
         return duck_kernels_avx512();
+    if (strcmp(name, "avx512-bf16") == 0)
+        return duck_kernels_avx512_bf16();
     return NULL;
 }
 

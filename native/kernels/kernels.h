@@ -50,8 +50,11 @@ const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
 /* NULL where the build or the CPU lacks AVX-512 F/BW/VL (and FMA). */
 const duck_kernels *duck_kernels_avx512(void);
-/* The fastest the CPU supports (avx512, else avx2, else ref);
- * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512 in the environment forces
+/* avx512 with a bf16 GEMM (VDPBF16PS) for calls whose activations are all exactly
+ * bf16 (what a GPU host sends); NULL where the CPU lacks AVX512_BF16. */
+const duck_kernels *duck_kernels_avx512_bf16(void);
+/* The fastest the CPU supports (avx512-bf16, else avx512, else avx2, else ref);
+ * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512|avx512-bf16 in the environment forces
  * one (a choice the CPU cannot run falls back to the best it can). */
 const duck_kernels *duck_kernels_best(void);
 /* The set of that name ("best" too), or NULL where this CPU or build lacks it

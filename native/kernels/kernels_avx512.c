@@ -14,6 +14,7 @@
  * L2-resident weights (docs/fp9.md section 5). */
 #include "kernels.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -254,9 +255,15 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
 
 /* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][32]. Sixteen
  * rows at a time: their words (two columns per dword) transposed as
- * dwords, then split into the even and the odd column. */
-static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
-                         const char **ahead, const char *ahead_end)
+ * dwords, then split into the even and the odd column. pairs (the bf16
+ * GEMM): wt[k / 2][32] dwords instead, each row's columns k and k + 1 as
+ * two bf16 of value * 2^-48: the fp32 split times 2^64 (exact, and e5m3's
+ * subnormals come out normal: VDPBF16PS would read a bf16 subnormal as 0),
+ * whose low 16 bits are zero (at most 4 significant bits). */
+static inline __attribute__((always_inline)) void decode_panel_as(const fp9_matrix *m, uint32_t p, uint32_t np,
+                                                                  uint32_t g, uint32_t ng, float *wt,
+                                                                  const char **ahead, const char *ahead_end,
+                                                                  const int pairs)
 {
     const char *pf = *ahead;
     const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
@@ -279,6 +286,19 @@ static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t 
                                        : _mm512_setzero_si512();
                 }
                 transpose16(w);   /* w[d] lane r: columns 2d (low word) and 2d + 1 of row r */
+                if (pairs) {
+                    float *out = wt + (size_t)(gi * FP9_GROUP + 32 * h) / 2 * 32 + 16 * half;
+                    const __m512 up = _mm512_set1_ps(0x1p64f);
+#pragma GCC unroll 16
+                    for (int d = 0; d < 16; d++) {
+                        __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w[d], 16)), up);
+                        __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w[d], high)), up);
+                        _mm512_store_si512(out + 32 * d,
+                                           _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                           _mm512_and_si512(_mm512_castps_si512(odd), high)));
+                    }
+                    continue;
+                }
                 float *out = wt + (size_t)(gi * FP9_GROUP + 32 * h) * 32 + 16 * half;
 #pragma GCC unroll 16
                 for (int d = 0; d < 16; d++) {
@@ -290,12 +310,34 @@ static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t 
     *ahead = pf;
 }
 
+static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
+                         const char **ahead, const char *ahead_end)
+{
+    decode_panel_as(m, p, np, g, ng, wt, ahead, ahead_end, 0);
+}
+
+/* A tile's sums c0 (rows 0-15), c1 (16-31) of T tokens, times the rows' scales, into (or, if
+ * load, onto) y[t][row ..], its first `live` rows only. */
+static inline __attribute__((always_inline)) void tile_out(const __m512 *c0, const __m512 *c1, const int T,
+                                                           float *const *y, uint32_t row, uint32_t live,
+                                                           const float *scale, int load)
+{
+    const __mmask16 m0 = live >= 16 ? 0xFFFF : (__mmask16)((1u << live) - 1);
+    const __mmask16 m1 = live >= 32 ? 0xFFFF : live > 16 ? (__mmask16)((1u << (live - 16)) - 1) : 0;
+    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < T; i++) {
+        __m512 y0 = load ? _mm512_maskz_loadu_ps(m0, y[i] + row) : _mm512_setzero_ps();
+        __m512 y1 = load ? _mm512_maskz_loadu_ps(m1, y[i] + row + 16) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(y[i] + row, m0, _mm512_fmadd_ps(c0[i], s0, y0));
+        _mm512_mask_storeu_ps(y[i] + row + 16, m1, _mm512_fmadd_ps(c1[i], s1, y1));
+    }
+}
+
 static inline __attribute__((always_inline)) void tile(const float *wt, uint32_t n, const float *const *x,
                                                        uint32_t k0, const int T, float *const *y, uint32_t row,
                                                        uint32_t live, const float *scale, int load)
 {
-    const __mmask16 m0 = live >= 16 ? 0xFFFF : (__mmask16)((1u << live) - 1);
-    const __mmask16 m1 = live >= 32 ? 0xFFFF : live > 16 ? (__mmask16)((1u << (live - 16)) - 1) : 0;
     __m512 c0[GEMM_TOKENS], c1[GEMM_TOKENS];
     const float *xs[GEMM_TOKENS];
 #pragma GCC unroll 12
@@ -312,14 +354,7 @@ static inline __attribute__((always_inline)) void tile(const float *wt, uint32_t
             c1[i] = _mm512_fmadd_ps(w1, b, c1[i]);
         }
     }
-    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
-#pragma GCC unroll 12
-    for (int i = 0; i < T; i++) {
-        __m512 y0 = load ? _mm512_maskz_loadu_ps(m0, y[i] + row) : _mm512_setzero_ps();
-        __m512 y1 = load ? _mm512_maskz_loadu_ps(m1, y[i] + row + 16) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(y[i] + row, m0, _mm512_fmadd_ps(c0[i], s0, y0));
-        _mm512_mask_storeu_ps(y[i] + row + 16, m1, _mm512_fmadd_ps(c1[i], s1, y1));
-    }
+    tile_out(c0, c1, T, y, row, live, scale, load);
 }
 
 #include "gemm_tokens.h"
@@ -345,7 +380,109 @@ static void gemm_avx512(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
 
 #pragma GCC pop_options
 
+/* The bf16 set (avx512-bf16): where every activation of a GEMM call is exactly a
+ * bf16 (a GPU host sends them so: fp9_prepare_x_bf16), the tile multiplies bf16
+ * pairs with VDPBF16PS, two products per lane and instruction where the FMA makes
+ * one. Exact products (bf16 x bf16 fits fp32), summed in fp32 in another order
+ * than the FMA tile's; the weights are decoded to bf16 exactly (decode_panel_as).
+ * Calls of other activations, and of few tokens (the GEMVs), are avx512's. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+
+static inline __attribute__((always_inline)) void tile_bf16(const float *wt, uint32_t n, const uint32_t *const *x,
+                                                            uint32_t k0, const int T, float *const *y, uint32_t row,
+                                                            uint32_t live, const float *scale, int load)
+{
+    const uint32_t *pairs = (const uint32_t *)wt;
+    __m512 c0[GEMM_TOKENS], c1[GEMM_TOKENS];
+    const uint32_t *xs[GEMM_TOKENS];
+#pragma GCC unroll 12
+    for (int i = 0; i < T; i++) {
+        xs[i] = x[i] + k0 / 2;
+        c0[i] = c1[i] = _mm512_setzero_ps();
+    }
+    for (uint32_t k = 0; k < n / 2; k++) {
+        __m512bh w0 = (__m512bh)_mm512_load_si512(pairs + 32 * k);
+        __m512bh w1 = (__m512bh)_mm512_load_si512(pairs + 32 * k + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < T; i++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)xs[i][k]);
+            c0[i] = _mm512_dpbf16_ps(c0[i], w0, b);
+            c1[i] = _mm512_dpbf16_ps(c1[i], w1, b);
+        }
+    }
+    tile_out(c0, c1, T, y, row, live, scale, load);
+}
+
+static void decode_panel_pairs(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
+                               const char **ahead, const char *ahead_end)
+{
+    decode_panel_as(m, p, np, g, ng, wt, ahead, ahead_end, 1);
+}
+
+#define decode_panel decode_panel_pairs
+#define tile tile_bf16
+#define GEMM_X_T uint32_t
+#define GEMM_FN gemm_tokens_bf16
+#define GEMM_OUT_EXTRA 0x1p-64f   /* the weights decoded times 2^64 */
+#include "gemm_tokens.h"
+#undef decode_panel
+#undef tile
+
+/* x's rows (cols values each) as bf16 pairs in *buf (grown as needed, per thread);
+ * 0 when a value is not exactly a bf16 (or no memory): the caller takes the FMA path. */
+static int bf16_rows(const float *const *x, uint32_t ntok, uint32_t cols, uint32_t **buf, size_t *cap,
+                     const uint32_t **rows)
+{
+    const size_t need = (size_t)ntok * cols / 2;
+    if (need > *cap) {
+        uint32_t *grown = realloc(*buf, need * sizeof(uint32_t));
+        if (!grown)
+            return 0;
+        *buf = grown;
+        *cap = need;
+    }
+    for (uint32_t t = 0; t < ntok; t++) {
+        uint32_t *out = *buf + (size_t)t * cols / 2;
+        for (uint32_t c = 0; c < cols; c += 32) {
+            __m512 lo = _mm512_loadu_ps(x[t] + c), hi = _mm512_loadu_ps(x[t] + c + 16);
+            const __m512i low_bits = _mm512_set1_epi32(0xFFFF);
+            if (_mm512_test_epi32_mask(_mm512_castps_si512(lo), low_bits) |
+                _mm512_test_epi32_mask(_mm512_castps_si512(hi), low_bits))
+                return 0;
+            _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));   /* columns c .. c + 31 in order */
+        }
+        rows[t] = out;
+    }
+    return 1;
+}
+
+static void gemm_avx512_bf16(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                             const float *const *x, float *const *y, int accumulate)
+{
+    static __thread uint32_t *buf;
+    static __thread size_t cap;
+    const uint32_t *rows[256];
+    if (ntok > GEMV_MAX_TOKENS && ntok <= 256 && pair_begin < pair_end &&
+        bf16_rows(x, ntok, m->groups * FP9_GROUP, &buf, &cap, rows)) {
+        gemm_tokens_bf16(m, pair_begin, pair_end, ntok, rows, y, accumulate);
+        return;
+    }
+    gemm_avx512(m, pair_begin, pair_end, ntok, x, y, accumulate);
+}
+
+#pragma GCC pop_options
+
 static const duck_kernels k_avx512 = {"avx512", gemm_avx512};
+static const duck_kernels k_avx512_bf16 = {"avx512-bf16", gemm_avx512_bf16};
+
+const duck_kernels *duck_kernels_avx512_bf16(void)
+{
+    __builtin_cpu_init();
+    if (!duck_kernels_avx512() || !__builtin_cpu_supports("avx512bf16"))
+        return NULL;
+    return &k_avx512_bf16;
+}
 
 const duck_kernels *duck_kernels_avx512(void)
 {
@@ -359,5 +496,6 @@ const duck_kernels *duck_kernels_avx512(void)
 #else
 
 const duck_kernels *duck_kernels_avx512(void) { return NULL; }
+const duck_kernels *duck_kernels_avx512_bf16(void) { return NULL; }
 
 #endif

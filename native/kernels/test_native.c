@@ -23,13 +23,26 @@ static void *pack_random(uint32_t rows, uint32_t cols, fp9_matrix *m)
 }
 
 /* ntok random activations for m, prepared, with their row pointers. */
+/* 1: the activations random_tokens makes are bf16 values (what a GPU host sends,
+ * the avx512-bf16 set's GEMM case) */
+static int bf16_tokens;
+
+static float bf16_round(float v)
+{
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
 static float *random_tokens(const fp9_matrix *m, uint32_t ntok, const float **xr)
 {
     uint32_t kp = m->groups * 64;
     float *x = malloc(sizeof(float) * ntok * kp), *raw = malloc(sizeof(float) * m->cols);
     for (uint32_t t = 0; t < ntok; t++) {
         for (uint32_t c = 0; c < m->cols; c++)
-            raw[c] = frand();
+            raw[c] = bf16_tokens ? bf16_round(frand()) : frand();
         fp9_prepare_x_f32(raw, m->cols, kp, x + t * kp);
         xr[t] = x + t * kp;
     }
@@ -389,9 +402,17 @@ int main(void)
         test_odd_shapes(duck_kernels_avx512());
     } else
         printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
+    if (duck_kernels_avx512_bf16()) {
+        bf16_tokens = 1;   /* the bf16 GEMM runs only on such activations */
+        test_kernels_agree(duck_kernels_avx512_bf16());
+        test_odd_shapes(duck_kernels_avx512_bf16());
+        bf16_tokens = 0;
+    } else
+        printf("note: no AVX512_BF16 on this CPU; the avx512-bf16 kernels were not tested\n");
     test_bf16_rounding();
-    const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512()};
-    for (int i = 0; i < 3; i++)
+    const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512(),
+                                  duck_kernels_avx512_bf16()};
+    for (int i = 0; i < 4; i++)
         if (sets[i]) {
             test_moe_pool(sets[i]);
             test_moe_prefill(sets[i]);

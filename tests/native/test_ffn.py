@@ -196,6 +196,26 @@ def test_bf16_activations():
     _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w), "bf16 x")
 
 
+@pytest.mark.skipif("avx512-bf16" not in kernels_available(), reason="this CPU has no AVX512_BF16")
+def test_bf16_activations_of_a_prefill_take_the_bf16_gemm():
+    """24 tokens over 3 experts (a GEMM per expert): bf16 activations go through the bf16 dot
+    products (other sums than avx512's, as close to torch), fp32 ones through avx512's FMAs
+    bit for bit; threads change no bit of either."""
+    rng = np.random.default_rng(25)
+    experts, dense = make_experts(3, 320, 64, rng)
+    layer = MoeSlice(experts, 320)
+    x = torch.from_numpy(rng.standard_normal((24, 320)).astype(np.float32)).to(torch.bfloat16)
+    ids = rng.integers(0, 3, size=(24, 2)).astype(np.int32)
+    w = rng.uniform(size=(24, 2)).astype(np.float32)
+    y = layer.forward(x, ids, w, kernel_set="avx512-bf16")
+    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w), "bf16 x, bf16 GEMM")
+    assert not np.array_equal(y, layer.forward(x, ids, w, kernel_set="avx512")), "the bf16 GEMM ran"
+    assert np.array_equal(y, layer.forward(x, ids, w, Pool(2), kernel_set="avx512-bf16"))
+    x32 = x.float().numpy() + np.float32(1e-3)   # no longer bf16 values: the FMA path
+    assert np.array_equal(layer.forward(x32, ids, w, kernel_set="avx512-bf16"),
+                          layer.forward(x32, ids, w, kernel_set="avx512"))
+
+
 def test_no_active_expert_gives_zeros():
     rng = np.random.default_rng(24)
     experts, _ = make_experts(2, 128, 64, rng)

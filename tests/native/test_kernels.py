@@ -34,7 +34,8 @@ def _check(t: Fp9Tensor, x: np.ndarray, y: np.ndarray, what: str):
 
 
 AVAILABLE = kernels_available()
-NEEDS = {"avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL"}
+NEEDS = {"avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL",
+         "avx512-bf16": "AVX512_BF16"}
 FAST = tuple(n for n in NEEDS if n in AVAILABLE)
 FAST_PARAMS = [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE, reason=f"this CPU has no {NEEDS[n]}"))
                for n in NEEDS]
@@ -42,7 +43,9 @@ FAST_PARAMS = [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE, reas
 
 def test_the_fastest_set_this_cpu_has_is_chosen():
     best = kernels_name(kernels())
-    if "avx512" in AVAILABLE:
+    if "avx512-bf16" in AVAILABLE:
+        assert best == "avx512-bf16"
+    elif "avx512" in AVAILABLE:
         assert best == "avx512"
     elif FAST:
         assert best in ("avx2-xor", "avx2-blend")
@@ -50,13 +53,44 @@ def test_the_fastest_set_this_cpu_has_is_chosen():
         assert best == "ref"
 
 
-@pytest.mark.parametrize("want", ["ref", "avx2-xor", "avx2-blend", "avx512", "nonsense"])
+@pytest.mark.parametrize("want", ["ref", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16", "nonsense"])
 def test_duck_kernels_in_the_environment_forces_a_set_the_cpu_has(want):
     code = "from native.kernels import kernels, kernels_name; print(kernels_name(kernels()))"
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DUCK_KERNELS": want},
                          capture_output=True, text=True, check=True)
     expected = want if want in AVAILABLE else kernels_name(kernels())
     assert run.stdout.strip() == expected
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.skipif("avx512-bf16" not in AVAILABLE, reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("block_scales", [False, True], ids=["plain", "block_scales"])
+@pytest.mark.parametrize("cols", [64, 192, 2048 + 64])
+@pytest.mark.parametrize("rows", [3, 33, 384])
+def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales):
+    """avx512-bf16 on activations that are bf16 values (5, 12, 67 tokens: the GEMM): as close to
+    float64 as the FMA sets, in its own order of sums; weights of e5m3 subnormal codes count (a
+    bf16 subnormal would read as 0). Other activations, and the GEMVs, are avx512's bit for bit."""
+    rng = np.random.default_rng(rows * 7 + cols + block_scales)
+    if block_scales:
+        t = _fp8_with_block_scales(rows, cols, rng)
+    else:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.03
+        w[:, :5] = 3e-8 * 0.03     # the slice's smallest weights: subnormal e5m3 codes
+        t = Fp9Tensor.from_float(w, "w")
+    for ntok in (5, 12, 67):
+        x = _bf16(rng.standard_normal((ntok, cols)).astype(np.float32))
+        y = gemm(t, x, "avx512-bf16")
+        _check(t, x, y, f"avx512-bf16 ntok {ntok}")
+        if cols > 2048:   # (VDPBF16PS sums a pair in its own order; over few columns it may match the FMAs)
+            assert not np.array_equal(y, gemm(t, x, "avx512")), "the bf16 dot products ran"
+    x = rng.standard_normal((12, cols)).astype(np.float32)
+    assert np.array_equal(gemm(t, x, "avx512-bf16"), gemm(t, x, "avx512"))
+    x = _bf16(rng.standard_normal((3, cols)).astype(np.float32))
+    assert np.array_equal(gemm(t, x, "avx512-bf16"), gemm(t, x, "avx512"))
 
 
 def _fp8_with_block_scales(rows: int, cols: int, rng: np.random.Generator) -> Fp9Tensor:
