@@ -213,7 +213,7 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
     reply_slot *r = msgs_find_reply(&c->msgs, &k);
     if (r) {
         if (asked_before_reply(c, r))
-            c->stats.stale++;
+            c->stats.early_resends++;
         else
             core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
         return;

@@ -41,7 +41,7 @@ typedef struct wire_ping { uint64_t t_ns; uint16_t reply_mtu; ...; } wire_ping;
 typedef struct wire_stats {
     uint64_t datagrams_rx, datagrams_tx, requests, forwards, duplicates, resends, malformed, unauthenticated,
              stale, injected_drops, errors, bytes_streamed, kernel_ns, uploads_done, upload_bytes,
-             cache_evictions, cache_corrupt, wake_ns, bad_mac, replayed, no_run;
+             cache_evictions, cache_corrupt, wake_ns, bad_mac, replayed, no_run, early_resends;
     ...;
 } wire_stats;
 typedef struct wire_invalidate { uint32_t flags; uint8_t digest[...]; ...; } wire_invalidate;

@@ -218,7 +218,9 @@ typedef struct wire_stats {
     uint64_t bad_mac;        /* a link MAC that does not verify (another run, another duck's, forged) */
     uint64_t replayed;       /* a sequence already taken or below the replay window; a stale run open */
     uint64_t no_run;         /* a link-keyed message while no run is open (the duck restarted) */
-    uint64_t reserved[3];
+    uint64_t early_resends;  /* a RESEND that came before its reply went out (the host's timer ran out
+                              * while the duck worked): the reply answers it; not a drop */
+    uint64_t reserved[2];
 } wire_stats;
 WIRE_STATIC_ASSERT(sizeof(wire_stats) == 192, "wire_stats must be 192 bytes");
 

@@ -186,6 +186,9 @@ def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp
             stats[mtp] = [s.value for s in families["duck_mtp_drafts_verified"].samples if s.name.endswith("_total")]
             # served by the batch (max_seqs 32), which drafts with the MTP layer when mtp is on
             assert f"continuous batching (torch path{', MTP drafts' if mtp else ''})" in daemon.log()
+            # a healthy fleet shows no errors: the host's early resends (its timer running out while a duck
+            # stores an upload) are the ducks' early_resends, not drops
+            assert [(d.errors, d.drops) for d in daemon.ducks()] == [(0, 0)] * 2, daemon.ducks()
         finally:
             daemon.stop()
     assert texts[True] == texts[False] and texts[True]
