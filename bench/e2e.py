@@ -86,20 +86,26 @@ def main(argv: list[str], channel) -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--streams", type=int, default=0,
                     help="also run this many concurrent chats (different prompts): aggregate tok/s, TTFT p50/p99")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --streams: one stream, then all of them, this many times in turn; the ratios "
+                         "are each round's (its own one-stream rate) and their medians (a shared machine drifts)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.runs < 1 or args.rounds < 1 or args.streams < 0:
+        ap.error("--runs and --rounds must be positive, --streams not negative")
     chat, model = rpc.ChatStub(channel), rpc.ModelStub(channel)
     info = model.Info(pb.ModelInfoRequest(), timeout=30)
-    runs = []
-    for _ in range(args.runs):
+    def one_run():
         req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], max_tokens=args.tokens,
                              temperature=0.0)   # greedy: the same answer every run
         stats = None
         for ev in chat.Chat(req):
             if ev.WhichOneof("event") == "stats":
                 stats = ev.stats
-        runs.append(stats)
         print(stats.line, file=sys.stderr)
+        return stats
+
+    runs = [one_run() for _ in range(args.runs)]
     med = lambda f: statistics.median(getattr(s, f) for s in runs)  # noqa: E731
     result = {"model": MessageToDict(info), "runs": [MessageToDict(s) for s in runs],
               "decode_tok_s": med("decode_tok_s"), "ttft_s": med("ttft_s"), "prefill_tok_s": med("prefill_tok_s"),
@@ -107,15 +113,33 @@ def main(argv: list[str], channel) -> int:
     if info.ffn_bytes_per_token:
         result["fleet_gbps_at_decode"] = result["decode_tok_s"] * info.ffn_bytes_per_token / 1e9
     if args.streams:
-        result["concurrent"] = concurrent(chat, rpc.FleetStub(channel), args.streams, args.tokens)
-        c = result["concurrent"]
-        c["aggregate_over_one_stream"] = c["aggregate_tok_s"] / result["decode_tok_s"]
-        c["stream_decode_sum_over_one_stream"] = c["sum_of_stream_decode_tok_s"] / result["decode_tok_s"]
+        rounds = []
+        for r in range(args.rounds):
+            one = result["decode_tok_s"] if r == 0 else one_run().decode_tok_s   # round 0: the runs above
+            c = concurrent(chat, rpc.FleetStub(channel), args.streams, args.tokens)
+            c["one_stream_decode_tok_s"] = one
+            c["aggregate_over_one_stream"] = c["aggregate_tok_s"] / one
+            c["stream_decode_sum_over_one_stream"] = c["sum_of_stream_decode_tok_s"] / one
+            both = c["all_decoding_tok_s"]
+            c["all_decoding_over_one_stream"] = both / one if both is not None else None
+            rounds.append(c)
+        # the round whose wall-clock ratio is the median; every round's ratios beside it
+        c = result["concurrent"] = dict(sorted(rounds, key=lambda x: x["aggregate_over_one_stream"])[len(rounds) // 2])
+        if len(rounds) > 1:
+            ratios = {k: [x[k] for x in rounds] for k in ("aggregate_over_one_stream", "all_decoding_over_one_stream",
+                                                          "stream_decode_sum_over_one_stream")}
+            c["rounds"] = ratios
+            c["median_all_decoding_over_one_stream"] = statistics.median(
+                v for v in ratios["all_decoding_over_one_stream"] if v is not None) \
+                if any(v is not None for v in ratios["all_decoding_over_one_stream"]) else None
         both = c["all_decoding_tok_s"]
-        c["all_decoding_over_one_stream"] = both / result["decode_tok_s"] if both is not None else None
         if both is not None:
             print(f"while all {args.streams} decode ({c['all_decoding_window_s']:.2f} s): {both:.1f} tok/s "
                   f"({c['all_decoding_over_one_stream']:.2f}x one stream's decode)", file=sys.stderr)
+        if len(rounds) > 1:
+            print(f"{len(rounds)} rounds: wall-clock ratios {[round(v, 2) for v in c['rounds']['aggregate_over_one_stream']]}"
+                  f", all-decoding ratios {[v if v is None else round(v, 2) for v in c['rounds']['all_decoding_over_one_stream']]}"
+                  f"; the median round below", file=sys.stderr)
         print(f"{args.streams} concurrent streams: {c['aggregate_tok_s']:.1f} tok/s in all, prefills included "
               f"({c['aggregate_over_one_stream']:.2f}x one stream's decode); their decode rates sum to "
               f"{c['sum_of_stream_decode_tok_s']:.1f} tok/s ({c['stream_decode_sum_over_one_stream']:.2f}x); "

@@ -172,9 +172,16 @@ def test_refused_datagrams_show_as_errors_and_drops_in_status(duckd_daemon):
 def test_duckctl_bench_e2e_with_concurrent_streams(duckd_daemon):
     """`duckctl bench e2e --streams N --json`: one stream's decode, then N at once, every token counted."""
     r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
-                "bench", "e2e", "--runs", "1", "--tokens", "8", "--streams", "4", "--json")
+                "bench", "e2e", "--runs", "1", "--tokens", "8", "--streams", "4", "--rounds", "2", "--json")
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["concurrent"]
     assert c["streams"] == 4 and c["errors"] == 0 and c["tokens_out"] > 4
     assert c["aggregate_tok_s"] > 0 and c["sum_of_stream_decode_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p99_s"]
     assert "all_decoding_tok_s" in c and "all_decoding_over_one_stream" in c
+    # two rounds of (one stream, then four): each ratio over its own round's one stream; the median round reported
+    rounds = c["rounds"]["aggregate_over_one_stream"]
+    assert len(rounds) == 2 and c["aggregate_over_one_stream"] in rounds
+    assert c["aggregate_over_one_stream"] == pytest.approx(c["aggregate_tok_s"] / c["one_stream_decode_tok_s"])
+    bad = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
+                  "bench", "e2e", "--streams", "4", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds must be positive" in bad.stderr
