@@ -159,3 +159,21 @@ def test_retransmit_timer_learns_a_slow_duck(tmp_path):
         for _ in range(5):
             session.forward(0, np.ones((1, 128), np.float32), *NO_EXPERT)
         assert fleet.transport_stats()["retransmits"] == before and session.retransmits == 0
+
+
+def test_a_resend_that_comes_before_the_reply_is_no_drop(tmp_path):
+    """A duck that takes 20 ms per request, a host whose timer is capped at 15 ms (a quarter of
+    its 60 ms deadline): the uploads' RESENDs come while the duck still works. The duck counts
+    them as early_resends, not as drops (stale): duckctl status shows no errors for them."""
+    from native.fp9 import Fp9Tensor
+    from native.transport.upload import upload
+
+    slow = ["--enable-fault-injection", "--delay-us", "20000"]
+    with Ducks(1, tmp_path, args=slow, retransmit_ms=2, deadline_ms=60) as ducks:
+        fleet = ducks.fleet
+        fleet.hello()
+        t = Fp9Tensor.from_float(np.random.default_rng(0).standard_normal((1024, 2048)).astype(np.float32), "w")
+        assert upload(fleet, [[t]])["uploaded"] == 1
+        assert fleet.transport_stats()["resend_requests"] > 0
+        duck = fleet.stats()[0]
+        assert duck["early_resends"] > 0 and duck["stale"] == 0, duck
