@@ -20,10 +20,12 @@ FMA_ROUNDS = 1 << 20
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to the nearest bf16 (ties to even), kept in fp32."""
-    bits = a.view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
+    """fp32 values rounded to the nearest bf16 (duck_f32_to_bf16, ties to even), kept in fp32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = np.empty(a.shape, dtype=np.uint16)
+    lib.duck_f32_to_bf16(ffi.cast("const float *", ffi.from_buffer(a)), a.size,
+                         ffi.cast("uint16_t *", ffi.from_buffer(bits, require_writable=True)))
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:

@@ -42,7 +42,6 @@ import torch
 
 from engine.generate import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs
 from engine.mtp import verify_draft
-from engine.layers import SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,6 @@ class BatchDecoder:
             from engine.cpu.decode import CpuDecoder as decoder   # fp32 weights and cache on the CPU
         else:
             from engine.batch_torch import TorchSlotDecoder as decoder
-        weight = model.model.embed_tokens.weight
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
         self.mtp = mtp
         if mtp:
@@ -105,15 +103,13 @@ class BatchDecoder:
             if step_tokens < 2 * slots:
                 raise ValueError(f"MTP drafts: {slots} sequences feed 2 tokens each per step, steps of "
                                  f"{step_tokens} tokens are too few (model.step_tokens >= 2 x model.max_seqs)")
-        if path == "native":
-            self.cache = SlotKVCache.allocate(model.config, slots, max_model_len, weight.dtype, weight.device)
-        elif mtp:
-            self.cache = model.make_slot_cache(slots, max_model_len, mtp=True)   # the MTP layer's latents too
-        elif getattr(type(model), "slot_batching", False):
-            self.cache = model.make_slot_cache(slots, max_model_len)   # the family's own (latent, recurrent)
-        else:
-            from engine.cpu.host_model import UnsupportedModel
-            raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch path")
+        from engine.cpu.host_model import FAMILIES, UnsupportedModel
+        if not (type(model) in FAMILIES if path == "native" else getattr(type(model), "slot_batching", False)):
+            # refused before a cache of every slot is allocated (batch_decoder then tries the next path)
+            raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched {path} path")
+        # the family's own slot cache: k/v, latents (and the MTP layer's), or k/v and DeltaNet states
+        self.cache = model.make_slot_cache(slots, max_model_len, mtp=True) if mtp else \
+            model.make_slot_cache(slots, max_model_len)
         self.decoder = decoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
         if self.step_tokens < slots:

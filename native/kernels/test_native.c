@@ -29,9 +29,9 @@ static int bf16_tokens;
 
 static float bf16_round(float v)
 {
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+    uint16_t h;
+    duck_f32_to_bf16(&v, 1, &h);
+    uint32_t bits = (uint32_t)h << 16;
     memcpy(&v, &bits, 4);
     return v;
 }
