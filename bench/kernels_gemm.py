@@ -48,7 +48,7 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
     cases = []
     for ntok in GEMM_TOKENS:
         # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. The
-        # gate/up input is bf16 (what a GPU host sends: the avx512-bf16 set's case), the down input fp32
+        # gate/up input is bf16 (what a GPU host sends: the avx512-bf16 and amx sets' case), the down input fp32
         # (silu(gate) * up, made on the duck)
         x = _bf16((rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32))
         h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)

@@ -43,6 +43,7 @@ const duck_kernels *duck_kernels_ref(void);
 const duck_kernels *duck_kernels_avx2(void);
 const duck_kernels *duck_kernels_avx2_variant(int blend);
 const duck_kernels *duck_kernels_avx512(void);
+unsigned long long duck_kernels_amx_emulated_dots(void);
 const duck_kernels *duck_kernels_best(void);
 const duck_kernels *duck_kernels_named(const char *name);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);

@@ -17,14 +17,17 @@ _FFN_ERRORS = {-1: "counts out of range or missing buffers", -2: "expert id out 
                -3: "expert shapes do not fit the hidden size", -4: "out of memory"}
 
 
-KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16")
+KERNEL_SETS = ("best", "ref", "avx2", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16", "amx", "amx-emu")
 _NEEDS = {"avx2": "AVX2+FMA", "avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL",
-          "avx512-bf16": "AVX-512 F/BW/VL and AVX512_BF16"}
+          "avx512-bf16": "AVX-512 F/BW/VL and AVX512_BF16",
+          "amx": "AMX-BF16 (and the kernel's leave to use the tiles) with AVX512_BF16",
+          "amx-emu": "AVX-512 F/BW/VL and AVX512_BF16"}
 
 
 def kernels(name: str = "best"):
     """The kernel set: 'best' (CPU detection, DUCK_KERNELS overrides), 'ref',
-    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend', 'avx512' or 'avx512-bf16'."""
+    'avx2' (the variant for this CPU's vendor), 'avx2-xor', 'avx2-blend', 'avx512', 'avx512-bf16',
+    'amx' or 'amx-emu' (the amx tile program with the tiles emulated in C: tests only, slow)."""
     if name not in KERNEL_SETS:
         raise ValueError(f"unknown kernel set {name!r}: expected one of {', '.join(KERNEL_SETS)}")
     k = lib.duck_kernels_named(name.encode())

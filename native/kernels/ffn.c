@@ -90,11 +90,30 @@ typedef struct moe_task {
     float *const *partrows;         /* per assignment: its expert's weighted output, hidden floats */
     const float *weights;           /* per assignment: routing weight */
     float *y32;                     /* [ntok][hidden] fp32 sums (a->y itself when y is fp32) */
+    int h_bf16;                     /* bf16 activations: the intermediate is rounded to bf16 */
     _Alignas(64) atomic_uint next;
 } moe_task;
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* v rounded to the nearest bf16 (even on ties), as duck_f32_to_bf16 rounds. */
+static inline float round_bf16(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return v;
+    u = (u + 0x7FFFu + ((u >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* The intermediate h = silu(gate) * up. On fp32 activations it is kept in fp32,
+ * times the routing weight (folded into the down kernel's input). On bf16
+ * activations (a bf16 model: what a GPU host sends) it is rounded to bf16, as
+ * the model's own FFN in bf16 rounds it, and the routing weight multiplies the
+ * expert's output instead (reduce_block): the down projection then takes bf16
+ * values too, so the sets with a bf16 GEMM (amx, avx512-bf16) run it. */
 static void gate_up_piece(const moe_task *t, const moe_piece *pc)
 {
     const moe_job *job = &t->jobs[pc->job];
@@ -103,6 +122,11 @@ static void gate_up_piece(const moe_task *t, const moe_piece *pc)
     t->k->gemm(&e->gate_up, pc->pb, pc->pe, n, t->xrows + first, t->gurows + first, 0);
     for (uint32_t i = first; i < first + n; i++) {
         const float *gu = t->gurows[i];
+        if (t->h_bf16) {
+            for (uint32_t p = pc->pb; p < pc->pe; p++)   /* prepared for the down kernel: x 2^64, exact */
+                t->actrows[i][p] = round_bf16(silu(gu[2 * p]) * gu[2 * p + 1]) * 0x1p64f;
+            continue;
+        }
         float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
         for (uint32_t p = pc->pb; p < pc->pe; p++)
             t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
@@ -122,8 +146,14 @@ static void reduce_block(const moe_task *t, uint32_t block)
         memset(y + r0, 0, (r1 - r0) * sizeof(float));
         for (uint32_t k = t->tok_start[tok]; k < t->tok_start[tok + 1]; k++) {
             const float *part = t->partrows[t->tok_list[k]];
-            for (uint32_t r = r0; r < r1; r++)
-                y[r] += part[r];
+            if (t->h_bf16) {
+                const float w = t->weights[t->tok_list[k]];
+                for (uint32_t r = r0; r < r1; r++)
+                    y[r] += w * part[r];
+            } else {
+                for (uint32_t r = r0; r < r1; r++)
+                    y[r] += part[r];
+            }
         }
         if (a->y_dtype == DUCK_DT_BF16)
             duck_f32_to_bf16(y + r0, r1 - r0, (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
@@ -340,7 +370,8 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
     moe_task task = {.a = a, .k = k, .pool = pool, .jobs = jobs, .njobs = njobs, .pieces = pieces,
                      .npieces = npieces, .block_pairs = block_pairs, .up_pieces = up_pieces, .up_done = up_done,
                      .block_done = block_done, .tok_start = tok_start, .tok_list = tok_list, .xrows = xrows,
-                     .gurows = gurows, .actrows = actrows, .partrows = partrows, .weights = weights, .y32 = y32};
+                     .gurows = gurows, .actrows = actrows, .partrows = partrows, .weights = weights, .y32 = y32,
+                     .h_bf16 = a->x_dtype == DUCK_DT_BF16};
     atomic_init(&task.next, 0);
     if (pool)
         duck_pool_run_shared(pool, moe_run, &task);

@@ -47,7 +47,9 @@ typedef struct duck_moe_args {
     const int32_t *expert_ids;      /* [ntok][topk]; a negative id skips the slot */
     const float *expert_weights;    /* [ntok][topk] */
     const void *x;                  /* [ntok][hidden], in x_dtype */
-    uint32_t x_dtype;               /* DUCK_DT_F32 or DUCK_DT_BF16 */
+    uint32_t x_dtype;               /* DUCK_DT_F32 or DUCK_DT_BF16; on bf16 the experts' intermediate
+                                       silu(gate) * up is rounded to bf16 too (a bf16 model's own
+                                       precision), and the routing weight scales each expert's output */
     uint32_t y_dtype;               /* DUCK_DT_F32 or DUCK_DT_BF16 */
     void *y;                        /* [ntok][hidden] in y_dtype, overwritten; summed in fp32,
                                        rounded to bf16 (nearest even) once at the end */

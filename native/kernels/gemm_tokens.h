@@ -29,7 +29,9 @@
 /* A kernel set may include this twice, the second time with other activations
  * (GEMM_X_T: what x points to), another name (GEMM_FN), its own decode_panel and
  * tile, and a factor its decoded weights carry beyond fp9.h's (GEMM_OUT_EXTRA,
- * folded into the outputs' scale). */
+ * folded into the outputs' scale). A set whose tile takes every token of the call
+ * at once (AMX) defines GEMM_TILE_ALL(m, wt, n, x, k0, ntok, y, row, live, scale,
+ * load) instead of tile. */
 #ifndef GEMM_X_T
 #define GEMM_X_T float
 #endif
@@ -93,6 +95,10 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
                     for (uint32_t i = 0; i < 2 * np; i++)
                         scale[i] = m->block_scales[(size_t)(row + i) * sc + g / 2] * out_scale;
                 decode_panel(m, p, np, g, ng, wt, &cursor, next ? next + ahead * (c + 1) / nchunks : NULL);
+#ifdef GEMM_TILE_ALL
+                (void)ntiles;
+                GEMM_TILE_ALL(m, wt, n, x, k0, ntok, y, row, live, scale, load);
+#else
                 for (uint32_t j = 0, t = 0; j < ntiles; j++) {
                     const uint32_t nt = ntok / ntiles + (j < ntok % ntiles);
                     switch (nt) {
@@ -104,6 +110,7 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
                     }
                     t += nt;
                 }
+#endif
             }
         }
     }
@@ -113,3 +120,4 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
 #undef GEMM_X_T
 #undef GEMM_FN
 #undef GEMM_OUT_EXTRA
+#undef GEMM_TILE_ALL

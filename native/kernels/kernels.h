@@ -53,9 +53,17 @@ const duck_kernels *duck_kernels_avx512(void);
 /* avx512 with a bf16 GEMM (VDPBF16PS) for calls whose activations are all exactly
  * bf16 (what a GPU host sends); NULL where the CPU lacks AVX512_BF16. */
 const duck_kernels *duck_kernels_avx512_bf16(void);
-/* The fastest the CPU supports (avx512-bf16, else avx512, else avx2, else ref);
- * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512|avx512-bf16 in the environment forces
- * one (a choice the CPU cannot run falls back to the best it can). */
+/* avx512 with the bf16 GEMM on AMX tiles (TDPBF16PS); NULL where the CPU lacks
+ * AMX-BF16 (or AVX512_BF16) or the kernel refuses the tile state. amx-emu: the same
+ * tile program with the tile instructions emulated in C (tests; never chosen). */
+const duck_kernels *duck_kernels_amx(void);
+const duck_kernels *duck_kernels_amx_emulated(void);
+/* The tile products amx-emu has emulated so far (tests: its tile program ran). */
+unsigned long long duck_kernels_amx_emulated_dots(void);
+/* The fastest the CPU supports: amx, else avx512-bf16 on AMD (on Intel's cores
+ * VDPBF16PS ran slower than the FMA), else avx512, else avx2, else ref;
+ * DUCK_KERNELS=ref|avx2|avx2-xor|avx2-blend|avx512|avx512-bf16|amx|amx-emu in the
+ * environment forces one (a choice the CPU cannot run falls back to the best it can). */
 const duck_kernels *duck_kernels_best(void);
 /* The set of that name ("best" too), or NULL where this CPU or build lacks it
  * or the name is unknown. */

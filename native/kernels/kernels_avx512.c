@@ -12,8 +12,10 @@
  * FMAs for 32 weights where the plain 32-bit decode (decode16) takes 8 and
  * 2; on the development machine (AMD Zen 5) the GEMV ran a third faster on
  * L2-resident weights (docs/fp9.md section 5). */
+#define _POSIX_C_SOURCE 200809L
 #include "kernels.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,16 +24,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 #include <immintrin.h>
 
-/* Thirty-two weights, columns 32h .. 32h + 31 of one row of a block, as
- * words: each the weight's bf16 bit pattern (value * 2^-112). */
-static inline __attribute__((always_inline)) __m512i decode32_words(const uint8_t *mag, const uint64_t *sign, int h)
-{
-    __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mag + 32 * h))),
-                                  FP9_DECODE_SHIFT - 16);
-    uint32_t bits;
-    memcpy(&bits, (const uint8_t *)sign + 4 * h, 4);
-    return _mm512_mask_add_epi16(w, _cvtu32_mask32(bits), w, _mm512_set1_epi16((short)0x8000));
-}
+#include "fp9_decode_avx512.h"
 
 /* The same weights as fp32: the even columns in *even, the odd ones in *odd. */
 static inline __attribute__((always_inline)) void decode32(const uint8_t *mag, const uint64_t *sign, int h,
@@ -224,92 +217,6 @@ static void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
 #define GEMM_PAIRS 16   /* rows per tile: 32, two vectors */
 #define GEMM_TOKENS 12  /* tokens per tile: 24 accumulators */
 
-/* r[i] lane j <-> r[j] lane i: a 16 x 16 transpose of dwords in four
- * rounds of two-source shuffles. */
-static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
-{
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {   /* rows 2i, 2i + 1 interleaved per 128-bit lane */
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {   /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {   /* 4 x 4 transpose of the 128-bit lanes */
-        t[4 * j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
-        t[4 * j + 1] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-        t[4 * j + 2] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-        t[4 * j + 3] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[4 * j], t[4 * j + 2], 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(t[4 * j], t[4 * j + 2], 0xDD);
-        r[8 + j] = _mm512_shuffle_i32x4(t[4 * j + 1], t[4 * j + 3], 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(t[4 * j + 1], t[4 * j + 3], 0xDD);
-    }
-}
-
-/* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][32]. Sixteen
- * rows at a time: their words (two columns per dword) transposed as
- * dwords, then split into the even and the odd column. pairs (the bf16
- * GEMM): wt[k / 2][32] dwords instead, each row's columns k and k + 1 as
- * two bf16 of value * 2^-48: the fp32 split times 2^64 (exact, and e5m3's
- * subnormals come out normal: VDPBF16PS would read a bf16 subnormal as 0),
- * whose low 16 bits are zero (at most 4 significant bits). */
-static inline __attribute__((always_inline)) void decode_panel_as(const fp9_matrix *m, uint32_t p, uint32_t np,
-                                                                  uint32_t g, uint32_t ng, float *wt,
-                                                                  const char **ahead, const char *ahead_end,
-                                                                  const int pairs)
-{
-    const char *pf = *ahead;
-    const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (uint32_t half = 0; half < 2; half++) {
-        const uint32_t live = np > 8 * half ? (np - 8 * half < 8 ? np - 8 * half : 8) : 0;
-        const fp9_block *run[8];
-        for (uint32_t i = 0; i < 8; i++)
-            run[i] = i < live ? fp9_pair_run(m, p + 8 * half + i, g0) + (g - g0) : NULL;
-        for (uint32_t gi = 0; gi < ng; gi++)
-            for (int h = 0; h < 2; h++) {
-                __m512i w[16];
-#pragma GCC unroll 16
-                for (int r = 0; r < 16; r++) {
-                    if (pf < ahead_end) {
-                        _mm_prefetch(pf, _MM_HINT_T0);
-                        pf += 64;
-                    }
-                    w[r] = run[r >> 1] ? decode32_words(run[r >> 1][gi].mag[r & 1], &run[r >> 1][gi].sign[r & 1], h)
-                                       : _mm512_setzero_si512();
-                }
-                transpose16(w);   /* w[d] lane r: columns 2d (low word) and 2d + 1 of row r */
-                if (pairs) {
-                    float *out = wt + (size_t)(gi * FP9_GROUP + 32 * h) / 2 * 32 + 16 * half;
-                    const __m512 up = _mm512_set1_ps(0x1p64f);
-#pragma GCC unroll 16
-                    for (int d = 0; d < 16; d++) {
-                        __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w[d], 16)), up);
-                        __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w[d], high)), up);
-                        _mm512_store_si512(out + 32 * d,
-                                           _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                           _mm512_and_si512(_mm512_castps_si512(odd), high)));
-                    }
-                    continue;
-                }
-                float *out = wt + (size_t)(gi * FP9_GROUP + 32 * h) * 32 + 16 * half;
-#pragma GCC unroll 16
-                for (int d = 0; d < 16; d++) {
-                    _mm512_store_si512(out + 64 * d, _mm512_slli_epi32(w[d], 16));
-                    _mm512_store_si512(out + 64 * d + 32, _mm512_and_si512(w[d], high));
-                }
-            }
-    }
-    *ahead = pf;
-}
-
 static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
                          const char **ahead, const char *ahead_end)
 {
@@ -429,42 +336,80 @@ static void decode_panel_pairs(const fp9_matrix *m, uint32_t p, uint32_t np, uin
 #undef decode_panel
 #undef tile
 
-/* x's rows (cols values each) as bf16 pairs in *buf (grown as needed, per thread);
- * 0 when a value is not exactly a bf16 (or no memory): the caller takes the FMA path. */
-static int bf16_rows(const float *const *x, uint32_t ntok, uint32_t cols, uint32_t **buf, size_t *cap,
-                     const uint32_t **rows)
+/* A thread's buffer of bf16 rows, freed when the thread ends (a pool's threads
+ * come and go with the pool). */
+typedef struct rows_buffer {
+    uint32_t *mem;
+    size_t cap;
+} rows_buffer;
+
+static pthread_key_t rows_key;
+static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
+
+static void rows_buffer_free(void *p)
 {
-    const size_t need = (size_t)ntok * cols / 2;
-    if (need > *cap) {
-        uint32_t *grown = realloc(*buf, need * sizeof(uint32_t));
-        if (!grown)
-            return 0;
-        *buf = grown;
-        *cap = need;
+    rows_buffer *b = p;
+    free(b->mem);
+    free(b);
+}
+
+static void rows_key_create(void) { (void)pthread_key_create(&rows_key, rows_buffer_free); }
+
+static uint32_t *rows_reserve(size_t words)
+{
+    (void)pthread_once(&rows_once, rows_key_create);
+    rows_buffer *b = pthread_getspecific(rows_key);
+    if (!b) {
+        if (!(b = calloc(1, sizeof *b)) || pthread_setspecific(rows_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
     }
+    if (words > b->cap) {
+        uint32_t *grown = NULL;
+        if (posix_memalign((void **)&grown, 64, words * sizeof(uint32_t)) != 0)
+            return NULL;
+        free(b->mem);
+        b->mem = grown;
+        b->cap = words;
+    }
+    return b->mem;
+}
+
+/* x's rows (cols values each) as bf16 pairs, contiguous in this thread's buffer,
+ * rows[t] the row of token t (rows may be NULL); rows past ntok up to a multiple
+ * of pad are zeros. NULL when a value is not exactly a bf16 (or no memory): the
+ * caller takes the FMA path. */
+const uint32_t *duck_bf16_rows(const float *const *x, uint32_t ntok, uint32_t pad, uint32_t cols,
+                               const uint32_t **rows)
+{
+    const uint32_t padded = (ntok + pad - 1) / pad * pad;
+    uint32_t *buf = rows_reserve((size_t)padded * cols / 2);
+    if (!buf)
+        return NULL;
     for (uint32_t t = 0; t < ntok; t++) {
-        uint32_t *out = *buf + (size_t)t * cols / 2;
+        uint32_t *out = buf + (size_t)t * cols / 2;
         for (uint32_t c = 0; c < cols; c += 32) {
             __m512 lo = _mm512_loadu_ps(x[t] + c), hi = _mm512_loadu_ps(x[t] + c + 16);
             const __m512i low_bits = _mm512_set1_epi32(0xFFFF);
             if (_mm512_test_epi32_mask(_mm512_castps_si512(lo), low_bits) |
                 _mm512_test_epi32_mask(_mm512_castps_si512(hi), low_bits))
-                return 0;
+                return NULL;
             _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));   /* columns c .. c + 31 in order */
         }
-        rows[t] = out;
+        if (rows)
+            rows[t] = out;
     }
-    return 1;
+    memset(buf + (size_t)ntok * cols / 2, 0, (size_t)(padded - ntok) * cols / 2 * sizeof(uint32_t));
+    return buf;
 }
 
 static void gemm_avx512_bf16(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                              const float *const *x, float *const *y, int accumulate)
 {
-    static __thread uint32_t *buf;
-    static __thread size_t cap;
     const uint32_t *rows[256];
     if (ntok > GEMV_MAX_TOKENS && ntok <= 256 && pair_begin < pair_end &&
-        bf16_rows(x, ntok, m->groups * FP9_GROUP, &buf, &cap, rows)) {
+        duck_bf16_rows(x, ntok, 1, m->groups * FP9_GROUP, rows)) {
         gemm_tokens_bf16(m, pair_begin, pair_end, ntok, rows, y, accumulate);
         return;
     }

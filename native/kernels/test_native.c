@@ -409,10 +409,23 @@ int main(void)
         bf16_tokens = 0;
     } else
         printf("note: no AVX512_BF16 on this CPU; the avx512-bf16 kernels were not tested\n");
+    /* the AMX tile program: emulated wherever AVX512_BF16 is, on the tiles where AMX is */
+    const duck_kernels *amx_sets[] = {duck_kernels_amx_emulated(), duck_kernels_amx()};
+    for (int i = 0; i < 2; i++)
+        if (amx_sets[i]) {
+            unsigned long long dots = duck_kernels_amx_emulated_dots();
+            bf16_tokens = 1;
+            test_kernels_agree(amx_sets[i]);
+            test_odd_shapes(amx_sets[i]);
+            bf16_tokens = 0;
+            CHECK((duck_kernels_amx_emulated_dots() > dots) == (i == 0), "%s: the emulated tiles ran %llu times",
+                  amx_sets[i]->name, duck_kernels_amx_emulated_dots() - dots);
+        } else
+            printf("note: no %s on this CPU; that kernel set was not tested\n", i ? "AMX-BF16" : "AVX512_BF16");
     test_bf16_rounding();
     const duck_kernels *sets[] = {duck_kernels_ref(), duck_kernels_avx2(), duck_kernels_avx512(),
-                                  duck_kernels_avx512_bf16()};
-    for (int i = 0; i < 4; i++)
+                                  duck_kernels_avx512_bf16(), duck_kernels_amx_emulated(), duck_kernels_amx()};
+    for (int i = 0; i < 6; i++)
         if (sets[i]) {
             test_moe_pool(sets[i]);
             test_moe_prefill(sets[i]);

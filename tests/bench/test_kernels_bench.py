@@ -22,7 +22,7 @@ def test_bench_kernels_reports_every_case_with_its_peer(capsys):
     int8 = {(str(c["shape"]), c["threads"], c["isa"]) for c in r["cases"] if c["name"] == "int8_gemv"}
     assert {c["kernels"] for c in fp9} == set(r["kernel_sets"])
     for c in fp9:   # the peer of the same vector width was measured in the same run
-        want = {"avx512": "avx512", "avx512-bf16": "avx512", "avx2-xor": "avx2", "avx2-blend": "avx2",
+        want = {"avx512": "avx512", "avx512-bf16": "avx512", "amx": "avx512", "avx2-xor": "avx2", "avx2-blend": "avx2",
                 "ref": "scalar"}[c["kernels"]]
         assert c["int8_peer_isa"] == want and (str(c["shape"]), c["threads"], want) in int8
         assert c["ratio_to_int8"] > 0 and c["ratio_to_read"] > 0
@@ -48,7 +48,7 @@ def test_bench_kernels_reports_every_case_with_its_peer(capsys):
 def test_bench_kernels_refuses_unknown_and_missing_sets(capsys):
     with pytest.raises(SystemExit):
         duckctl(["bench", "kernels", "--kernels", "avx1024"] + TINY)
-    assert "unknown avx1024 (known: ref, avx2, avx2-xor, avx2-blend, avx512, avx512-bf16)" in capsys.readouterr().err
+    assert "unknown avx1024 (known: ref, avx2, avx2-xor, avx2-blend, avx512, avx512-bf16, amx, amx-emu)" in capsys.readouterr().err
     missing = [k for k in ("avx2-xor", "avx512") if k not in kernels_available()]
     if missing:   # where the CPU has every set there is nothing more to refuse
         with pytest.raises(SystemExit):

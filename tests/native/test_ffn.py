@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from native._native import lib
 from native.fp9 import Fp9Error, Fp9Tensor, pack_gate_up
 from native.kernels import MAX_TOKENS, ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
 
@@ -34,8 +35,9 @@ def make_experts(n, hidden, width, rng, active_rows=None):
     return experts, dense
 
 
-def torch_moe(dense, x, ids, weights):
-    """y[t] = sum_k w[t,k] * down(silu(gate x) * up x) in float64."""
+def torch_moe(dense, x, ids, weights, h_bf16=False):
+    """y[t] = sum_k w[t,k] * down(silu(gate x) * up x) in float64; h_bf16: the intermediate
+    rounded to bf16, as the slice does on bf16 activations (a bf16 model's own precision)."""
     x = torch.from_numpy(x).double()                          # [T, H]
     y = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -44,6 +46,8 @@ def torch_moe(dense, x, ids, weights):
                 continue
             gate, up, down = dense[e]
             h = torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])   # [S]
+            if h_bf16:
+                h = h.float().to(torch.bfloat16).double()
             y[t] += float(w) * (down @ h)                             # [H]
     return y.numpy()
 
@@ -148,7 +152,7 @@ def test_output_dtypes_write_into_out(x_dtype, out_kind):
     ids, w = np.array([[0, 2], [1, -1], [3, 0]]), np.array([[0.5, 0.5], [1.0, 0.0], [0.3, 0.7]], dtype=np.float32)
     y32 = layer.forward(x, ids, w, Pool(2))
     x_used = x32 if x_dtype == "fp32" else x.float().numpy()
-    _assert_close(y32, torch_moe(dense, x_used, ids, w), f"{x_dtype} in")
+    _assert_close(y32, torch_moe(dense, x_used, ids, w, h_bf16=x_dtype == "bf16"), f"{x_dtype} in")
     out = {"numpy-fp32": lambda: np.full((3, 320), np.nan, np.float32),
            "torch-fp32": lambda: torch.full((3, 320), float("nan")),
            "numpy-bf16": lambda: np.full((3, 320), 0xFFFF, np.uint16),
@@ -193,26 +197,33 @@ def test_bf16_activations():
     x = torch.from_numpy(rng.standard_normal((2, 320)).astype(np.float32)).to(torch.bfloat16)
     ids, w = np.array([[0, 2], [1, -1]]), np.array([[0.5, 0.5], [1.0, 0.0]], dtype=np.float32)
     y = MoeSlice(experts, 320).forward(x, ids, w)
-    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w), "bf16 x")
+    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w, h_bf16=True), "bf16 x")
 
 
-@pytest.mark.skipif("avx512-bf16" not in kernels_available(), reason="this CPU has no AVX512_BF16")
-def test_bf16_activations_of_a_prefill_take_the_bf16_gemm():
+@pytest.mark.parametrize("kset", [pytest.param(k, marks=pytest.mark.skipif(k not in kernels_available(),
+                                                                           reason=f"this CPU lacks the {k} set"))
+                                  for k in ("avx512-bf16", "amx-emu", "amx")])
+def test_bf16_activations_of_a_prefill_take_the_bf16_gemm(kset):
     """24 tokens over 3 experts (a GEMM per expert): bf16 activations go through the bf16 dot
-    products (other sums than avx512's, as close to torch), fp32 ones through avx512's FMAs
-    bit for bit; threads change no bit of either."""
+    products (VDPBF16PS, or AMX tiles: other sums than avx512's, as close to torch), fp32 ones
+    through avx512's FMAs bit for bit; threads change no bit of either."""
     rng = np.random.default_rng(25)
     experts, dense = make_experts(3, 320, 64, rng)
     layer = MoeSlice(experts, 320)
     x = torch.from_numpy(rng.standard_normal((24, 320)).astype(np.float32)).to(torch.bfloat16)
     ids = rng.integers(0, 3, size=(24, 2)).astype(np.int32)
     w = rng.uniform(size=(24, 2)).astype(np.float32)
-    y = layer.forward(x, ids, w, kernel_set="avx512-bf16")
-    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w), "bf16 x, bf16 GEMM")
-    assert not np.array_equal(y, layer.forward(x, ids, w, kernel_set="avx512")), "the bf16 GEMM ran"
-    assert np.array_equal(y, layer.forward(x, ids, w, Pool(2), kernel_set="avx512-bf16"))
+    dots = lib.duck_kernels_amx_emulated_dots()
+    y = layer.forward(x, ids, w, kernel_set=kset)
+    _assert_close(y, torch_moe(dense, x.float().numpy(), ids, w, h_bf16=True), "bf16 x, bf16 GEMM")
+    if kset == "amx-emu":   # the emulated tiles ran, in the FMA tile's order of sums: avx512's bits
+        assert lib.duck_kernels_amx_emulated_dots() > dots
+        assert np.array_equal(y, layer.forward(x, ids, w, kernel_set="avx512"))
+    elif kset == "avx512-bf16":
+        assert not np.array_equal(y, layer.forward(x, ids, w, kernel_set="avx512")), "the bf16 GEMM ran"
+    assert np.array_equal(y, layer.forward(x, ids, w, Pool(2), kernel_set=kset))
     x32 = x.float().numpy() + np.float32(1e-3)   # no longer bf16 values: the FMA path
-    assert np.array_equal(layer.forward(x32, ids, w, kernel_set="avx512-bf16"),
+    assert np.array_equal(layer.forward(x32, ids, w, kernel_set=kset),
                           layer.forward(x32, ids, w, kernel_set="avx512"))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from native.fp9 import Fp9Tensor
+from native._native import lib
 from native.kernels import Pool, gemm, kernels, kernels_available, kernels_name, matmul
 
 # Error of an fp32 dot product of K terms, relative to sum |w| |x|: both
@@ -35,15 +36,25 @@ def _check(t: Fp9Tensor, x: np.ndarray, y: np.ndarray, what: str):
 
 AVAILABLE = kernels_available()
 NEEDS = {"avx2-xor": "AVX2+FMA", "avx2-blend": "AVX2+FMA", "avx512": "AVX-512 F/BW/VL",
-         "avx512-bf16": "AVX512_BF16"}
+         "avx512-bf16": "AVX512_BF16", "amx-emu": "AVX512_BF16", "amx": "AMX-BF16"}
+BF16_GEMMS = ("avx512-bf16", "amx-emu", "amx")   # the sets with a GEMM of their own on bf16 activations
 FAST = tuple(n for n in NEEDS if n in AVAILABLE)
 FAST_PARAMS = [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE, reason=f"this CPU has no {NEEDS[n]}"))
                for n in NEEDS]
 
 
+def _amd() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "AuthenticAMD" in f.read()
+
+
 def test_the_fastest_set_this_cpu_has_is_chosen():
+    """amx where the tiles are; the VDPBF16PS GEMM only on AMD (slower than the FMA on Intel's cores)."""
     best = kernels_name(kernels())
-    if "avx512-bf16" in AVAILABLE:
+    assert best != "amx-emu"
+    if "amx" in AVAILABLE:
+        assert best == "amx"
+    elif "avx512-bf16" in AVAILABLE and _amd():
         assert best == "avx512-bf16"
     elif "avx512" in AVAILABLE:
         assert best == "avx512"
@@ -53,7 +64,8 @@ def test_the_fastest_set_this_cpu_has_is_chosen():
         assert best == "ref"
 
 
-@pytest.mark.parametrize("want", ["ref", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16", "nonsense"])
+@pytest.mark.parametrize("want", ["ref", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16", "amx", "amx-emu",
+                                  "nonsense"])
 def test_duck_kernels_in_the_environment_forces_a_set_the_cpu_has(want):
     code = "from native.kernels import kernels, kernels_name; print(kernels_name(kernels()))"
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DUCK_KERNELS": want},
@@ -66,14 +78,17 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
 
 
-@pytest.mark.skipif("avx512-bf16" not in AVAILABLE, reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("kset", [pytest.param(k, marks=pytest.mark.skipif(k not in AVAILABLE,
+                                                                           reason=f"this CPU has no {NEEDS[k]}"))
+                                  for k in BF16_GEMMS])
 @pytest.mark.parametrize("block_scales", [False, True], ids=["plain", "block_scales"])
 @pytest.mark.parametrize("cols", [64, 192, 2048 + 64])
 @pytest.mark.parametrize("rows", [3, 33, 384])
-def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales):
-    """avx512-bf16 on activations that are bf16 values (5, 12, 67 tokens: the GEMM): as close to
-    float64 as the FMA sets, in its own order of sums; weights of e5m3 subnormal codes count (a
-    bf16 subnormal would read as 0). Other activations, and the GEMVs, are avx512's bit for bit."""
+def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales, kset):
+    """avx512-bf16 (VDPBF16PS) and amx (TDPBF16PS; amx-emu its tile program emulated) on
+    activations that are bf16 values (5, 12, 67 tokens: the GEMM): as close to float64 as the FMA
+    sets, in their own order of sums; weights of e5m3 subnormal codes count (a bf16 subnormal would
+    read as 0). Other activations, and the GEMVs, are avx512's bit for bit."""
     rng = np.random.default_rng(rows * 7 + cols + block_scales)
     if block_scales:
         t = _fp8_with_block_scales(rows, cols, rng)
@@ -83,14 +98,18 @@ def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales)
         t = Fp9Tensor.from_float(w, "w")
     for ntok in (5, 12, 67):
         x = _bf16(rng.standard_normal((ntok, cols)).astype(np.float32))
-        y = gemm(t, x, "avx512-bf16")
-        _check(t, x, y, f"avx512-bf16 ntok {ntok}")
-        if cols > 2048:   # (VDPBF16PS sums a pair in its own order; over few columns it may match the FMAs)
+        dots = lib.duck_kernels_amx_emulated_dots()
+        y = gemm(t, x, kset)
+        _check(t, x, y, f"{kset} ntok {ntok}")
+        if kset == "amx-emu":   # the emulated tiles ran, summing in the FMA tile's order: avx512's bits
+            assert lib.duck_kernels_amx_emulated_dots() > dots
+            assert np.array_equal(y, gemm(t, x, "avx512"))
+        elif cols > 2048 and kset == "avx512-bf16":   # VDPBF16PS sums a pair in its own order
             assert not np.array_equal(y, gemm(t, x, "avx512")), "the bf16 dot products ran"
     x = rng.standard_normal((12, cols)).astype(np.float32)
-    assert np.array_equal(gemm(t, x, "avx512-bf16"), gemm(t, x, "avx512"))
+    assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
     x = _bf16(rng.standard_normal((3, cols)).astype(np.float32))
-    assert np.array_equal(gemm(t, x, "avx512-bf16"), gemm(t, x, "avx512"))
+    assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
 
 
 def _fp8_with_block_scales(rows: int, cols: int, rng: np.random.Generator) -> Fp9Tensor:
