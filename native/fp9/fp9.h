@@ -80,6 +80,13 @@ static inline const fp9_block *fp9_pair_run(const fp9_matrix *m, uint32_t p, uin
 {
     return m->blocks + (size_t)m->row_pairs * g0 + (size_t)p * fp9_panel_groups(m->groups, g0);
 }
+/* The blocks of row pairs [p, p + np) in the panel at g0: one run of *bytes
+ * (blocks are pair-major within a panel). */
+static inline const char *fp9_pairs_run(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g0, size_t *bytes)
+{
+    *bytes = (size_t)np * fp9_panel_groups(m->groups, g0) * sizeof(fp9_block);
+    return (const char *)fp9_pair_run(m, p, g0);
+}
 static inline size_t fp9_block_index(uint32_t row_pairs, uint32_t groups, uint32_t p, uint32_t g)
 {
     uint32_t g0 = g - g % FP9_PANEL_GROUPS;

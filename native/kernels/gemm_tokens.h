@@ -45,14 +45,6 @@
 #ifndef GEMM_TOKENS_COMMON   /* once per file, whichever inclusion comes first */
 #define GEMM_TOKENS_COMMON
 #define GEMM_COLS FP9_SCALE_BLOCK   /* columns decoded per pass */
-
-/* The weights of row pairs [p, p + np) in the panel at g0: one run of
- * *bytes (blocks are pair-major within a panel). */
-static inline const char *pairs_run(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g0, size_t *bytes)
-{
-    *bytes = (size_t)np * fp9_panel_groups(m->groups, g0) * sizeof(fp9_block);
-    return (const char *)fp9_pair_run(m, p, g0);
-}
 #endif
 
 #define GEMM_TILE(T) \
@@ -79,10 +71,10 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
             size_t ahead = 0;
             const char *next = NULL, *cursor;
             if (p + GEMM_PAIRS < pair_end)
-                next = pairs_run(m, p + GEMM_PAIRS, pair_end - p - GEMM_PAIRS < GEMM_PAIRS ?
+                next = fp9_pairs_run(m, p + GEMM_PAIRS, pair_end - p - GEMM_PAIRS < GEMM_PAIRS ?
                                  pair_end - p - GEMM_PAIRS : GEMM_PAIRS, p0, &ahead);
             else if (p1 < m->groups)
-                next = pairs_run(m, pair_begin, pair_end - pair_begin < GEMM_PAIRS ? pair_end - pair_begin : GEMM_PAIRS,
+                next = fp9_pairs_run(m, pair_begin, pair_end - pair_begin < GEMM_PAIRS ? pair_end - pair_begin : GEMM_PAIRS,
                                  p1, &ahead);
             cursor = next;
             for (uint32_t i = 0; i < 2 * GEMM_PAIRS; i++)

@@ -1,19 +1,18 @@
 /* The amx kernel set: avx512, with the many-token GEMM on AMX tiles where every
- * activation of the call is exactly a bf16 (what a GPU host sends: the gate/up
- * projections of a prefill chunk on the ducks).
+ * activation of the call is exactly a bf16 (what a GPU host sends: a prefill
+ * chunk's gate/up, and on bf16 activations the down projection too, ffn.c).
  *
- * The weights are decoded exactly as the avx512-bf16 set decodes them
- * (fp9_decode_avx512.h: a micro-panel of 32 rows x 128 columns into wt[k / 2][32]
- * dwords, each row's columns k and k + 1 as two bf16 times 2^64). That layout is
- * the B operand of TDPBF16PS as it stands: a B tile is 16 column pairs (K = 32)
- * of 16 rows, one dword per row, 128 bytes apart. The A operand is 16 tokens'
- * activations as bf16, one token per tile row (64 bytes = 32 columns). One
- * C tile is then 16 tokens x 16 rows in fp32: the layout of y[t][row ..], so the
- * outputs need no transposition. Eight tiles: C 0-3 (32 tokens x 32 rows),
- * A 4-5, B 6-7. Per 128 columns (a block-scale block) the C tiles are stored,
- * times the rows' scales, onto y: the same per-block sums as _ref (within a
- * block the order of the sums differs; each product is exact: bf16 x bf16 fits
- * fp32).
+ * TDPBF16PS multiplies A (16 rows x 32 bf16) by B (16 column pairs x 16, one
+ * dword per column) into C (16 x 16 fp32). The weights are A: a row's 32
+ * decoded words (fp9_decode_avx512.h) are an A tile's row as they stand, bf16
+ * patterns of value * 2^-112, taken to value * 2^-48 by adding 64 to their
+ * exponents (exact; e5m3's subnormals, which TDPBF16PS would read as 0, through
+ * an fp32 multiply). The activations are B, transposed once per call into token
+ * tiles of 16. A micro-panel of 32 rows is decoded 128 columns at a time into
+ * 8 KiB (L1) and multiplied with every token tile; a panel's sums gather in the C
+ * tiles (rows x tokens) and go to y transposed, times the scales. Eight tiles:
+ * C 0-3 (32 rows x 32 tokens), A 4-5, B 6-7. Each product is exact (bf16 x bf16
+ * fits fp32); the sums run in another order than _ref's.
  *
  * On the H200 host's Xeon (Sapphire/Emerald Rapids) VDPBF16PS issues on one
  * port where the FMA issues on two, so the avx512-bf16 set ran slower than
@@ -23,9 +22,7 @@
  * "amx-emu" runs the same tile program with the tile instructions emulated in C
  * (TDPBF16PS's order of sums per lane: the even product, then the odd one), so
  * a machine without AMX (the development machine, CI with AVX-512) tests the
- * program and its layouts against _ref; it is slow and never chosen. Its sums
- * run in the order of avx512's FMA tile (each product exact), so it gives
- * avx512's bits; the hardware may sum a pair in its own order. Tile
+ * program and its layouts against _ref; it is slow and never chosen. Tile
  * instructions are written as inline assembly with a memory clobber: the
  * compiler's own AMX intrinsics do not tell it that tileloadd reads (and
  * tilestored writes) the buffers the C code fills and reads. */
@@ -56,13 +53,12 @@ typedef struct amx_emu {
     uint32_t ab[4][16][16];
 } amx_emu;
 
-static __thread amx_emu *emu_state;   /* the call's emulated tiles, NULL on AMX */
 static atomic_ullong emu_dots;         /* emulated TDPBF16PS so far (tests: the program ran) */
 
-static void emu_load(uint32_t t[16][16], const void *base, size_t stride)
+static void emu_load(void *t, const void *base, size_t stride)
 {
     for (int r = 0; r < 16; r++)
-        memcpy(t[r], (const uint8_t *)base + r * stride, 64);
+        memcpy((uint8_t *)t + 64 * r, (const uint8_t *)base + r * stride, 64);
 }
 
 static void emu_store(float t[16][16], void *base, size_t stride)
@@ -103,6 +99,13 @@ static void emu_dp(float c[16][16], const uint32_t a[16][16], const uint32_t b[1
         else                                                                                         \
             __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory"); \
     } while (0)
+#define T_LOADC(t, base, stride)                                                                     \
+    do {                                                                                             \
+        if (e)                                                                                       \
+            emu_load(e->c[t], base, stride);                                                         \
+        else                                                                                         \
+            __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory"); \
+    } while (0)
 #define T_DP(dst, src1, src2)                                                                 \
     do {                                                                                      \
         if (e)                                                                                \
@@ -118,82 +121,198 @@ static void emu_dp(float c[16][16], const uint32_t a[16][16], const uint32_t b[1
             __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory"); \
     } while (0)
 
-/* c[i][0 .. 31] (tokens i < nt, the tile's 32 rows) times the rows' scales into
- * (or, if load, onto) y[i][row ..], its first `live` rows only. */
-static inline __attribute__((always_inline)) void rows_out(const float (*c)[32], uint32_t nt, float *const *y,
-                                                           uint32_t row, uint32_t live, const float *scale, int load)
+#define AMX_PAIRS 16                /* row pairs per micro-panel: 32 rows, two A tiles */
+#define AMX_COLS FP9_SCALE_BLOCK    /* columns decoded per pass (one block-scale block) */
+
+/* Thirty-two weights (words: bf16 patterns of value * 2^-112) as bf16 of
+ * value * 2^-48, exactly: adding 64 to the exponent of each nonzero word where
+ * none is subnormal (e5m3's smallest magnitudes, which TDPBF16PS would read as
+ * 0; rare), else the fp32 multiply by 2^64 the avx512-bf16 decode makes. */
+static inline __attribute__((always_inline)) __m512i times_2_64(__m512i w)
 {
-    const __mmask16 m0 = live >= 16 ? 0xFFFF : (__mmask16)((1u << live) - 1);
-    const __mmask16 m1 = live >= 32 ? 0xFFFF : live > 16 ? (__mmask16)((1u << (live - 16)) - 1) : 0;
-    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
-    for (uint32_t i = 0; i < nt; i++) {
-        __m512 y0 = load ? _mm512_maskz_loadu_ps(m0, y[i] + row) : _mm512_setzero_ps();
-        __m512 y1 = load ? _mm512_maskz_loadu_ps(m1, y[i] + row + 16) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(y[i] + row, m0, _mm512_fmadd_ps(_mm512_load_ps(c[i]), s0, y0));
-        _mm512_mask_storeu_ps(y[i] + row + 16, m1, _mm512_fmadd_ps(_mm512_load_ps(c[i] + 16), s1, y1));
-    }
+    const __mmask32 nz = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
+    const __mmask32 sub = _mm512_mask_testn_epi16_mask(nz, w, _mm512_set1_epi16(0x7F80));
+    if (__builtin_expect(sub == 0, 1))
+        return _mm512_mask_add_epi16(w, nz, w, _mm512_set1_epi16(64 << 7));
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 up = _mm512_set1_ps(0x1p64f);
+    __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), up);
+    __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), up);
+    return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                           _mm512_and_si512(_mm512_castps_si512(odd), high));
 }
 
-/* n decoded columns (wt, from column k0) of 32 rows for every token of the call:
- * x[0] is the first of ntok bf16 rows, contiguous, padded with zero rows to a
- * multiple of 16. */
-static inline __attribute__((always_inline)) void tile_all(const fp9_matrix *m, const float *wt, uint32_t n,
-                                                           const uint32_t *const *x, uint32_t k0, uint32_t ntok,
-                                                           float *const *y, uint32_t row, uint32_t live,
-                                                           const float *scale, int load)
+/* Groups [g, g + ng) of row pairs [p, p + np) into wa[s][32][32]: per 32 columns
+ * s, each of the 32 rows' columns in order as bf16 times 2^64 (two A tiles of 16
+ * rows x 64 bytes), rows past np pairs zero; one line of [*ahead, ahead_end)
+ * prefetched per 32 weights decoded (*ahead advances). No transposition: a row's
+ * 32 decoded words are an A tile's row as they stand. */
+static inline __attribute__((always_inline)) void decode_a(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g,
+                                                           uint32_t ng, uint16_t *wa, const char **ahead,
+                                                           const char *ahead_end)
 {
-    amx_emu *e = emu_state;
-    const size_t xs = (size_t)m->groups * FP9_GROUP * 2;   /* bytes per token */
-    const uint8_t *x0 = (const uint8_t *)x[0] + (size_t)k0 * 2;
-    const uint32_t *w = (const uint32_t *)wt;
-    float c[2 * AMX_ROWS][32] __attribute__((aligned(64)));
-    for (uint32_t t0 = 0; t0 < ntok; t0 += 2 * AMX_ROWS) {
-        const int two = ntok - t0 > AMX_ROWS;
-        const uint8_t *a = x0 + t0 * xs;
-        T_ZERO(0);
-        T_ZERO(1);
-        if (two) {
-            T_ZERO(2);
-            T_ZERO(3);
+    const char *pf = *ahead;
+    const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
+    for (uint32_t pr = 0; pr < AMX_PAIRS; pr++) {
+        const fp9_block *run = pr < np ? fp9_pair_run(m, p + pr, g0) + (g - g0) : NULL;
+        for (uint32_t gi = 0; gi < ng; gi++)
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < 2; r++) {
+                    __m512i out = _mm512_setzero_si512();
+                    if (run) {
+                        if (pf < ahead_end) {
+                            _mm_prefetch(pf, _MM_HINT_T0);
+                            pf += 64;
+                        }
+                        out = times_2_64(decode32_words(run[gi].mag[r], &run[gi].sign[r], h));
+                    }
+                    _mm512_store_si512(wa + ((size_t)(2 * gi + h) * 32 + 2 * pr + r) * 32, out);
+                }
+    }
+    *ahead = pf;
+}
+
+/* The B operand: xb[j][kp][16], token tile j's 16 tokens' column pairs kp (one
+ * dword, two bf16, per token), from ntt * 16 bf16 rows of kpairs dwords. */
+static void activations_b(const uint32_t *rows, uint32_t ntt, uint32_t kpairs, uint32_t *xb)
+{
+    for (uint32_t j = 0; j < ntt; j++)
+        for (uint32_t kp = 0; kp < kpairs; kp += 16) {
+            __m512i r[16];
+            for (int t = 0; t < 16; t++)
+                r[t] = _mm512_loadu_si512(rows + ((size_t)j * 16 + t) * kpairs + kp);
+            transpose16(r);   /* r[d] lane t: token t's pair kp + d */
+            for (int d = 0; d < 16; d++)
+                _mm512_store_si512(xb + ((size_t)j * kpairs + kp + d) * 16, r[d]);
         }
-        for (uint32_t s = 0; s < n / 32; s++) {   /* 32 columns: 16 pairs */
-            T_LOAD(6, w + 512 * s, 128);          /* rows 0-15 */
-            T_LOAD(7, w + 512 * s + 16, 128);     /* rows 16-31 */
-            T_LOAD(4, a + 64 * s, xs);
-            T_DP(0, 4, 6);
-            T_DP(1, 4, 7);
-            if (two) {
-                T_LOAD(5, a + AMX_ROWS * xs + 64 * s, xs);
-                T_DP(2, 5, 6);
-                T_DP(3, 5, 7);
+}
+
+/* acc holds a micro-panel's sums per pair of token tiles: 4 tiles of 16 rows x
+ * 16 tokens, (token tile j, row tile i) at (j / 2 * 4 + 2 * (j % 2) + i) * 256.
+ * Transposed to y[t][row ..] times scale (or, if load, onto it), `live` rows. */
+static void acc_out(const float *acc, uint32_t ntok, float *const *y, uint32_t row, uint32_t live, float scale,
+                    int load)
+{
+    const __m512 s = _mm512_set1_ps(scale);
+    for (uint32_t j = 0; 16 * j < ntok; j++) {
+        const uint32_t nt = ntok - 16 * j < 16 ? ntok - 16 * j : 16;
+        for (uint32_t i = 0; i < 2 && 16 * i < live; i++) {
+            const uint32_t lv = live - 16 * i < 16 ? live - 16 * i : 16;
+            const __mmask16 mk = lv >= 16 ? 0xFFFF : (__mmask16)((1u << lv) - 1);
+            const float *b = acc + ((size_t)(j / 2) * 4 + 2 * (j % 2) + i) * 256;
+            __m512i r[16];
+            for (int q = 0; q < 16; q++)
+                r[q] = _mm512_load_si512(b + 16 * q);
+            transpose16(r);   /* r[t] lane q: row q for token t */
+            for (uint32_t t = 0; t < nt; t++) {
+                float *dst = y[16 * j + t] + row + 16 * i;
+                __m512 v = load ? _mm512_maskz_loadu_ps(mk, dst) : _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(dst, mk, _mm512_fmadd_ps(_mm512_castsi512_ps(r[t]), s, v));
             }
         }
-        T_STORE(0, &c[0][0], 128);
-        T_STORE(1, &c[0][16], 128);
-        if (two) {
-            T_STORE(2, &c[AMX_ROWS][0], 128);
-            T_STORE(3, &c[AMX_ROWS][16], 128);
-        }
-        rows_out((const float (*)[32])c, ntok - t0 < 2 * AMX_ROWS ? ntok - t0 : 2 * AMX_ROWS, y + t0, row, live,
-                 scale, load);
     }
 }
 
-static void decode_panel_pairs(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
-                               const char **ahead, const char *ahead_end)
+/* C tile q (0-3) times the rows' block scales of columns [k0, k0 + 128) into
+ * (or, unless first, onto) dst: one 16 x 16 tile of acc. */
+static void scaled_into(amx_emu *e, int q, float *dst, const fp9_matrix *m, uint32_t r0, uint32_t g, int first)
 {
-    decode_panel_as(m, p, np, g, ng, wt, ahead, ahead_end, 1);
+    float tmp[16][16] __attribute__((aligned(64)));
+    switch (q) {
+    case 0: T_STORE(0, tmp, 64); break;
+    case 1: T_STORE(1, tmp, 64); break;
+    case 2: T_STORE(2, tmp, 64); break;
+    default: T_STORE(3, tmp, 64); break;
+    }
+    const uint32_t sc = fp9_scale_cols(m);
+    for (uint32_t i = 0; i < 16; i++) {
+        const float bs = r0 + i < m->rows ? m->block_scales[(size_t)(r0 + i) * sc + g / 2] : 0.0f;
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(tmp[i]), _mm512_set1_ps(bs));
+        _mm512_store_ps(dst + 16 * i, first ? v : _mm512_add_ps(_mm512_load_ps(dst + 16 * i), v));
+    }
 }
 
-#define GEMM_PAIRS 16
-#define GEMM_TOKENS 12   /* unused: the tile takes every token */
-#define decode_panel decode_panel_pairs
-#define GEMM_TILE_ALL tile_all
-#define GEMM_X_T uint32_t
-#define GEMM_FN gemm_tokens_amx
-#define GEMM_OUT_EXTRA 0x1p-64f   /* the weights decoded times 2^64 */
-#include "gemm_tokens.h"
-#undef decode_panel
+/* The GEMM of a micro-panel at a time (32 rows): per 128 columns its weights
+ * are decoded once into wa (8 KiB, L1) and multiplied with every token tile of
+ * xb; the sums of a panel (2048 columns) gather in the C tiles (16 rows x 16
+ * tokens each; kept in the tiles across the panel where two token tiles hold
+ * every token and there are no block scales, else through acc per 128 columns,
+ * block-scaled there), then go to y transposed. The order of panels, micro-panels
+ * and prefetches is gemm_tokens.h's. */
+static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                       const uint32_t *xb, float *acc, float *const *y, int accumulate, amx_emu *e)
+{
+    uint16_t wa[AMX_COLS * 2 * AMX_PAIRS] __attribute__((aligned(64)));
+    const uint32_t kpairs = m->groups * FP9_GROUP / 2, ntt = (ntok + 15) / 16;
+    const float out_scale = m->prescale * 0x1p48f * 0x1p-64f;   /* the weights decoded times 2^64 */
+    const int keep = ntt <= 2 && !m->block_scales;
+    for (uint32_t p0 = 0; p0 < m->groups; p0 += FP9_PANEL_GROUPS) {
+        const uint32_t p1 = p0 + fp9_panel_groups(m->groups, p0);
+        const uint32_t nchunks = (p1 - p0 + AMX_COLS / FP9_GROUP - 1) / (AMX_COLS / FP9_GROUP);
+        for (uint32_t p = pair_begin; p < pair_end; p += AMX_PAIRS) {
+            const uint32_t np = pair_end - p < AMX_PAIRS ? pair_end - p : AMX_PAIRS;
+            const uint32_t row = 2 * p, live = m->rows - row < 2 * np ? m->rows - row : 2 * np;
+            size_t ahead = 0;
+            const char *next = NULL, *cursor;
+            if (p + AMX_PAIRS < pair_end)
+                next = fp9_pairs_run(m, p + AMX_PAIRS, pair_end - p - AMX_PAIRS < AMX_PAIRS ?
+                                 pair_end - p - AMX_PAIRS : AMX_PAIRS, p0, &ahead);
+            else if (p1 < m->groups)
+                next = fp9_pairs_run(m, pair_begin, pair_end - pair_begin < AMX_PAIRS ? pair_end - pair_begin : AMX_PAIRS,
+                                 p1, &ahead);
+            cursor = next;
+            for (uint32_t g = p0, c = 0; g < p1; g += AMX_COLS / FP9_GROUP, c++) {
+                const uint32_t ng = p1 - g < AMX_COLS / FP9_GROUP ? p1 - g : AMX_COLS / FP9_GROUP;
+                const uint32_t n = ng * FP9_GROUP, kp0 = g * FP9_GROUP / 2;
+                const int first = g == p0, last = g + AMX_COLS / FP9_GROUP >= p1;
+                decode_a(m, p, np, g, ng, wa, &cursor, next ? next + ahead * (c + 1) / nchunks : NULL);
+                for (uint32_t tt = 0; tt < ntt; tt += 2) {
+                    const int two = tt + 1 < ntt;
+                    float *blk = acc + (size_t)tt * 512;
+                    if (!keep && !m->block_scales && !first) {
+                        T_LOADC(0, blk, 64);
+                        T_LOADC(1, blk + 256, 64);
+                        if (two) {
+                            T_LOADC(2, blk + 512, 64);
+                            T_LOADC(3, blk + 768, 64);
+                        }
+                    } else if (!keep || first) {
+                        T_ZERO(0);
+                        T_ZERO(1);
+                        if (two) {
+                            T_ZERO(2);
+                            T_ZERO(3);
+                        }
+                    }
+                    for (uint32_t s = 0; s < n / 32; s++) {   /* 32 columns: 16 pairs */
+                        T_LOAD(4, wa + (size_t)s * 1024, 64);         /* rows 0-15 */
+                        T_LOAD(5, wa + (size_t)s * 1024 + 512, 64);   /* rows 16-31 */
+                        T_LOAD(6, xb + ((size_t)tt * kpairs + kp0 + 16 * s) * 16, 64);
+                        T_DP(0, 4, 6);
+                        T_DP(1, 5, 6);
+                        if (two) {
+                            T_LOAD(7, xb + ((size_t)(tt + 1) * kpairs + kp0 + 16 * s) * 16, 64);
+                            T_DP(2, 4, 7);
+                            T_DP(3, 5, 7);
+                        }
+                    }
+                    if (m->block_scales) {
+                        for (int q = 0; q < (two ? 4 : 2); q++)
+                            scaled_into(e, q, blk + 256 * q, m, row + 16 * (q & 1), g, first);
+                    } else if (!keep || last) {
+                        T_STORE(0, blk, 64);
+                        T_STORE(1, blk + 256, 64);
+                        if (two) {
+                            T_STORE(2, blk + 512, 64);
+                            T_STORE(3, blk + 768, 64);
+                        }
+                    }
+                }
+            }
+            acc_out(acc, ntok, y, row, live, out_scale, accumulate || p0 > 0);
+        }
+    }
+}
 
 /* Palette 1, tiles 0-7 of 16 rows x 64 bytes. */
 static void amx_configure(void)
@@ -215,16 +334,19 @@ static void amx_configure(void)
 static void gemm_amx_with(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                           const float *const *x, float *const *y, int accumulate, amx_emu *e)
 {
-    const uint32_t *first;
-    if (ntok >= AMX_MIN_TOKENS && pair_begin < pair_end &&
-        (first = duck_bf16_rows(x, ntok, AMX_ROWS, m->groups * FP9_GROUP, NULL))) {
-        emu_state = e;
+    const uint32_t cols = m->groups * FP9_GROUP, ntt = (ntok + 15) / 16;
+    const uint32_t *rows;
+    uint32_t *xb;
+    float *acc;
+    if (ntok >= AMX_MIN_TOKENS && pair_begin < pair_end && (rows = duck_bf16_rows(x, ntok, 16, cols, NULL)) &&
+        (xb = duck_thread_scratch(1, (size_t)ntt * 16 * cols * 2)) &&
+        (acc = duck_thread_scratch(2, (size_t)(ntt + 1) / 2 * 4 * 256 * sizeof(float)))) {
+        activations_b(rows, ntt, cols / 2, xb);
         if (!e)
             amx_configure();
-        gemm_tokens_amx(m, pair_begin, pair_end, ntok, &first, y, accumulate);
+        gemm_tiles(m, pair_begin, pair_end, ntok, xb, acc, y, accumulate, e);
         if (!e)
             __asm__ volatile("tilerelease" ::: "memory");
-        emu_state = NULL;
         return;
     }
     duck_kernels_avx512()->gemm(m, pair_begin, pair_end, ntok, x, y, accumulate);

@@ -336,44 +336,49 @@ static void decode_panel_pairs(const fp9_matrix *m, uint32_t p, uint32_t np, uin
 #undef decode_panel
 #undef tile
 
-/* A thread's buffer of bf16 rows, freed when the thread ends (a pool's threads
+/* A thread's scratch buffers, freed when the thread ends (a pool's threads
  * come and go with the pool). */
-typedef struct rows_buffer {
-    uint32_t *mem;
-    size_t cap;
-} rows_buffer;
+#define SCRATCH_SLOTS 3
 
-static pthread_key_t rows_key;
-static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
+typedef struct scratch {
+    void *mem[SCRATCH_SLOTS];
+    size_t cap[SCRATCH_SLOTS];
+} scratch;
 
-static void rows_buffer_free(void *p)
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p)
 {
-    rows_buffer *b = p;
-    free(b->mem);
+    scratch *b = p;
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        free(b->mem[i]);
     free(b);
 }
 
-static void rows_key_create(void) { (void)pthread_key_create(&rows_key, rows_buffer_free); }
+static void scratch_key_create(void) { (void)pthread_key_create(&scratch_key, scratch_free); }
 
-static uint32_t *rows_reserve(size_t words)
+void *duck_thread_scratch(unsigned slot, size_t bytes)
 {
-    (void)pthread_once(&rows_once, rows_key_create);
-    rows_buffer *b = pthread_getspecific(rows_key);
+    if (slot >= SCRATCH_SLOTS)
+        return NULL;
+    (void)pthread_once(&scratch_once, scratch_key_create);
+    scratch *b = pthread_getspecific(scratch_key);
     if (!b) {
-        if (!(b = calloc(1, sizeof *b)) || pthread_setspecific(rows_key, b) != 0) {
+        if (!(b = calloc(1, sizeof *b)) || pthread_setspecific(scratch_key, b) != 0) {
             free(b);
             return NULL;
         }
     }
-    if (words > b->cap) {
-        uint32_t *grown = NULL;
-        if (posix_memalign((void **)&grown, 64, words * sizeof(uint32_t)) != 0)
+    if (bytes > b->cap[slot]) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes) != 0)
             return NULL;
-        free(b->mem);
-        b->mem = grown;
-        b->cap = words;
+        free(b->mem[slot]);
+        b->mem[slot] = grown;
+        b->cap[slot] = bytes;
     }
-    return b->mem;
+    return b->mem[slot];
 }
 
 /* x's rows (cols values each) as bf16 pairs, contiguous in this thread's buffer,
@@ -384,7 +389,7 @@ const uint32_t *duck_bf16_rows(const float *const *x, uint32_t ntok, uint32_t pa
                                const uint32_t **rows)
 {
     const uint32_t padded = (ntok + pad - 1) / pad * pad;
-    uint32_t *buf = rows_reserve((size_t)padded * cols / 2);
+    uint32_t *buf = duck_thread_scratch(0, (size_t)padded * cols * 2);
     if (!buf)
         return NULL;
     for (uint32_t t = 0; t < ntok; t++) {

@@ -101,10 +101,9 @@ def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales,
         dots = lib.duck_kernels_amx_emulated_dots()
         y = gemm(t, x, kset)
         _check(t, x, y, f"{kset} ntok {ntok}")
-        if kset == "amx-emu":   # the emulated tiles ran, summing in the FMA tile's order: avx512's bits
+        if kset == "amx-emu":   # the emulated tile program ran
             assert lib.duck_kernels_amx_emulated_dots() > dots
-            assert np.array_equal(y, gemm(t, x, "avx512"))
-        elif cols > 2048 and kset == "avx512-bf16":   # VDPBF16PS sums a pair in its own order
+        if cols > 2048 and kset == "avx512-bf16":   # VDPBF16PS sums a pair in its own order
             assert not np.array_equal(y, gemm(t, x, "avx512")), "the bf16 dot products ran"
     x = rng.standard_normal((12, cols)).astype(np.float32)
     assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
