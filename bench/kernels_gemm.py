@@ -47,11 +47,11 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
     groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
     cases = []
     for ntok in GEMM_TOKENS:
-        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. The
-        # gate/up input is bf16 (what a GPU host sends: the avx512-bf16 and amx sets' case), the down input fp32
-        # (silu(gate) * up, made on the duck)
+        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. Both
+        # inputs are bf16 values, as a GPU host's fleet has them: gate/up's x as sent, down's silu(gate) * up
+        # rounded to bf16 by the duck on bf16 activations (ffn.c); the avx512-bf16 and amx sets' case
         x = _bf16((rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32))
-        h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
+        h = _bf16((rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32))
         gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
         rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
                                       for t in range(ntok)]) for a in (x, h, gu, y)]
