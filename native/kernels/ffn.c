@@ -10,6 +10,10 @@
 
 /* Down pieces are whole groups of the narrow kernels' row pairs. */
 #define DUCK_FFN_DOWN_ALIGN 8
+/* Partials (assignments x hidden floats) from which a call's reduction is cut
+ * into at least one block of rows per thread: a prefill chunk's sum (512 tokens
+ * x top-8 x 2048: 33 MB of partials) took one thread while the others waited. */
+#define DUCK_FFN_REDUCE_SPLIT (1u << 20)
 
 /* All (token, slot) assignments that route to one expert. */
 typedef struct moe_job {
@@ -281,6 +285,11 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
     unsigned nthreads = pool ? duck_pool_size(pool) : 1;
     size_t up_piece = piece_bytes(gate_up_bytes, nthreads);
     uint32_t block_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN, piece_bytes(down_bytes, nthreads));
+    if (nthreads > 1 && (size_t)nassign * a->hidden >= DUCK_FFN_REDUCE_SPLIT) {
+        uint32_t per = ((a->hidden + 1) / 2 + nthreads - 1) / nthreads;
+        per = (per + DUCK_FFN_DOWN_ALIGN - 1) / DUCK_FFN_DOWN_ALIGN * DUCK_FFN_DOWN_ALIGN;
+        block_pairs = per < block_pairs ? per : block_pairs;
+    }
     uint32_t nblocks = ((a->hidden + 1) / 2 + block_pairs - 1) / block_pairs;
     uint32_t npieces = njobs * nblocks;
     for (uint32_t i = 0; i < nassign; i++)

@@ -191,6 +191,25 @@ def test_bad_out_is_named():
         layer.forward(*args, out=torch.zeros((128, 2)).t())
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_big_calls_sum_is_cut_over_the_threads_without_changing_a_bit(dtype):
+    """256 tokens x top-4 x hidden 1024 (1M floats of partials): the reduction runs in a
+    block of rows per thread (ffn.c DUCK_FFN_REDUCE_SPLIT); any thread count, the same bits,
+    as close to torch as ever."""
+    rng = np.random.default_rng(31)
+    experts, dense = make_experts(6, 1024, 64, rng)
+    layer = MoeSlice(experts, 1024)
+    x32 = rng.standard_normal((256, 1024)).astype(np.float32)
+    x = x32 if dtype == "fp32" else torch.from_numpy(x32).to(torch.bfloat16)
+    ids = rng.integers(0, 6, size=(256, 4)).astype(np.int32)
+    w = rng.uniform(size=(256, 4)).astype(np.float32)
+    y = layer.forward(x, ids, w)
+    x_used = x32 if dtype == "fp32" else x.float().numpy()
+    _assert_close(y, torch_moe(dense, x_used, ids, w, h_bf16=dtype == "bf16"), f"{dtype} x, 1M partials")
+    for threads in (2, 3, 4):
+        assert np.array_equal(y, layer.forward(x, ids, w, Pool(threads))), f"{threads} threads changed bits"
+
+
 def test_bf16_activations():
     rng = np.random.default_rng(23)
     experts, dense = make_experts(3, 320, 64, rng)
