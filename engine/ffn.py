@@ -193,9 +193,11 @@ class TorchFfn(FfnBackend):
         return self.device is not None and self.device.type == "cpu"
 
     def forward(self, layer, x, ids, weights, out=None):
+        # the routing weights arrive in the wire's fp32; like the model's own block (transformers)
+        # they are taken in the experts' dtype, on host buffers and device tensors alike
         dtype = self.layers[layer][0].gate.dtype
         if self.device is None or (x.device == self.device and x.dtype == dtype):
-            y = torch_experts_forward(self.layers[layer], x, ids, weights)
+            y = torch_experts_forward(self.layers[layer], x, ids, weights.to(dtype))
         else:
             y = torch_experts_forward(self.layers[layer], x.to(self.device, dtype), ids.to(self.device),
                                       weights.to(self.device, dtype)).to(x.device, x.dtype)
