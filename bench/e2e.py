@@ -129,9 +129,8 @@ def main(argv: list[str], channel) -> int:
             ratios = {k: [x[k] for x in rounds] for k in ("aggregate_over_one_stream", "all_decoding_over_one_stream",
                                                           "stream_decode_sum_over_one_stream")}
             c["rounds"] = ratios
-            c["median_all_decoding_over_one_stream"] = statistics.median(
-                v for v in ratios["all_decoding_over_one_stream"] if v is not None) \
-                if any(v is not None for v in ratios["all_decoding_over_one_stream"]) else None
+            decoding = [v for v in ratios["all_decoding_over_one_stream"] if v is not None]
+            c["median_all_decoding_over_one_stream"] = statistics.median(decoding) if decoding else None
         both = c["all_decoding_tok_s"]
         if both is not None:
             print(f"while all {args.streams} decode ({c['all_decoding_window_s']:.2f} s): {both:.1f} tok/s "

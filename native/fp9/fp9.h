@@ -87,6 +87,22 @@ static inline const char *fp9_pairs_run(const fp9_matrix *m, uint32_t p, uint32_
     *bytes = (size_t)np * fp9_panel_groups(m->groups, g0) * sizeof(fp9_block);
     return (const char *)fp9_pair_run(m, p, g0);
 }
+/* What a GEMM walking [pair_begin, pair_end) in micro-panels of `step` pairs, panel
+ * by panel, reads after the micro-panel at p of the panel at g0: the next
+ * micro-panel of the panel, else the first of the next panel; NULL (*bytes 0)
+ * after the last. The GEMMs prefetch it while they decode (the strided reads of a
+ * micro-panel defeat the hardware prefetchers). */
+static inline const char *fp9_next_run(const fp9_matrix *m, uint32_t p, uint32_t step, uint32_t pair_begin,
+                                       uint32_t pair_end, uint32_t g0, size_t *bytes)
+{
+    const uint32_t p1 = g0 + fp9_panel_groups(m->groups, g0);
+    *bytes = 0;
+    if (p + step < pair_end)
+        return fp9_pairs_run(m, p + step, pair_end - p - step < step ? pair_end - p - step : step, g0, bytes);
+    if (p1 < m->groups)
+        return fp9_pairs_run(m, pair_begin, pair_end - pair_begin < step ? pair_end - pair_begin : step, p1, bytes);
+    return NULL;
+}
 static inline size_t fp9_block_index(uint32_t row_pairs, uint32_t groups, uint32_t p, uint32_t g)
 {
     uint32_t g0 = g - g % FP9_PANEL_GROUPS;

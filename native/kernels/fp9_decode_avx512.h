@@ -4,10 +4,6 @@
 #ifndef DUCK_FP9_DECODE_AVX512_H
 #define DUCK_FP9_DECODE_AVX512_H
 
-/* A buffer of at least bytes (64-byte aligned) of the calling thread, one per
- * slot (0: duck_bf16_rows; 1, 2: free), kept until the thread ends; NULL when
- * out of memory (kernels_avx512.c). */
-void *duck_thread_scratch(unsigned slot, size_t bytes);
 /* x's rows (cols values each) as bf16 pairs, contiguous in the calling thread's
  * scratch slot 0 (kernels_avx512.c). */
 const uint32_t *duck_bf16_rows(const float *const *x, uint32_t ntok, uint32_t pad, uint32_t cols,

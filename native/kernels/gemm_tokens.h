@@ -29,9 +29,7 @@
 /* A kernel set may include this twice, the second time with other activations
  * (GEMM_X_T: what x points to), another name (GEMM_FN), its own decode_panel and
  * tile, and a factor its decoded weights carry beyond fp9.h's (GEMM_OUT_EXTRA,
- * folded into the outputs' scale). A set whose tile takes every token of the call
- * at once (AMX) defines GEMM_TILE_ALL(m, wt, n, x, k0, ntok, y, row, live, scale,
- * load) instead of tile. */
+ * folded into the outputs' scale). */
 #ifndef GEMM_X_T
 #define GEMM_X_T float
 #endif
@@ -68,15 +66,8 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
             /* the weights of the next micro-panel, a share of them per chunk, prefetched
              * line by line among the decode's loads (bursts measured slower): the strided
              * reads of a micro-panel defeat the hardware prefetchers */
-            size_t ahead = 0;
-            const char *next = NULL, *cursor;
-            if (p + GEMM_PAIRS < pair_end)
-                next = fp9_pairs_run(m, p + GEMM_PAIRS, pair_end - p - GEMM_PAIRS < GEMM_PAIRS ?
-                                 pair_end - p - GEMM_PAIRS : GEMM_PAIRS, p0, &ahead);
-            else if (p1 < m->groups)
-                next = fp9_pairs_run(m, pair_begin, pair_end - pair_begin < GEMM_PAIRS ? pair_end - pair_begin : GEMM_PAIRS,
-                                 p1, &ahead);
-            cursor = next;
+            size_t ahead;
+            const char *next = fp9_next_run(m, p, GEMM_PAIRS, pair_begin, pair_end, p0, &ahead), *cursor = next;
             for (uint32_t i = 0; i < 2 * GEMM_PAIRS; i++)
                 scale[i] = out_scale;
             for (uint32_t g = p0, c = 0; g < p1; g += GEMM_COLS / FP9_GROUP, c++) {
@@ -87,10 +78,6 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
                     for (uint32_t i = 0; i < 2 * np; i++)
                         scale[i] = m->block_scales[(size_t)(row + i) * sc + g / 2] * out_scale;
                 decode_panel(m, p, np, g, ng, wt, &cursor, next ? next + ahead * (c + 1) / nchunks : NULL);
-#ifdef GEMM_TILE_ALL
-                (void)ntiles;
-                GEMM_TILE_ALL(m, wt, n, x, k0, ntok, y, row, live, scale, load);
-#else
                 for (uint32_t j = 0, t = 0; j < ntiles; j++) {
                     const uint32_t nt = ntok / ntiles + (j < ntok % ntiles);
                     switch (nt) {
@@ -102,7 +89,6 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
                     }
                     t += nt;
                 }
-#endif
             }
         }
     }
@@ -112,4 +98,3 @@ static void GEMM_FN(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end,
 #undef GEMM_X_T
 #undef GEMM_FN
 #undef GEMM_OUT_EXTRA
-#undef GEMM_TILE_ALL

@@ -29,28 +29,23 @@ static const duck_kernels *fastest(void)
     return k ? k : duck_kernels_ref();
 }
 
+static const duck_kernels *avx2_xor(void) { return duck_kernels_avx2_variant(0); }
+static const duck_kernels *avx2_blend(void) { return duck_kernels_avx2_variant(1); }
+
+static const struct {
+    const char *name;
+    const duck_kernels *(*get)(void);
+} NAMED[] = {
+    {"best", duck_kernels_best}, {"ref", duck_kernels_ref}, {"avx2", duck_kernels_avx2},
+    {"avx2-xor", avx2_xor}, {"avx2-blend", avx2_blend}, {"avx512", duck_kernels_avx512},
+    {"avx512-bf16", duck_kernels_avx512_bf16}, {"amx", duck_kernels_amx}, {"amx-emu", duck_kernels_amx_emulated},
+};
+
 const duck_kernels *duck_kernels_named(const char *name)
 {
-    if (!name)
-        return NULL;
-    if (strcmp(name, "best") == 0)
-        return duck_kernels_best();
-    if (strcmp(name, "ref") == 0)
-        return duck_kernels_ref();
-    if (strcmp(name, "avx2") == 0)
-        return duck_kernels_avx2();
-    if (strcmp(name, "avx2-xor") == 0)
-        return duck_kernels_avx2_variant(0);
-    if (strcmp(name, "avx2-blend") == 0)
-        return duck_kernels_avx2_variant(1);
-    if (strcmp(name, "avx512") == 0)
-        return duck_kernels_avx512();
-    if (strcmp(name, "avx512-bf16") == 0)
-        return duck_kernels_avx512_bf16();
-    if (strcmp(name, "amx") == 0)
-        return duck_kernels_amx();
-    if (strcmp(name, "amx-emu") == 0)
-        return duck_kernels_amx_emulated();
+    for (size_t i = 0; name && i < sizeof NAMED / sizeof NAMED[0]; i++)
+        if (strcmp(name, NAMED[i].name) == 0)
+            return NAMED[i].get();
     return NULL;
 }
 

@@ -28,6 +28,7 @@
  * tilestored writes) the buffers the C code fills and reads. */
 #define _GNU_SOURCE
 #include "kernels.h"
+#include "pool.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -44,7 +45,6 @@
 
 #include "fp9_decode_avx512.h"
 
-#define AMX_ROWS 16          /* tokens per A tile */
 #define AMX_MIN_TOKENS 5     /* fewer: avx512's GEMVs */
 
 /* The emulated tiles: C 0-3 in c, A and B (4-7) in ab. */
@@ -52,6 +52,8 @@ typedef struct amx_emu {
     float c[4][16][16];
     uint32_t ab[4][16][16];
 } amx_emu;
+
+static void *emu_tile(amx_emu *e, int t) { return t < 4 ? (void *)e->c[t] : (void *)e->ab[t - 4]; }
 
 static atomic_ullong emu_dots;         /* emulated TDPBF16PS so far (tests: the program ran) */
 
@@ -95,14 +97,7 @@ static void emu_dp(float c[16][16], const uint32_t a[16][16], const uint32_t b[1
 #define T_LOAD(t, base, stride)                                                                      \
     do {                                                                                             \
         if (e)                                                                                       \
-            emu_load(e->ab[(t) - 4], base, stride);                                                  \
-        else                                                                                         \
-            __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory"); \
-    } while (0)
-#define T_LOADC(t, base, stride)                                                                     \
-    do {                                                                                             \
-        if (e)                                                                                       \
-            emu_load(e->c[t], base, stride);                                                         \
+            emu_load(emu_tile(e, t), base, stride);                                                  \
         else                                                                                         \
             __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory"); \
     } while (0)
@@ -252,15 +247,8 @@ static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_e
         for (uint32_t p = pair_begin; p < pair_end; p += AMX_PAIRS) {
             const uint32_t np = pair_end - p < AMX_PAIRS ? pair_end - p : AMX_PAIRS;
             const uint32_t row = 2 * p, live = m->rows - row < 2 * np ? m->rows - row : 2 * np;
-            size_t ahead = 0;
-            const char *next = NULL, *cursor;
-            if (p + AMX_PAIRS < pair_end)
-                next = fp9_pairs_run(m, p + AMX_PAIRS, pair_end - p - AMX_PAIRS < AMX_PAIRS ?
-                                 pair_end - p - AMX_PAIRS : AMX_PAIRS, p0, &ahead);
-            else if (p1 < m->groups)
-                next = fp9_pairs_run(m, pair_begin, pair_end - pair_begin < AMX_PAIRS ? pair_end - pair_begin : AMX_PAIRS,
-                                 p1, &ahead);
-            cursor = next;
+            size_t ahead;
+            const char *next = fp9_next_run(m, p, AMX_PAIRS, pair_begin, pair_end, p0, &ahead), *cursor = next;
             for (uint32_t g = p0, c = 0; g < p1; g += AMX_COLS / FP9_GROUP, c++) {
                 const uint32_t ng = p1 - g < AMX_COLS / FP9_GROUP ? p1 - g : AMX_COLS / FP9_GROUP;
                 const uint32_t n = ng * FP9_GROUP, kp0 = g * FP9_GROUP / 2;
@@ -270,11 +258,11 @@ static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_e
                     const int two = tt + 1 < ntt;
                     float *blk = acc + (size_t)tt * 512;
                     if (!keep && !m->block_scales && !first) {
-                        T_LOADC(0, blk, 64);
-                        T_LOADC(1, blk + 256, 64);
+                        T_LOAD(0, blk, 64);
+                        T_LOAD(1, blk + 256, 64);
                         if (two) {
-                            T_LOADC(2, blk + 512, 64);
-                            T_LOADC(3, blk + 768, 64);
+                            T_LOAD(2, blk + 512, 64);
+                            T_LOAD(3, blk + 768, 64);
                         }
                     } else if (!keep || first) {
                         T_ZERO(0);
@@ -338,7 +326,7 @@ static void gemm_amx_with(const fp9_matrix *m, uint32_t pair_begin, uint32_t pai
     const uint32_t *rows;
     uint32_t *xb;
     float *acc;
-    if (ntok >= AMX_MIN_TOKENS && pair_begin < pair_end && (rows = duck_bf16_rows(x, ntok, 16, cols, NULL)) &&
+    if (ntok >= AMX_MIN_TOKENS && pair_begin < pair_end && (rows = duck_bf16_rows(x, ntok, 16 /* a tile's rows */, cols, NULL)) &&
         (xb = duck_thread_scratch(1, (size_t)ntt * 16 * cols * 2)) &&
         (acc = duck_thread_scratch(2, (size_t)(ntt + 1) / 2 * 4 * 256 * sizeof(float)))) {
         activations_b(rows, ntt, cols / 2, xb);

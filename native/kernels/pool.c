@@ -312,3 +312,48 @@ void duck_pool_destroy(duck_pool *pool)
     free(pool->threads);
     free(pool);
 }
+
+/* A thread's scratch buffers (duck_thread_scratch), freed when the thread ends:
+ * a pool's threads come and go with the pool. */
+#define SCRATCH_SLOTS 3
+
+typedef struct scratch {
+    void *mem[SCRATCH_SLOTS];
+    size_t cap[SCRATCH_SLOTS];
+} scratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p)
+{
+    scratch *b = p;
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        free(b->mem[i]);
+    free(b);
+}
+
+static void scratch_key_create(void) { (void)pthread_key_create(&scratch_key, scratch_free); }
+
+void *duck_thread_scratch(unsigned slot, size_t bytes)
+{
+    if (slot >= SCRATCH_SLOTS)
+        return NULL;
+    (void)pthread_once(&scratch_once, scratch_key_create);
+    scratch *b = pthread_getspecific(scratch_key);
+    if (!b) {
+        if (!(b = calloc(1, sizeof *b)) || pthread_setspecific(scratch_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (bytes > b->cap[slot]) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, bytes) != 0)
+            return NULL;
+        free(b->mem[slot]);
+        b->mem[slot] = grown;
+        b->cap[slot] = bytes;
+    }
+    return b->mem[slot];
+}

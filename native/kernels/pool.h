@@ -5,6 +5,7 @@
 #define DUCK_POOL_H
 
 #include <stdatomic.h>
+#include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,6 +62,11 @@ static inline void duck_split_aligned(unsigned long n, unsigned w, unsigned nw, 
     *begin = *begin * align < n ? *begin * align : n;
     *end = *end * align < n ? *end * align : n;
 }
+
+/* A buffer of at least bytes (64-byte aligned) of the calling thread, one per
+ * slot (0: duck_bf16_rows; 1, 2: the amx GEMM), kept and reused until the thread
+ * ends; NULL when out of memory or slot >= 3. */
+void *duck_thread_scratch(unsigned slot, size_t bytes);
 
 #ifdef __cplusplus
 }
