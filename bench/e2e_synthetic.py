@@ -247,6 +247,9 @@ def run_config(args, kind: str, device, dtype) -> dict:
         backend = FleetFfn(addresses=local.addresses, key=local.key, multiple_of=args.multiple_of,
                            spin_us=args.spin_us, deadline_ms=60000)
         install_synthetic_fleet(model, backend, seed=args.seed)
+        if args.request_tokens:   # a chunk cut into requests in flight together: transfer beside compute
+            backend.session.request_tokens = args.request_tokens
+            out["request_tokens"] = args.request_tokens
         out["ducks"], out["duck_threads"] = args.ducks, args.duck_threads
     elif kind == "gpu":
         backend = install_random_torch_experts(model, device)
@@ -318,6 +321,9 @@ def main(argv: list[str]) -> int:
                     help="prompt lengths, comma separated (4096 takes minutes on a small CPU host)")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_CHUNK,
                     help="prompt tokens per prefill forward (duckd's model.prefill_chunk)")
+    ap.add_argument("--request-tokens", type=int, default=0,
+                    help="fleet: most tokens per request (0: as many as the ducks take); a chunk of more goes as "
+                         "requests in flight together, one's transfer beside another's compute")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per configuration")
     ap.add_argument("--backends", default="fleet,gpu,cpu-torch",
                     help="fleet, gpu (every FFN on the GPU), cpu-torch (naive offload); gpu is skipped without CUDA")

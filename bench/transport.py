@@ -27,6 +27,15 @@ for the slowest duck of each call (median, p99) and the mean over all.
 Ducks run one worker thread each and block when idle, as on a shared host
 (--duck-spin-us N: spin-then-block, yielding, for N us).
 
+--chunk TxH (e.g. 512x2048): a prefill chunk's FFN call besides, T tokens of
+hidden H in bf16 to every duck and a bf16 partial of the same size back from
+each (one small expert per duck, every token routed to it: the kernel is
+short, the bytes are a real chunk's): chunk_{N}_ducks_{T}x{H}_host_1_thread
+with the host sealing, checking and summing on its calling thread alone,
+..._host_threads with its helper threads (Fleet workers, 0: as many as it
+may run on, at most 8); transport_us = round trip - the slowest duck's kernel;
+host_cpu_us_per_call is this process's CPU time. Ducks run --threads each.
+
 --netns N: the same per-layer cases on an emulated LAN instead of loopback:
 N ducks in namespaces behind duckd's netns driver (--subnets, round-robin),
 with tc link limits (--duck-rate-mbit 2500 --duck-delay-us 50
@@ -215,6 +224,43 @@ def partials(addresses, key, args, host_spin_us: int, bf16: bool, mac: bool = Tr
         return r
 
 
+def parse_chunk(text: str) -> tuple[int, int]:
+    try:
+        tokens, hidden = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--chunk {text!r}: expected TOKENSxHIDDEN, e.g. 512x2048") from None
+    if not (1 <= tokens <= 4096 and 64 <= hidden <= 16384 and hidden % 64 == 0):
+        raise SystemExit(f"--chunk {text!r}: tokens 1..4096, hidden 64..16384 and a multiple of 64")
+    return tokens, hidden
+
+
+def prefill_chunk(addresses, key, args, workers: int) -> dict:
+    """A prefill chunk's FFN call: its bytes both ways, with a small kernel."""
+    n = len(addresses)
+    tokens, hidden = parse_chunk(args.chunk)
+    rng = np.random.default_rng(3)
+    expert = tuple((rng.standard_normal(s) * 0.02).astype(np.float32)
+                   for s in ((64 * n, hidden), (64 * n, hidden), (hidden, 64 * n)))
+    per_duck = split_experts([expert], tp=n)
+    xf = (rng.standard_normal((tokens, hidden)) * 0.1).astype(np.float32)
+    x = (xf.view(np.uint32) >> 16).astype(np.uint16)          # bf16 bits, as a GPU host sends them
+    ids, w = np.zeros((tokens, 1), np.int32), np.ones((tokens, 1), np.float32)
+    iters = max(args.iters // 50, 20)
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=10000, workers=workers) as fleet:
+        fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
+        session = fleet.open_session({0: per_duck}, hidden)
+        out = np.empty((tokens, hidden), np.uint16)
+        call = lambda: session.forward(0, x, ids, w, out=out)   # noqa: E731
+        cpu0 = time.process_time()
+        r = _run_case(fleet, session, call, iters, args.spin_us, "bf16", warmup=5)
+        cpu = time.process_time() - cpu0
+        r.update(tokens=tokens, hidden=hidden, bytes_per_duck_each_way=tokens * hidden * 2,
+                 host_workers=fleet.workers, requests=session.last_requests,
+                 transport_us=round(r["median_us"] - r["kernel_us_slowest"]["median"], 1),
+                 host_cpu_us_per_call=round(cpu / (iters + 5) * 1e6, 1))
+        return r
+
+
 def mac_us(fn, nbytes: int, iters: int = 400) -> float:
     """Median microseconds of one MAC over nbytes (the C call; cffi's own cost is below 1 us)."""
     from native._native import ffi
@@ -299,6 +345,12 @@ def run(args) -> dict:
                                                                                 dt == "bf16")
                 result[f"partials_{n}_ducks_hidden{HIDDEN}_fp32_no_data_mac"] = partials(
                     addresses, key, args, args.spin_us, False, mac=False)
+    if args.chunk:
+        tokens, hidden = parse_chunk(args.chunk)
+        with local_ducks(args.ducks, args) as (addresses, key):
+            for label, workers in (("host_1_thread", 1), ("host_threads", 0)):
+                result[f"chunk_{args.ducks}_ducks_{tokens}x{hidden}_{label}"] = prefill_chunk(addresses, key, args,
+                                                                                           workers)
     result["data_mac_cost"] = data_mac_cost(result, args.ducks)
     if not args.skip_deepseek:
         for n in (1, args.ducks):
@@ -348,6 +400,9 @@ def format_table(result: dict) -> str:
                      f"{r['datagrams_per_call']:6.1f} {r['partials']:4s} {r['host']:8s} {r['retransmits']:4d} "
                      f"{wake.get('median', 0):8.1f} {wake.get('p99', 0):8.1f} "
                      f"{r.get('kernel_us_slowest', {}).get('median', 0):8.1f}")
+        if "transport_us" in r:
+            lines.append(f"{'':44s} transport {r['transport_us']} us (round trip - slowest kernel), host "
+                         f"{r['host_workers']} thread(s), host CPU {r['host_cpu_us_per_call']} us per call")
         if "kernel_gbps_per_duck" in r:
             lines.append(f"{'':44s} kernel {r['kernel_gbps_per_duck']} GB/s per duck, end to end "
                          f"{r['end_to_end_gbps_per_duck']}, local 1 thread {r['local_kernel_gbps_1_thread']}")
@@ -368,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                         "fragments of an Ethernet path)")
     p.add_argument("--threads", type=int, default=1, help="worker threads per duck")
     p.add_argument("--skip-deepseek", action="store_true")
+    p.add_argument("--chunk", default="", metavar="TxH",
+                   help="a prefill chunk's FFN call too: T tokens of hidden H in bf16 each way (e.g. 512x2048)")
     p.add_argument("--cpus", help="run the host and every duck on these CPUs only (e.g. 0): on a VM whose idle "
                    "vCPUs take 30-40 us to wake, co-located processes show the software's own overhead")
     p.add_argument("--spin-us", type=int, default=0,

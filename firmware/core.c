@@ -5,11 +5,16 @@
 #define _POSIX_C_SOURCE 200809L
 #include "duckfw.h"
 
+#include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #define SEND_BATCH 64
+/* Below this many bytes a message's datagrams are sealed and checked on the
+ * serving thread alone: waking the pool would cost more than it saves. */
+#define PAR_MIN_BYTES ((size_t)256 << 10)
 
 /* Messages that change the duck's state need the link MAC (wire_mac_kind),
  * those that tell what it holds, open a run or ask for a resend the fleet
@@ -119,39 +124,74 @@ static int asked_before_reply(const duck_core *c, const reply_slot *r)
     return c->rx_ns && r->sent_ns && c->rx_ns < r->sent_ns;
 }
 
+typedef struct seal_job {
+    const duck_core *c;
+    const wire_header *base;
+    const uint8_t *payload;
+    uint32_t total, count, fsize;
+    int with_mac;
+    const uint32_t *frags;        /* the fragment each place of the batch holds */
+    unsigned n;
+    atomic_uint next;
+} seal_job;
+
+static void seal_one(const seal_job *j, unsigned k)
+{
+    const duck_core *c = j->c;
+    uint32_t i = j->frags[k], off = j->fsize * i, len = j->total - off < j->fsize ? j->total - off : j->fsize;
+    wire_header h = *j->base;
+    h.frag_index = (uint16_t)i;
+    h.frag_count = (uint16_t)j->count;
+    h.total_len = j->total;
+    c->out_lens[k] = wire_seal(&h, j->payload + off, len, &c->cfg.key, j->with_mac,
+                               c->out + (size_t)k * (c->cfg.mtu + 64));
+}
+
+static void seal_task(void *arg, unsigned worker, unsigned nworkers)
+{
+    (void)worker;
+    (void)nworkers;
+    seal_job *j = arg;
+    for (unsigned k; (k = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
+        seal_one(j, k);
+}
+
 /* Seals fragments [0, count) of one message in datagrams of at most mtu
- * bytes, skipping those marked in `have`, and sends them in batches. */
+ * bytes, skipping those marked in `have`, and sends them in batches; a large
+ * message's batches are sealed over the pool (a prefill chunk's partial). */
 static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
                          uint32_t total, uint32_t mtu, int with_mac, const uint8_t *have, uint32_t have_bits)
 {
     uint32_t count = wire_frag_count(total, mtu);
     uint32_t fsize = wire_frag_size(total, count);
+    uint32_t frags[SEND_BATCH];
     if (have && have_bits != count)
         have = NULL;   /* the peer's view of the geometry is not ours: send all */
-    unsigned n = 0;
-    for (uint32_t i = 0; i < count; i++) {
-        if (have && (have[i / 8] & (1u << (i % 8))))
-            continue;
-        wire_header h = *base;
-        h.frag_index = (uint16_t)i;
-        h.frag_count = (uint16_t)count;
-        h.total_len = total;
-        uint32_t off = fsize * i, len = total - off < fsize ? total - off : fsize;
-        uint8_t *dst = c->out + (size_t)n * (c->cfg.mtu + 64);
-        size_t dlen = wire_seal(&h, payload + off, len, &c->cfg.key, with_mac, dst);
-        if (core_fault_drop(c))
-            continue;
-        c->out_ptrs[n] = dst;
-        c->out_lens[n] = dlen;
-        if (++n == SEND_BATCH) {
-            c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, n);
-            c->stats.datagrams_tx += n;
-            n = 0;
+    int par = c->pool && total >= PAR_MIN_BYTES;
+    seal_job j = {c, base, payload, total, count, fsize, with_mac, frags, 0, 0};
+    for (uint32_t i = 0; i < count;) {
+        unsigned n = 0;
+        for (; i < count && n < SEND_BATCH; i++)
+            if (!have || !(have[i / 8] & (1u << (i % 8))))
+                frags[n++] = i;
+        j.n = n;
+        atomic_store_explicit(&j.next, 0, memory_order_relaxed);
+        if (par && n > 1)
+            duck_pool_run_shared(c->pool, seal_task, &j);
+        else
+            for (unsigned k = 0; k < n; k++)
+                seal_one(&j, k);
+        unsigned m = 0;
+        for (unsigned k = 0; k < n; k++) {
+            if (core_fault_drop(c))
+                continue;
+            c->out_ptrs[m] = c->out + (size_t)k * (c->cfg.mtu + 64);
+            c->out_lens[m++] = c->out_lens[k];
         }
-    }
-    if (n) {
-        c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, n);
-        c->stats.datagrams_tx += n;
+        if (m) {
+            c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, m);
+            c->stats.datagrams_tx += m;
+        }
     }
 }
 
@@ -240,14 +280,86 @@ static void fault_delay(const duck_core *c)
     }
 }
 
+static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, int rc, wire_header h,
+                             const uint8_t *payload);
+
 void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size_t len)
 {
     wire_header h;
     const uint8_t *payload = NULL;
+    int rc = wire_check(buf, len, &c->cfg.key, 0, &h, &payload);
+    datagram_checked(c, from, len, rc, h, payload);
+}
+
+typedef struct check_job {
+    const duck_core *c;
+    const uint8_t *const *bufs;
+    const size_t *lens;
+    const uint8_t *drop;
+    int *rc;
+    wire_header *h;
+    const uint8_t **payload;
+    unsigned n;
+    atomic_uint next;
+} check_job;
+
+static void check_task(void *arg, unsigned worker, unsigned nworkers)
+{
+    (void)worker;
+    (void)nworkers;
+    check_job *j = arg;
+    for (unsigned i; (i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
+        if (!j->drop[i])
+            j->rc[i] = wire_check(j->bufs[i], j->lens[i], &j->c->cfg.key, 0, &j->h[i], &j->payload[i]);
+}
+
+/* Whether every datagram of the batch is a fragment of a large forward: the
+ * checks of those depend on nothing that taking the others changes (a
+ * RUN_OPEN in the batch would change the link key the later ones need). */
+static int batch_parallel(const duck_core *c, const uint8_t *const *bufs, const size_t *lens, unsigned n)
+{
+    size_t bytes = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (lens[i] < WIRE_HEADER_BYTES || bufs[i][offsetof(wire_header, type)] != WIRE_T_FORWARD)
+            return 0;
+        bytes += lens[i];
+    }
+    return c->pool && n > 1 && bytes >= PAR_MIN_BYTES;
+}
+
+void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs, const size_t *lens,
+                const uint64_t *rx_ns, const uint8_t *drop, unsigned n)
+{
+    static int rc[CORE_BATCH_MAX];
+    static wire_header h[CORE_BATCH_MAX];
+    static const uint8_t *payload[CORE_BATCH_MAX];
+    int par = n <= CORE_BATCH_MAX && batch_parallel(c, bufs, lens, n);
+    if (par) {
+        check_job j = {c, bufs, lens, drop, rc, h, payload, n, 0};
+        duck_pool_run_shared(c->pool, check_task, &j);
+    }
+    for (unsigned i = 0; i < n && !c->shutdown; i++) {
+        c->rx_ns = rx_ns[i];
+        if (drop[i]) {   /* larger than any datagram of ours */
+            c->stats.datagrams_rx++;
+            c->stats.malformed++;
+            continue;
+        }
+        if (core_fault_drop(c))
+            continue;
+        if (par)
+            datagram_checked(c, &from[i], lens[i], rc[i], h[i], payload[i]);
+        else
+            core_datagram(c, &from[i], bufs[i], lens[i]);
+    }
+}
+
+static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, int rc, wire_header h,
+                             const uint8_t *payload)
+{
     c->stats.datagrams_rx++;
     c->mid_message = 0;
     c->dropped = 0;
-    int rc = wire_check(buf, len, &c->cfg.key, 0, &h, &payload);
     if (rc != WIRE_CHECK_OK) {
         uint64_t *counter = rc == WIRE_CHECK_MAC ? &c->stats.unauthenticated
                           : rc == WIRE_CHECK_LINK_MAC ? &c->stats.bad_mac

@@ -197,6 +197,13 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
 void core_free(duck_core *c);
 /* Everything that arrives goes through here; never trusts the bytes. */
 void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size_t len);
+/* A batch of datagrams as they came: their checks (CRC, MAC) shared out over
+ * the pool when the batch is a large message's fragments (a prefill chunk is
+ * megabytes), then each taken in order as core_datagram takes it. drop[i]
+ * set: datagram i is counted and dropped (truncated). rx_ns[i]: its arrival. */
+#define CORE_BATCH_MAX 64
+void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs, const size_t *lens,
+                const uint64_t *rx_ns, const uint8_t *drop, unsigned n);
 /* Fault injection: 1 when this datagram is to be dropped. */
 int core_fault_drop(duck_core *c);
 /* The datagram size of replies that do not state one (WIRE_MTU_DEFAULT, or

@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define RECV_BATCH 64
+#define RECV_BATCH CORE_BATCH_MAX
 #define SOCKET_BUFFER (16 << 20)
 /* The rest of a message whose first fragments arrived is microseconds
  * away: poll for it this long rather than sleep and wake per fragment. */
@@ -238,18 +238,19 @@ int net_serve(duck_core *core, int fd)
         struct timespec real, mono;
         clock_gettime(CLOCK_REALTIME, &real);
         clock_gettime(CLOCK_MONOTONIC, &mono);
-        for (int i = 0; i < n && !core->shutdown; i++) {
-            duck_peer peer = {from[i].sin_addr.s_addr, from[i].sin_port};
-            core->rx_ns = arrival_ns(&msgs[i].msg_hdr, &real, &mono);
-            if (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) {   /* larger than any datagram of ours */
-                core->stats.datagrams_rx++;
-                core->stats.malformed++;
-                continue;
-            }
-            if (core_fault_drop(core))
-                continue;
-            core_datagram(core, &peer, bufs[i], msgs[i].msg_len);
+        const uint8_t *ptrs[RECV_BATCH];
+        size_t lens[RECV_BATCH];
+        uint64_t rx_ns[RECV_BATCH];
+        uint8_t drop[RECV_BATCH];
+        duck_peer peers[RECV_BATCH];
+        for (int i = 0; i < n; i++) {
+            peers[i] = (duck_peer){from[i].sin_addr.s_addr, from[i].sin_port};
+            ptrs[i] = bufs[i];
+            lens[i] = msgs[i].msg_len;
+            rx_ns[i] = arrival_ns(&msgs[i].msg_hdr, &real, &mono);
+            drop[i] = (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) != 0;
         }
+        core_batch(core, peers, ptrs, lens, rx_ns, drop, (unsigned)n);
     }
     if (stop_signal)
         dlog(DLOG_INFO, "signal %d: stopping", (int)stop_signal);

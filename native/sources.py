@@ -22,7 +22,7 @@ KERNEL_PROBES = ["native/kernels/bench.c"]
 WIRE = ["native/wire/wire.c", "native/wire/poly1305.c", "native/wire/poly1305_avx2.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
              "native/transport/transport_timing.c", "native/transport/transport_plan.c",
-             "native/transport/transport_forward.c",
+             "native/transport/transport_forward.c", "native/transport/transport_par.c",
              "native/transport/transport_lost.c", "native/transport/cover.c", "native/transport/step.c"]
 HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",
         "native/host/host_kernels.c", "native/host/host_ops.c", "native/host/host_decoder.c"]

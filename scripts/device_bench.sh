@@ -8,6 +8,7 @@
 #   deepseek   bench e2e --synthetic deepseek-v32 (full widths, 4 layers: 1 dense + 3 MoE)
 #   qwen3      bench e2e --synthetic qwen3-30b-a3b (all 48 layers); qwen3spin: ducks spin DUCK_SPIN us first
 #   qwen35     bench e2e --synthetic qwen3.5-35b-a3b (all 40 layers)
+#   transport  bench transport, 4 ducks x 4 threads, with a prefill chunk (CHUNK, default 512x2048)
 #   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
 #              both MoE shapes, pool wake-up) and the standalone C test of the kernels
 # The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback), each duck pinned to
@@ -61,6 +62,11 @@ for step in "$@"; do
         python3 -m bench.e2e_synthetic --synthetic qwen3.5-35b-a3b --ducks 4 --duck-threads 4 --backends fleet,gpu \
             --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-qwen35$TAG.json" 2>"$OUT/e2e-qwen35$TAG.log"
         tail -4 "$OUT/e2e-qwen35$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen35$TAG.json" ;;
+    transport)   # the per-layer round trip, and a prefill chunk's (CHUNK, 512x2048) on the host's 1 and N threads
+        python3 -m bench.transport --ducks 4 --threads 4 --chunk "${CHUNK:-512x2048}" --skip-deepseek --iters 500 \
+            --json >"$OUT/transport$TAG.json" 2>"$OUT/transport$TAG.log"
+        python3 -c "import json, sys; from bench.transport import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+            "$OUT/transport$TAG.json" ;;
     kernels)
         gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join(
             [f"-I{d}" for d in s.INCLUDE_DIRS] + s.FP9 + s.KERNELS + s.C_TESTS))') -lpthread -lm -o /tmp/test_native \

@@ -83,7 +83,7 @@ const char *wire_type_str(unsigned type);
 typedef struct duck_transport_config {
     uint32_t n_ducks; const uint32_t *addrs; const uint16_t *ports; const uint8_t *key; uint32_t key_len;
     uint32_t mtu; uint32_t retransmit_us; uint32_t deadline_us; int32_t mac_data; uint32_t spin_us;
-    uint32_t rcvbuf; ...;
+    uint32_t rcvbuf; uint32_t workers; ...;
 } duck_transport_config;
 typedef struct duck_call {
     uint32_t duck; uint32_t type; uint32_t session; uint32_t payload_len; const void *payload; void *reply;
@@ -105,6 +105,7 @@ uint32_t duck_transport_agree(duck_transport *t, uint32_t duck, uint32_t duck_mt
 uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck);
 uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck);
 uint32_t duck_transport_rcvbuf(const duck_transport *t);
+unsigned duck_transport_workers(const duck_transport *t);
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 void duck_transport_run_nonce(const duck_transport *t, uint8_t *out);
 int duck_transport_link(duck_transport *t, uint32_t duck, const uint8_t *challenge);

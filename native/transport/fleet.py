@@ -70,13 +70,18 @@ class Fleet:
     and the requests in flight are sized so that all ducks' replies fit it.
     mac_data: MAC forwards and their partials (the default); False only on trusted
     links, with ducks started --no-data-mac.
+    workers: threads (this one counted) that seal and check the datagrams of a
+    large message and sum its partials: a prefill chunk is megabytes per duck,
+    every byte of which the host MACs, checksums and copies (0: as many as this
+    process may run on, at most 8; 1: this thread alone).
     Each Fleet is a run (docs/wire.md, Authentication): hello() opens it on every
     duck that does not hold it, and state-changing messages and forwards carry
     MACs under that duck's link key, each taken once.
     """
 
     def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
-                 deadline_ms: float = 1000.0, mac_data: bool = True, spin_us: int = 0, rcvbuf: int = 0):
+                 deadline_ms: float = 1000.0, mac_data: bool = True, spin_us: int = 0, rcvbuf: int = 0,
+                 workers: int = 0):
         self.addresses = [(str(h), int(p)) for h, p in addresses]
         if not self.addresses:
             raise ValueError("a fleet needs at least one duck address")
@@ -92,6 +97,7 @@ class Fleet:
         cfg.mac_data = int(mac_data)
         cfg.spin_us = spin_us
         cfg.rcvbuf = rcvbuf
+        cfg.workers = workers
         err = ffi.new("char[256]")
         ptr = lib.duck_transport_create(cfg, err, 256)
         if ptr == ffi.NULL:
@@ -297,6 +303,11 @@ class Fleet:
                             "to it %d); using %d: check the MTU of the path, or set the fleet's mtu", self.name(d), m,
                             self.infos[d].mtu, path, now)
         log.debug("datagram sizes: %s", self.datagram_sizes())
+
+    @property
+    def workers(self) -> int:
+        """Threads that sealed, checked and summed the large messages so far (1 until the first)."""
+        return int(lib.duck_transport_workers(self._open()))
 
     def datagram_sizes(self) -> list[int]:
         """The datagram size (an MTU: IP and UDP headers counted) used with each duck now."""

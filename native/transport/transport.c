@@ -127,6 +127,8 @@ void duck_transport_destroy(duck_transport *t)
         free(t->fwd[s].payload);
         free(t->fwd[s].replica_payload);
     }
+    if (t->pool)
+        duck_pool_destroy(t->pool);
     free(t->slice_bytes);
     free(t->replica);
     free(t->route);
@@ -281,9 +283,41 @@ static void state_reply_mtu(uint32_t type, uint8_t *payload, uint32_t len, uint3
         memcpy(payload + offsetof(wire_ping, reply_mtu), &v, sizeof v);
 }
 
+typedef struct seal_job {
+    duck_transport *t;
+    const duck_call *c;
+    const call_state *s;
+    uint8_t *out;                 /* the first datagram's place; stride apart */
+    size_t stride, *lens;
+    uint32_t fsize;
+    const uint16_t *frags;        /* the fragment each place holds */
+} seal_job;
+
+static void seal_one(void *ctx, uint32_t n)
+{
+    const seal_job *j = ctx;
+    const duck_call *c = j->c;
+    uint32_t i = j->frags[n], off = j->fsize * i;
+    uint32_t len = c->payload_len - off < j->fsize ? c->payload_len - off : j->fsize;
+    uint8_t *out = j->out + (size_t)n * j->stride;
+    if (len)
+        memcpy(out + WIRE_HEADER_BYTES, (const uint8_t *)c->payload + off, len);
+    if (i == 0)
+        state_reply_mtu(c->type, out + WIRE_HEADER_BYTES, len, j->s->mtu);
+    wire_header h = {0};
+    h.type = (uint8_t)c->type;
+    h.session = c->session;
+    h.sequence = j->s->seq;
+    h.frag_count = (uint16_t)j->s->req_frags;
+    h.frag_index = (uint16_t)i;
+    h.total_len = c->payload_len;
+    j->lens[n] = wire_seal_in_place(&h, len, &j->t->keys[c->duck], j->s->with_mac, out);
+}
+
 uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state *s, const uint8_t *have,
                          size_t *lens, size_t *at)
 {
+    static __thread uint16_t frags[WIRE_MAX_FRAGMENTS];
     size_t stride = (size_t)s->mtu + 64, need = (size_t)s->req_frags * stride;
     if (*at + need > t->seal_cap) {
         tr_tx_flush(t);   /* what is queued points into the buffer */
@@ -292,25 +326,12 @@ uint32_t tr_seal_request(duck_transport *t, const duck_call *c, const call_state
             return 0;
     }
     t->seal_stride = stride;
-    wire_header h = {0};
-    h.type = (uint8_t)c->type;
-    h.session = c->session;
-    h.sequence = s->seq;
-    h.frag_count = (uint16_t)s->req_frags;
-    h.total_len = c->payload_len;
     uint32_t fsize = wire_frag_size(c->payload_len, s->req_frags), n = 0;
-    for (uint32_t i = 0; i < s->req_frags; i++) {
-        if (have && (have[i / 8] & (1u << (i % 8))))
-            continue;
-        uint32_t off = fsize * i, len = c->payload_len - off < fsize ? c->payload_len - off : fsize;
-        uint8_t *out = t->seal + *at + (size_t)n * stride;
-        if (len)
-            memcpy(out + WIRE_HEADER_BYTES, (const uint8_t *)c->payload + off, len);
-        if (i == 0)
-            state_reply_mtu(c->type, out + WIRE_HEADER_BYTES, len, s->mtu);
-        h.frag_index = (uint16_t)i;
-        lens[n++] = wire_seal_in_place(&h, len, &t->keys[c->duck], s->with_mac, out);
-    }
+    for (uint32_t i = 0; i < s->req_frags; i++)
+        if (!have || !(have[i / 8] & (1u << (i % 8))))
+            frags[n++] = (uint16_t)i;
+    seal_job job = {t, c, s, t->seal + *at, stride, lens, fsize, frags};
+    tr_parallel(t, n, (size_t)n * fsize, seal_one, &job);
     return n;
 }
 

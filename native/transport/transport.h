@@ -29,6 +29,10 @@ typedef struct duck_transport_config {
     int32_t mac_data;            /* MAC forwards too (the ducks may require it) */
     uint32_t spin_us;            /* 0: block in ppoll while waiting (shared hosts) */
     uint32_t rcvbuf;             /* socket receive buffer to ask for; 0: 64 MiB */
+    uint32_t workers;            /* threads sealing and checking a large message's datagrams and summing its
+                                    partials, the calling thread included (a prefill chunk: megabytes per
+                                    duck): 0, as many as this process may run on, at most 8; 1: the calling
+                                    thread alone */
 } duck_transport_config;
 
 /* Results of a call, besides the duck's own status inside the reply. */
@@ -87,6 +91,8 @@ uint32_t duck_transport_mtu(const duck_transport *t, uint32_t duck);
 uint32_t duck_transport_path_mtu(const duck_transport *t, uint32_t duck);
 /* The socket's receive buffer in bytes (what replies in flight must fit). */
 uint32_t duck_transport_rcvbuf(const duck_transport *t);
+/* Threads that seal, check and sum large messages (config.workers; 1 until the first large one). */
+unsigned duck_transport_workers(const duck_transport *t);
 /* The retransmit timeout of the duck's next call, in microseconds. */
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck);
 

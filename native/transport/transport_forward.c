@@ -159,26 +159,52 @@ static int reply_ok(const duck_transport *t, const duck_forward_args *a, const f
     return 1;
 }
 
-static void add_partial(const duck_forward_args *a, fwd_sum *sum, const uint8_t *p)
+/* A partial added into a request's fp32 sum, a block of elements per item
+ * (on the helper threads for a prefill chunk's megabytes). The first partial
+ * is copied; each element's additions come in duck order whoever runs it. */
+#define SUM_BLOCK 16384
+typedef struct sum_job {
+    float *acc;
+    const uint8_t *src;           /* the partial; NULL: the fp32 sum into y as bf16 */
+    uint16_t *bf16_out;
+    size_t n;
+    int bf16, first;
+} sum_job;
+
+static void sum_block(void *ctx, uint32_t item)
 {
-    float *acc = sum->acc;
-    size_t n = (size_t)sum->ntok * a->hidden;
-    if (a->y_dtype == DUCK_DT_BF16) {
-        const uint16_t *src = (const uint16_t *)p;
-        if (sum->empty)
-            for (size_t i = 0; i < n; i++)
+    const sum_job *j = ctx;
+    size_t b = (size_t)item * SUM_BLOCK, e = b + SUM_BLOCK < j->n ? b + SUM_BLOCK : j->n;
+    float *acc = j->acc;
+    if (!j->src) {
+        wire_f32_to_bf16_n(acc + b, j->bf16_out + b, e - b);
+    } else if (j->bf16) {
+        const uint16_t *src = (const uint16_t *)j->src;
+        if (j->first)
+            for (size_t i = b; i < e; i++)
                 acc[i] = wire_bf16_to_f32(src[i]);
         else
-            for (size_t i = 0; i < n; i++)
+            for (size_t i = b; i < e; i++)
                 acc[i] += wire_bf16_to_f32(src[i]);
     } else {
-        const float *src = (const float *)p;
-        if (sum->empty)
-            memcpy(acc, src, n * 4);
+        const float *src = (const float *)j->src;
+        if (j->first)
+            memcpy(acc + b, src + b, (e - b) * 4);
         else
-            for (size_t i = 0; i < n; i++)
+            for (size_t i = b; i < e; i++)
                 acc[i] += src[i];
     }
+}
+
+static void sum_blocks(duck_transport *t, sum_job *j)
+{
+    tr_parallel(t, (uint32_t)((j->n + SUM_BLOCK - 1) / SUM_BLOCK), j->n * 4, sum_block, j);
+}
+
+static void add_partial(duck_transport *t, const duck_forward_args *a, fwd_sum *sum, const uint8_t *p)
+{
+    sum_job j = {sum->acc, p, NULL, (size_t)sum->ntok * a->hidden, a->y_dtype == DUCK_DT_BF16, sum->empty};
+    sum_blocks(t, &j);
     sum->empty = 0;
 }
 
@@ -191,8 +217,10 @@ static void finish_request(duck_transport *t, fwd_run *run, uint32_t slot)
     size_t count = (size_t)sum->ntok * a->hidden;
     if (sum->empty)
         memset(sum->acc, 0, count * 4);
-    if (a->y_dtype == DUCK_DT_BF16)
-        wire_f32_to_bf16_n(sum->acc, (uint16_t *)a->y + (size_t)sum->t0 * a->hidden, count);
+    if (a->y_dtype == DUCK_DT_BF16) {
+        sum_job j = {sum->acc, NULL, (uint16_t *)a->y + (size_t)sum->t0 * a->hidden, count, 1, 0};
+        sum_blocks(t, &j);
+    }
     uint32_t kernel_us = 0, nd = t->cfg.n_ducks;
     for (uint32_t d = 0; d < nd; d++) {
         const duck_call *c = &t->fcalls[slot * nd + d];
@@ -225,7 +253,7 @@ static void on_reply(duck_transport *t, duck_call *calls, uint32_t i, void *ctx)
             return;
         }
         if (p)
-            add_partial(run->a, sum, p);
+            add_partial(t, run->a, sum, p);
         sum->next++;
     }
     if (sum->next < nd || sum->complete)
@@ -336,7 +364,7 @@ static void forward_on_host(duck_transport *t, fwd_run *run)
             if (t->fcalls[d].result != DUCK_T_OK || !reply_ok(t, run->a, sum, &t->fcalls[d], d, &p))
                 return;
             if (p)
-                add_partial(run->a, sum, p);
+                add_partial(t, run->a, sum, p);
         }
         finish_request(t, run, 0);
     }

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include "pool.h"
 #include "transport.h"
 
 #define BATCH 64
@@ -88,6 +89,9 @@ struct duck_transport {
     int32_t *replica;
     int32_t *route;               /* slice -> the duck computing it, DUCK_ROUTE_HOST or DUCK_ROUTE_NONE */
     char cover_err[WIRE_MAX_ERROR_TEXT + 1];   /* why some slice has no route */
+    /* helper threads for large messages (transport_par.c), made at the first */
+    duck_pool *pool;
+    int pool_tried;
 };
 
 /* A forward request of n tokens and its reply, in bytes (transport_plan.c, transport_forward.c). */
@@ -105,6 +109,12 @@ static inline size_t tr_reply_bytes(const duck_forward_args *a, uint64_t n)
  * It may give calls that are done a new request and start them again
  * (tr_restart): a pipeline of requests within one run. */
 typedef void (*tr_done_fn)(duck_transport *t, duck_call *calls, uint32_t i, void *ctx);
+
+/* Runs fn(ctx, i) for every i in [0, n): shared out over the helper threads
+ * when the items touch `bytes` bytes in all, enough to pay for waking them;
+ * otherwise here, in order (transport_par.c). fn must not depend on the order. */
+typedef void (*tr_item_fn)(void *ctx, uint32_t item);
+void tr_parallel(duck_transport *t, uint32_t n, size_t bytes, tr_item_fn fn, void *ctx);
 
 /* Shared by transport.c, transport_run.c and transport_forward.c. */
 uint64_t tr_now_ns(void);

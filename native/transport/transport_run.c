@@ -62,20 +62,57 @@ static void on_nack(duck_transport *t, const duck_call *c, call_state *s, const 
     }
 }
 
-/* Returns 1 when this datagram completed (or failed) a call. */
-static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, size_t len,
-                       const struct sockaddr_in *from, uint64_t now, tr_done_fn done, void *ctx)
+/* A received datagram, checked (on a helper thread when the batch is large):
+ * its duck (-1: not one of ours), wire_check's result, header and payload. */
+typedef struct rx_item {
+    int32_t duck;
+    int rc;
+    wire_header h;
+    const uint8_t *p;
+    uint8_t *copy_to;             /* where its payload goes, once its call has taken it */
+    int32_t completes;            /* the call it completed (its callback still due); -1: none */
+} rx_item;
+
+typedef struct rx_batch {
+    duck_transport *t;
+    rx_item *items;
+    const uint32_t *lens;
+} rx_batch;
+
+static void check_one(void *ctx, uint32_t i)
+{
+    const rx_batch *b = ctx;
+    duck_transport *t = b->t;
+    rx_item *it = &b->items[i];
+    it->duck = find_duck(t, &t->rx_from[i]);
+    /* the MAC is checked against the call's need once the call is known */
+    it->rc = it->duck >= 0 && t->active[it->duck] >= 0
+             ? wire_check(t->rx[i], b->lens[i], &t->keys[it->duck], 0, &it->h, &it->p) : WIRE_CHECK_SHORT;
+}
+
+static void copy_one(void *ctx, uint32_t i)
+{
+    const rx_batch *b = ctx;
+    const rx_item *it = &b->items[i];
+    if (it->copy_to)
+        memcpy(it->copy_to, it->p, it->h.payload_len);
+}
+
+/* A checked datagram's effect on its call: its payload's place in the reply
+ * (it->copy_to; the copy is the caller's), and it->completes when it was the
+ * call's last fragment. Returns 1 when it completed (or failed) a call. */
+static int on_datagram(duck_transport *t, duck_call *calls, rx_item *it, uint64_t now)
 {
     t->stats.datagrams_rx++;
-    int32_t d = find_duck(t, from);
+    it->copy_to = NULL;
+    it->completes = -1;
+    int32_t d = it->duck;
     if (d < 0 || t->active[d] < 0) {
         t->stats.stale++;
         return 0;
     }
-    wire_header h;
-    const uint8_t *p;
-    /* the MAC is checked against the call's need once the call is known */
-    int rc = wire_check(buf, len, &t->keys[d], 0, &h, &p);
+    const wire_header h = it->h;
+    int rc = it->rc;
     int32_t found = rc == WIRE_CHECK_OK ? find_call(t, d, h.sequence) : -1;
     if (rc == WIRE_CHECK_OK && found >= 0 && t->st[found].with_mac && !(h.flags & WIRE_F_MAC))
         rc = WIRE_CHECK_MAC;
@@ -95,7 +132,7 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     }
     s->t_heard = now;
     if (h.type == WIRE_T_NACK) {
-        on_nack(t, c, s, &h, p);
+        on_nack(t, c, s, &h, it->p);
         return 0;
     }
     if (h.type != c->type) {
@@ -121,7 +158,7 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     if (s->bitmap[i / 8] & (1u << (i % 8)))
         return 0;
     s->bitmap[i / 8] |= (uint8_t)(1u << (i % 8));
-    memcpy((uint8_t *)c->reply + (size_t)wire_frag_size(h.total_len, h.frag_count) * i, p, h.payload_len);
+    it->copy_to = (uint8_t *)c->reply + (size_t)wire_frag_size(h.total_len, h.frag_count) * i;
     if (++s->rep_have < s->rep_count)
         return 0;
     c->result = DUCK_T_OK;
@@ -129,9 +166,34 @@ static int on_datagram(duck_transport *t, duck_call *calls, const uint8_t *buf, 
     c->rtt_ns = now - s->t_start;
     s->done = 1;
     tr_rtt_sample(&t->link[d], c, s, now);
-    if (done)
-        done(t, calls, ci, ctx);
+    it->completes = (int32_t)ci;
     return 1;
+}
+
+/* The datagrams recvmmsg gave: checked (CRC, MAC), taken by their calls, their
+ * payloads copied into the replies, then the callbacks of the calls they
+ * completed, in arrival order. The checks and the copies are shared out over
+ * the helper threads when the batch is large (replies of a prefill chunk). */
+static int take_batch(duck_transport *t, duck_call *calls, int n, tr_done_fn done, void *ctx)
+{
+    static __thread rx_item items[BATCH];
+    static __thread uint32_t lens[BATCH];
+    size_t bytes = 0;
+    for (int i = 0; i < n; i++)
+        bytes += lens[i] = t->rx_msgs[i].msg_len;
+    rx_batch b = {t, items, lens};
+    tr_parallel(t, (uint32_t)n, bytes, check_one, &b);
+    int finished = 0;
+    uint64_t now = tr_now_ns();
+    for (int i = 0; i < n; i++)
+        finished += on_datagram(t, calls, &items[i], now);
+    tr_parallel(t, (uint32_t)n, bytes, copy_one, &b);
+    for (int i = 0; i < n; i++) {
+        t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
+        if (items[i].completes >= 0 && done)
+            done(t, calls, (uint32_t)items[i].completes, ctx);
+    }
+    return finished;
 }
 
 /* Takes what has arrived, waiting up to wait_ns for the first datagram
@@ -188,14 +250,8 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int no
             return -1;
         }
     }
-    int finished = 0;
-    uint64_t now = tr_now_ns();
     t->gathering = 1;
-    for (int i = 0; i < n; i++) {
-        finished += on_datagram(t, calls, t->rx[i], msgs[i].msg_len, &t->rx_from[i], now, done, ctx);
-        msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
-    }
-    return finished;
+    return take_batch(t, calls, n, done, ctx);
 }
 
 /* Everything but a forward (with mac_data 0) and a ping carries the MAC of its

@@ -278,3 +278,34 @@ def test_a_prefill_sized_forward_is_cut_to_what_the_messages_carry(tmp_path):
         y = session.forward(0, x, np.full((n, 1), -1, np.int32), np.zeros((n, 1), np.float32))
         assert np.array_equal(y, np.zeros_like(x))
         assert session.last_requests >= 2 and session.last_request_tokens * session.last_requests >= n
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_a_prefill_chunk_on_helper_threads_has_the_bits_of_one_thread(tmp_path, out_dtype):
+    """A chunk of 256 tokens at hidden 1024 in bf16 is 512 KiB to each duck and 0.5-1 MiB
+    back: the host seals, checks and sums it on its helper threads, and each duck (two
+    worker threads) checks its request's datagrams and seals its reply over its pool. The
+    sum has the bits of the host on one thread, and (fp32) of the local reference."""
+    from native.transport import Fleet
+
+    rng = np.random.default_rng(17)
+    hidden, n, n_experts, ntok = 1024, 2, 4, 256
+    per_duck = split_experts(make_layer(rng, n_experts, 64 * n, hidden), tp=n)
+    xf = (rng.standard_normal((ntok, hidden)) * 0.5).astype(np.float32)
+    x = torch.from_numpy(xf).to(torch.bfloat16)
+    ids, w = routing(rng, ntok, 2, n_experts)
+    with Ducks(n, tmp_path, args=["--threads", "2"], workers=1) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        alone = session.forward(0, x, ids, w, out=np.empty((ntok, hidden), out_dtype))
+        assert ducks.fleet.workers == 1
+        with Fleet([d.address for d in ducks.ducks], ducks.key, workers=4) as shared:
+            shared.hello()
+            from native.transport.session import Session
+            helped = Session(shared, session.id, hidden, {0})
+            y = helped.forward(0, x, ids, w, out=np.empty((ntok, hidden), out_dtype))
+            assert shared.workers == 4 and helped.last_requests == 1
+    assert np.array_equal(y, alone)
+    if out_dtype == np.float32:   # the local slices given the same bf16 activations: the same bits
+        want = local_reference(per_duck, hidden, x, ids, w)
+        assert np.array_equal(y.view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
