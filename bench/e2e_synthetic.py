@@ -250,7 +250,7 @@ def run_config(args, kind: str, device, dtype) -> dict:
         if args.request_tokens:   # a chunk cut into requests in flight together: transfer beside compute
             backend.session.request_tokens = args.request_tokens
             out["request_tokens"] = args.request_tokens
-        out["ducks"], out["duck_threads"] = args.ducks, args.duck_threads
+        out["ducks"], out["duck_threads"], out["duck_spin_us"] = args.ducks, args.duck_threads, args.duck_spin_us
     elif kind == "gpu":
         backend = install_random_torch_experts(model, device)
     elif kind == "cpu-torch":

@@ -112,6 +112,8 @@ class Fleet:
     port_gbit: float = 25.0            # the host's port of each subnet
     latency_us: float = 10.0           # one way host <-> duck (switch, NICs), each direction
     call_us: float = 78.0              # fixed cost of a duck call per layer beyond wire and kernel (seeds' judge gap)
+    kernel_call_us: float = 0.0        # the duck's pool per layer call: waking its blocked workers and their phases
+                                       # (bench kernels: pool_wake's blocked run_us; spinning workers: its spinning)
     host_per_duck_us: float = 0.0      # the host's own work per duck per layer (send, receive, sum)
     host_ms: float = 0.093             # GPU/host stage per layer (seeds: 5.7 ms per 61 layers)
     head_ms: float = 0.5               # per step: embedding, lm_head, sampling
@@ -137,7 +139,7 @@ class Fleet:
                      "port_gbit"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
-        for name in ("latency_us", "call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
+        for name in ("latency_us", "call_us", "kernel_call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
                      "prefill_host_ms",
                      "colocated_cores", "emulated_link_mtu"):
             if getattr(self, name) < 0:
@@ -206,7 +208,7 @@ def duck_stage_ms(m: ModelShape, f: Fleet, tokens: int) -> dict:
     """Kernel and transport of one layer (the mean over the model's MoE and dense layers)."""
     moe, dense = layer_params(m, f, tokens)
     params = (moe * m.moe_layers + dense * m.dense_layers) / m.layers
-    kernel = params / f.duck_gparams / 1e6
+    kernel = params / f.duck_gparams / 1e6 + f.kernel_call_us / 1e3
     t = transport_us(f, m.hidden, tokens)
     return {"kernel_ms": kernel, "transport_ms": t["total_us"] / 1e3, "transport": t,
             "params_per_duck": params}

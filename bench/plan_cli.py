@@ -35,7 +35,8 @@ def _read(path: str) -> dict:
 
 
 def from_kernels(d: dict, cores: int) -> dict:
-    """`bench kernels --json`: the fp9 GEMV per core (one thread) and the read bandwidth at `cores` threads."""
+    """`bench kernels --json`: the fp9 GEMV per core (one thread), the read bandwidth at `cores` threads
+    and the pool's run of one job on blocked workers (the per-call cost of a duck's kernel)."""
     gemv = [c for c in d.get("cases", []) if c.get("name") == "fp9_gemv" and c.get("threads") == 1]
     reads = {int(k): v for k, v in (d.get("read_gbps") or {}).items()}
     if not gemv or not reads:
@@ -46,6 +47,10 @@ def from_kernels(d: dict, cores: int) -> dict:
     if gemm:   # prefill: param x token products per second = FLOP/s / 2, at the most tokens per expert
         most = max(c["tokens"] for c in gemm)
         out["gemm_gparams_per_core"] = max(c["gflops_per_core"] for c in gemm if c["tokens"] == most) / 2
+    wakes = [w for w in d.get("pool_wake") or [] if w.get("blocked")]
+    if wakes:   # the ducks block between layers by default: one FFN call's pool job on woken workers
+        w = min(wakes, key=lambda w: (abs(w["threads"] - cores), -w["threads"]))
+        out["kernel_call_us"] = w["blocked"]["run_us"]
     return out
 
 
@@ -53,9 +58,13 @@ def from_kernels(d: dict, cores: int) -> dict:
 # 2026-11-30-kernels-h200-host-16core.json (avx2-xor, 14.87 Gparam/s) and 2026-12-01-kernels-h200-host-16core.txt
 # (avx512, 30.68 Gparam/s; that run's JSON did not come back, its printed table did)
 H200_GPARAMS_PER_CORE = {"2026-11-30": 14.87 / 4, "2026-12-01": 30.68 / 4}
+# One FFN call's pool job on a duck of 4 threads of the H200 host, us: blocked workers woken
+# (the ducks' default, --idle block) and spinning ones (bench/results/2026-12-02-kernels-h200-amx.json,
+# pool_wake run_us). A decode layer's kernel is a few hundred us, so this is 10-15 % of Qwen3's.
+H200_POOL_RUN_US = {"blocked": 42.96, "spinning": 2.76}
 
 
-def from_e2e(d: dict, day: str = "2026-12-01") -> tuple[dict, ModelShape, float]:
+def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[dict, ModelShape, float]:
     """`bench e2e --synthetic --json`: the fleet and host of the run, its model, its measured decode tok/s.
     The host stage, head and transport are the run's own per-layer measurements (inputs of the plan);
     the kernel is predicted from the read bandwidth measured at the run's start and end."""
@@ -74,8 +83,12 @@ def from_e2e(d: dict, day: str = "2026-12-01") -> tuple[dict, ModelShape, float]
     pl = dec["per_layer_ms"]
     ducks, cores = fl["ducks"], fl["duck_threads"]
     per_core = H200_GPARAMS_PER_CORE[max(k for k in H200_GPARAMS_PER_CORE if k <= day)]
+    # ducks spinning between layers (a decode layer's gap is ~0.1 ms) pay no wake-up; files made before
+    # the e2e JSON recorded duck_spin_us say so in their name (bench/results/README.md: duckspin300)
+    spin = fl.get("duck_spin_us", 300 if "duckspin" in name_of_file else 0)
     fleet = {"ducks": ducks, "subnets": 1, "cores": cores, "read_gbps": sum(reads) / len(reads) / ducks,
              "kernel_gparams_per_core": per_core,
+             "kernel_call_us": H200_POOL_RUN_US["spinning" if spin else "blocked"],
              "host_ms": pl["host"], "head_ms": dec.get("head_ms", 0.5), "call_us": pl["transport"] * 1e3,
              "duck_link_gbit": 1e4, "port_gbit": 1e4, "latency_us": 0.0, "mtp_acceptance": 0.0}
     # the median of the run's decodes where it has several (the first is one sample: bench/results/README.md)
@@ -137,7 +150,7 @@ def validate(transport_file: str | None = None) -> dict:
         d = _read(path)
         if "prompts" not in d.get("fleet", {}):
             continue
-        fleet, m, measured = from_e2e(d, Path(path).name[:10])
+        fleet, m, measured = from_e2e(d, Path(path).name[:10], Path(path).name)
         p = plan(m, Fleet(**fleet))
         noisy = "noisy" in path   # bench/results/README.md: "the host was noisy ... not used for the figure"
         rows.append({"case": Path(path).name, "source": "H200 noisy" if noisy else "H200 e2e",

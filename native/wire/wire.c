@@ -22,12 +22,13 @@ static void crc_init(void)
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++)
             crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
-    crc_ready = 1;
+    /* threads may check datagrams at once (the transport's helpers): the tables before the flag */
+    __atomic_store_n(&crc_ready, 1, __ATOMIC_RELEASE);
 }
 
 static uint32_t crc_generic(uint32_t c, const uint8_t *p, size_t n)
 {
-    if (!crc_ready)
+    if (!__atomic_load_n(&crc_ready, __ATOMIC_ACQUIRE))
         crc_init();
     while (n >= 8) {
         uint64_t v;

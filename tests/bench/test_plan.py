@@ -20,17 +20,23 @@ def test_the_seeds_three_figures_within_20_percent(rows):
         assert abs(r["error"]) <= 0.20, r
 
 
-def test_the_h200_runs_of_the_current_code_mostly_within_15_percent(rows):
+def test_the_h200_runs_of_the_current_code_within_15_percent(rows):
     """Files of 2026-12-01 on (the C step, pinned or blocking ducks): decode tok/s from the run's host
-    stage, transport and read bandwidth; the kernel is the planner's. The noisy-host files are not gated.
-    At least 85 % within 15 % (18 of 20 on 2026-12-02: the misses are 2026-12-01's Qwen3.5 before its
-    fused DeltaNet, +21 %, and 2026-12-02's Qwen3 amx run, +15.9 %, whose ducks streamed at 0.82 of
-    the probe's read bandwidth in decode where other leases' reached it)."""
+    stage, transport and read bandwidth; the kernel is the planner's, with the duck's pool run per call
+    (docs/plan.md: without it Qwen3's small slices came out +14 to +18 %). The noisy-host files are not
+    gated. All 26 within 15 % on 2026-12-02."""
     gated = [r for r in rows if r["source"] == "H200 e2e" and r["case"] >= "2026-12-01"]
-    assert len(gated) >= 12
-    within = [r for r in gated if abs(r["error"]) <= 0.15]
-    assert len(within) >= 0.85 * len(gated), [(r["case"], r["error"]) for r in gated]
-    assert max(abs(r["error"]) for r in gated) < 0.25
+    assert len(gated) >= 26
+    assert all(abs(r["error"]) <= 0.15 for r in gated), [(r["case"], r["error"]) for r in gated]
+
+
+def test_the_pool_run_is_read_from_a_kernels_file():
+    from bench.plan_cli import from_kernels
+    d = json.loads((RESULTS / "2026-12-01-kernels-h200-gemm.json").read_text())   # 43.19 us at 4 threads
+    assert from_kernels(d, 4)["kernel_call_us"] == d["pool_wake"][0]["blocked"]["run_us"]
+    m = load_model("qwen3-30b-a3b")
+    slow = plan(m, Fleet(ducks=4, kernel_call_us=43.0))["decode"]["per_layer_ms"]["kernel"]
+    assert slow == pytest.approx(plan(m, Fleet(ducks=4))["decode"]["per_layer_ms"]["kernel"] + 0.043)
 
 
 def test_past_moe_intermediate_over_multiple_of_more_ducks_do_not_shrink_the_slices():
@@ -93,17 +99,18 @@ def test_duckctl_plan_json_and_table(capsys):
     assert "ducks = 0" in capsys.readouterr().err
 
 
-def test_the_emulated_fleet_repeated_runs_merge_by_median_and_mostly_fall_within_15_percent(tmp_path):
-    """Three quiet runs of `bench transport --netns 32 --link-mtu 9000`: each case the median of the
+def test_the_emulated_fleet_repeated_runs_merge_by_median_and_fall_within_15_percent(tmp_path):
+    """Five quiet runs of `bench transport --netns 32 --link-mtu 9000`: each case the median of the
     runs; calibrated at 8 ducks, the 16- and 32-duck predictions (docs/plan.md, Emulated fleet)."""
-    runs = [str(RESULTS / f"2026-12-02-transport-netns32-dev-2core-mtu9000-quiet-run{i}.json") for i in (1, 2, 3)]
+    runs = [str(RESULTS / f"2026-12-02-transport-netns32-dev-2core-mtu9000-quiet-run{i}.json") for i in range(1, 6)]
     rows = [r for r in validate(",".join(runs))["rows"] if r["source"] == "emulated LAN"]
-    assert len(rows) == 6 and all("median of 3 runs" in r["case"] for r in rows)
+    assert len(rows) == 6 and all("median of 5 runs" in r["case"] for r in rows)
     key = "netns_partials_16_ducks_hidden7168_fp32"
     medians = sorted(json.loads(open(p).read())[key]["median_us"] for p in runs)
-    assert [r["measured"] for r in rows if r["case"].startswith("netns 16 ducks hidden 7168 fp32")] == [medians[1]]
+    assert [r["measured"] for r in rows if r["case"].startswith("netns 16 ducks hidden 7168 fp32")] == [medians[2]]
     predicted = [r for r in rows if "calibration point" not in r["inputs"]]
-    assert sum(abs(r["error"]) <= 0.15 for r in predicted) >= 3, [(r["case"], r["error"]) for r in predicted]
+    assert len(predicted) == 4 and all(abs(r["error"]) <= 0.15 for r in predicted), \
+        [(r["case"], r["error"]) for r in predicted]
     other = json.loads(open(runs[0]).read())
     other["links"] = {**other["links"], "duck_rate_mbit": 1000.0}
     (tmp_path / "other.json").write_text(json.dumps(other))

@@ -80,3 +80,25 @@ def test_bench_transport_on_an_emulated_lan_and_the_plan_of_it(capsys, tmp_path)
     rows = [row for row in validate(str(path))["rows"] if row["source"] == "emulated LAN"]
     assert [row["case"].split()[1] for row in rows] == ["2", "4", "2", "4"]
     assert rows[0]["error"] == 0.0 and rows[1]["predicted"] > rows[0]["predicted"]
+
+
+def test_bench_transport_prefill_chunk(capsys):
+    """--chunk: a prefill chunk's bytes both ways (bf16, 128 tokens x hidden 1024: 256 KiB per duck
+    and way), the host on one thread and on its helper threads; the transport is the round trip
+    less the slowest duck's kernel."""
+    rc = duckctl(["bench", "transport", "--json", "--ducks", "2", "--iters", "20", "--skip-deepseek",
+                  "--chunk", "128x1024"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    one, helped = r["chunk_2_ducks_128x1024_host_1_thread"], r["chunk_2_ducks_128x1024_host_threads"]
+    for c in (one, helped):
+        assert c["tokens"] == 128 and c["hidden"] == 1024 and c["bytes_per_duck_each_way"] == 128 * 1024 * 2
+        assert c["partials"] == "bf16" and c["requests"] == 1 and c["datagram_bytes"] == 65535
+        assert 0 < c["transport_us"] < c["median_us"] and c["host_cpu_us_per_call"] > 0
+        assert c["datagrams_per_call"] >= 2 * 2 * 4     # 256 KiB each way: at least 4 datagrams per duck
+    assert one["host_workers"] == 1 and helped["host_workers"] == min(len(os.sched_getaffinity(0)), 8)
+
+
+def test_bench_transport_rejects_a_malformed_chunk(capsys):
+    with pytest.raises(SystemExit, match="expected TOKENSxHIDDEN"):
+        duckctl(["bench", "transport", "--chunk", "512by2048"])
