@@ -227,7 +227,8 @@ class FleetConfig:
     restart: bool = True               # restart failed ducks where the driver can
     restart_delay_s: float = 1.0       # wait before a restart (no restart storms)
     cache_capacity_mb: int = 0         # per duck; 0 = unbounded
-    spin: bool = False                 # ducks spin-then-block when idle: dedicated hardware only
+    spin: bool | None = None           # ducks spin-then-block when idle; unset: where they are dedicated
+                                       # hardware (pxe), not where they share this host's cores (local, netns)
     spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
     retransmit_ms: float = 0.5         # the floor of the host's retransmit timer (it follows each duck's round trip)
@@ -265,6 +266,10 @@ class FleetConfig:
         if self.mtu and not lib.WIRE_MTU_MIN <= self.mtu <= lib.WIRE_MTU_MAX:
             raise ConfigError(f"fleet.mtu = {self.mtu!r}: expected 0 (as agreed with each duck) or "
                               f"{lib.WIRE_MTU_MIN}..{lib.WIRE_MTU_MAX} (the wire's datagram sizes)")
+        if self.spin is None:
+            self.spin = self.driver == "pxe"
+        if not isinstance(self.spin, bool):
+            raise ConfigError(f"fleet.spin = {self.spin!r}: expected true or false")
         if not 1 <= self.spin_us <= 1000000:
             raise ConfigError(f"fleet.spin_us = {self.spin_us!r}: expected 1..1000000")
         if not 0 <= self.host_spin_us <= 100000:

@@ -33,7 +33,7 @@ def image_settings(fleet_cfg):
 
     p = fleet_cfg.pxe
     return ImageSettings(port=p.port, threads=p.threads, cache=p.cache, cache_capacity_mb=fleet_cfg.cache_capacity_mb,
-                         idle="spin" if fleet_cfg.spin else "block", data_mac=fleet_cfg.data_mac,
+                         idle="spin" if fleet_cfg.spin else "block", spin_us=fleet_cfg.spin_us, data_mac=fleet_cfg.data_mac,
                          modules=tuple(dict.fromkeys(DEFAULT_MODULES + tuple(p.modules))), kernel=p.kernel,
                          busybox=p.busybox)
 

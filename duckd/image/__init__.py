@@ -47,6 +47,7 @@ class ImageSettings:
     cache_capacity_mb: int = 0        # weights held; 0: the duck's memory less reserve_mb
     reserve_mb: int = 512             # memory left to the kernel and the image when capacity is 0
     idle: str = "block"               # block | spin (dedicated ducks: spin-then-block)
+    spin_us: int = 1000               # with idle = spin: how long a duck polls before it blocks
     log_level: str = "info"
     data_mac: bool = True
     modules: tuple[str, ...] = DEFAULT_MODULES
@@ -64,6 +65,8 @@ class ImageSettings:
             raise ImageError("cache_capacity_mb and reserve_mb: expected >= 0")
         if self.idle not in ("block", "spin"):
             raise ImageError(f"idle = {self.idle!r}: expected block or spin")
+        if not 1 <= self.spin_us <= 1000000:
+            raise ImageError(f"spin_us = {self.spin_us!r}: expected 1..1000000")
         if self.log_level not in ("error", "warn", "info", "debug"):
             raise ImageError(f"log_level = {self.log_level!r}: expected error, warn, info or debug")
         for m in self.modules:
@@ -164,7 +167,7 @@ def duck_conf(s: ImageSettings) -> str:
     capacity = f"{s.cache_capacity_mb}M" if s.cache_capacity_mb else "auto"
     return "".join(f"{k}={v}\n" for k, v in (
         ("DUCK_PORT", s.port), ("DUCK_THREADS", s.threads), ("DUCK_CACHE", s.cache),
-        ("DUCK_CACHE_CAPACITY", capacity), ("DUCK_RESERVE_MB", s.reserve_mb), ("DUCK_IDLE", s.idle),
+        ("DUCK_CACHE_CAPACITY", capacity), ("DUCK_RESERVE_MB", s.reserve_mb), ("DUCK_IDLE", s.idle), ("DUCK_SPIN_US", s.spin_us),
         ("DUCK_LOG_LEVEL", s.log_level), ("DUCK_EXTRA", "" if s.data_mac else "--no-data-mac")))
 
 

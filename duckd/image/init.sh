@@ -98,7 +98,7 @@ threads="$DUCK_THREADS"
 while true; do
     say "duckfw on $ip:$DUCK_PORT, $threads threads, cache $capacity"
     duckfw --bind "$ip" --port "$DUCK_PORT" --id "$DUCK_ID" $cache_opt --cache-capacity "$capacity" \
-        --key-file /etc/duck/fleet.key --threads "$threads" --idle "$DUCK_IDLE" --mtu auto \
+        --key-file /etc/duck/fleet.key --threads "$threads" --idle "$DUCK_IDLE" --spin-us "${DUCK_SPIN_US:-1000}" --mtu auto \
         --log-level "$DUCK_LOG_LEVEL" $DUCK_EXTRA
     say "duckfw exited with status $?: starting it again in 1 s"
     sleep 1

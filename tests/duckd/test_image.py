@@ -177,3 +177,24 @@ def test_duckctl_image_build_prints_path_size_and_digest(tmp_path, capsys, boot_
     assert out["size"] == sum(Path(p).stat().st_size for p in out["files"].values()) and len(out["digest"]) == 64
     assert main(["--config", str(cfg), "image", "build", "--kernel", str(tmp_path / "vmlinuz-x")]) == 2
     assert f"kernel {tmp_path / 'vmlinuz-x'}: no such file" in capsys.readouterr().err
+
+
+def test_network_booted_ducks_spin_by_default_and_take_spin_us():
+    """Ducks of the pxe driver are dedicated boxes: they spin-then-block unless fleet.spin says
+    not to, for fleet.spin_us (through the image's duck.conf); local and netns ducks share this
+    host's cores and block."""
+    from duckd.config import ConfigError, FleetConfig, PxeConfig, PxeDuck
+    from duckd.drivers.pxe import image_settings
+    from duckd.image import duck_conf
+
+    pxe = PxeConfig(interface="eth1", ducks=[PxeDuck(mac="52:54:00:00:00:01", address="10.77.0.11")])
+    fleet = FleetConfig(driver="pxe", pxe=pxe, spin_us=300)
+    assert fleet.spin is True
+    conf = duck_conf(image_settings(fleet))
+    assert "DUCK_IDLE=spin\n" in conf and "DUCK_SPIN_US=300\n" in conf
+    assert "DUCK_IDLE=block\n" in duck_conf(image_settings(FleetConfig(driver="pxe", pxe=pxe, spin=False)))
+    assert FleetConfig().spin is False and FleetConfig(driver="netns").spin is False
+    with pytest.raises(ConfigError, match="fleet.spin = 'yes'"):
+        FleetConfig(spin="yes")
+    with pytest.raises(ImageError, match="spin_us = 0"):
+        ImageSettings(spin_us=0)

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.qemu,
 
 def _pxe_config(tmp_path, vf: VirtualFleet, state):
     cfg = write_config(tmp_path / "duckd.toml", state, ducks=len(vf.macs), driver="pxe", link_timeout_s=240.0,
-                       restart_delay_s=0.5)
+                       restart_delay_s=0.5, spin=False)   # TCG VMs share this host's cores: they block
     # a TCG VM answers its health pings slower than a local duck
     cfg.write_text(cfg.read_text().replace("fail_after_s = 1.0", "fail_after_s = 3.0"))
     with open(cfg, "a") as f:
