@@ -191,6 +191,7 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
         cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
     model, n_experts, hidden, width, _ = GEMM_LAYER
     cases += kernels_gemm.fma_peak_cases(pool, threads, sets)
+    cases += kernels_gemm.amx_peak_cases(pool, threads, sets)
     cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads,
                                      sets, rng)
     return cases
@@ -240,7 +241,7 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            if c.name == "fma_peak":
+            if c.name in ("fma_peak", "amx_peak"):
                 result["cases"].append(compute[c.key])
                 continue
             gbps = gbps_of[c.key]

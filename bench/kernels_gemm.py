@@ -1,5 +1,6 @@
 """The compute side of the kernel benchmark: the FMA peak of each instruction
-set and the prefill GEMM (fp9_gemm) at 8, 32 and 128 tokens per expert, in
+set (and where the amx set runs, the AMX tile rate: alone, with the GEMM's tile
+loads, with its A tiles freshly stored) and the prefill GEMM (fp9_gemm) at 8, 32 and 128 tokens per expert, in
 GFLOP/s and as a share of that peak, both measured in the run of
 bench/kernels.py, round by round beside its other cases."""
 from __future__ import annotations
@@ -38,6 +39,20 @@ def fma_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
     return cases
 
 
+AMX_ROUNDS = 1 << 16
+AMX_MODES = ("tiles", "tile_loads", "stored_tile_loads")   # duck_kernels_amx_probe's modes 0, 1, 2
+
+
+def amx_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
+    """Where the amx set is compared: the tile rate alone and with the GEMM's tile loads
+    (duck_kernels_amx_probe), the reference of the amx GEMM's figure as fma_peak is of the others."""
+    if "amx" not in sets or not lib.duck_kernels_amx_probe(pool.ptr, 0, 1):
+        return []
+    per_round = lib.duck_kernels_amx_probe(pool.ptr, 0, 1)
+    return [Case("amx_peak", lambda m=m: lib.duck_kernels_amx_probe(pool.ptr, m, AMX_ROUNDS), 0, 0,
+                 flops=per_round * AMX_ROUNDS, threads=threads, mode=AMX_MODES[m]) for m in range(3)]
+
+
 def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng) -> list[Case]:
     """What prefill does with the experts of a chunk: each one's gate/up and
     down slices streamed once over all of its tokens, rows split over the
@@ -74,7 +89,7 @@ def entries(cases: list[Case], med: dict, threads: int) -> dict:
     out = {}
     for c in cases:
         gflops = c.flops / med[c.key] / 1e9
-        if c.name == "fma_peak":
+        if c.name in ("fma_peak", "amx_peak"):
             out[c.key] = {"name": c.name, **c.info, "gflops": round(gflops, 2),
                           "gflops_per_core": round(gflops / threads, 2)}
         elif c.name == "fp9_gemm":
@@ -85,17 +100,22 @@ def entries(cases: list[Case], med: dict, threads: int) -> dict:
             ratios = [(c.flops / s) / (peak.flops / p) for s, p in zip(c.seconds, peak.seconds)]
             out[c.key] = {"gflops": round(gflops, 2), "gflops_per_core": round(gflops / threads, 2),
                           "fma_peak_isa": isa, "ratio_to_fma_peak": round(statistics.median(ratios), 3)}
+            tiles = next((p for p in cases if p.name == "amx_peak" and p.info["mode"] == "tiles"), None)
+            if c.info["kernels"] == "amx" and tiles is not None:   # and of the tiles' own rate
+                out[c.key]["ratio_to_amx_peak"] = round(statistics.median(
+                    [(c.flops / s) / (tiles.flops / p) for s, p in zip(c.seconds, tiles.seconds)]), 3)
     return out
 
 
 def format_line(c: dict) -> str | None:
     """The table line of an FMA peak or a GEMM entry (None for the other cases)."""
-    if c["name"] == "fma_peak":
-        return (f"{c['name']:10s} {'':22s} {c['isa']:28s} threads {c['threads']:2d}  "
+    if c["name"] in ("fma_peak", "amx_peak"):
+        return (f"{c['name']:10s} {'':22s} {c.get('isa') or c['mode']:28s} threads {c['threads']:2d}  "
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
     if c["name"] == "fp9_gemm":
         label = f"{c['model']} T{c['tokens']} {c['kernels']}"
         return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  "
-                f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s")
+                f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s"
+                + (f"  ratio_to_amx_peak {c['ratio_to_amx_peak']:.3f}" if "ratio_to_amx_peak" in c else ""))
     return None

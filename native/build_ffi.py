@@ -95,6 +95,7 @@ uint64_t duck_bench_read(duck_pool *pool, const void *buf, size_t bytes);
 #define DUCK_BENCH_AVX512 ...
 int duck_bench_isa(int want);
 uint64_t duck_bench_fma(duck_pool *pool, int isa, uint64_t rounds);
+uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds);
 void duck_bench_gemm(duck_pool *pool, const duck_kernels *k, const duck_expert_slice *experts, uint32_t n,
                      uint32_t ntok, const float *const *x, const float *const *h, float *const *gu, float *const *y);
 int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,

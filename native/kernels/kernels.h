@@ -5,6 +5,7 @@
 #define DUCK_KERNELS_H
 
 #include "fp9.h"
+#include "pool.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,6 +59,11 @@ const duck_kernels *duck_kernels_avx512_bf16(void);
  * tile program with the tile instructions emulated in C (tests; never chosen). */
 const duck_kernels *duck_kernels_amx(void);
 const duck_kernels *duck_kernels_amx_emulated(void);
+/* The AMX tile rate for the kernel benchmark: rounds of four TDPBF16PS on every
+ * thread of the pool, with nothing else (mode 0), with the GEMM's A and B tile
+ * loads (1), and with the A buffer stored by vector stores first (2); returns the
+ * floating-point operations done, 0 where amx does not run (timed by the caller). */
+uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds);
 /* The tile products amx-emu has emulated so far (tests: its tile program ran). */
 unsigned long long duck_kernels_amx_emulated_dots(void);
 /* The fastest the CPU supports: amx, else avx512-bf16 on AMD (on Intel's cores

@@ -340,6 +340,67 @@ static void gemm_amx_with(const fp9_matrix *m, uint32_t pair_begin, uint32_t pai
     duck_kernels_avx512()->gemm(m, pair_begin, pair_end, ntok, x, y, accumulate);
 }
 
+/* The tile rate alone, for the kernel benchmark (duck_kernels_amx_probe): rounds
+ * of four TDPBF16PS into the four C tiles, with the GEMM's inner loop around them
+ * by mode: 0 none (A and B loaded once: the tiles' own rate), 1 the A and B tile
+ * loads from L1 (two token tiles' worth), 2 also the A buffer rewritten by vector
+ * stores just before its loads, as the decode writes it. */
+typedef struct probe_job {
+    int mode;
+    uint64_t rounds;
+} probe_job;
+
+static void probe_task(void *arg, unsigned worker, unsigned nworkers)
+{
+    (void)worker;
+    (void)nworkers;
+    const probe_job *j = arg;
+    amx_emu *e = NULL;
+    uint16_t wa[1024] __attribute__((aligned(64)));
+    uint32_t xb[512] __attribute__((aligned(64)));
+    for (int i = 0; i < 1024; i++)
+        wa[i] = (uint16_t)(0x3F80 + (i & 7));       /* bf16 1.0 .. 1.05: no subnormals, no overflow */
+    for (int i = 0; i < 512; i++)
+        xb[i] = 0x3C003C00u;                         /* bf16 pairs of 2^-7 */
+    amx_configure();
+    T_ZERO(0);
+    T_ZERO(1);
+    T_ZERO(2);
+    T_ZERO(3);
+    T_LOAD(4, wa, 64);
+    T_LOAD(5, wa + 512, 64);
+    T_LOAD(6, xb, 64);
+    T_LOAD(7, xb + 256, 64);
+    const __m512i v = _mm512_load_si512(wa);
+    for (uint64_t r = 0; r < j->rounds; r++) {
+        if (j->mode == 2)
+            for (int q = 0; q < 32; q++)
+                _mm512_store_si512(wa + 32 * q, _mm512_add_epi16(v, _mm512_set1_epi16((short)(r & 1))));
+        if (j->mode >= 1) {
+            T_LOAD(4, wa, 64);
+            T_LOAD(5, wa + 512, 64);
+            T_LOAD(6, xb, 64);
+            T_LOAD(7, xb + 256, 64);
+        }
+        T_DP(0, 4, 6);
+        T_DP(1, 5, 6);
+        T_DP(2, 4, 7);
+        T_DP(3, 5, 7);
+    }
+    float out[256] __attribute__((aligned(64)));
+    T_STORE(0, out, 64);
+    __asm__ volatile("tilerelease" ::: "memory");
+}
+
+uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds)
+{
+    if (!duck_kernels_amx() || mode < 0 || mode > 2)
+        return 0;
+    probe_job j = {mode, rounds};
+    duck_pool_run(pool, probe_task, &j);
+    return (uint64_t)duck_pool_size(pool) * rounds * 4 * 16 * 16 * 32 * 2;
+}
+
 static void gemm_amx(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                      const float *const *x, float *const *y, int accumulate)
 {
@@ -388,6 +449,11 @@ unsigned long long duck_kernels_amx_emulated_dots(void) { return atomic_load(&em
 #else
 
 const duck_kernels *duck_kernels_amx(void) { return NULL; }
+uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds)
+{
+    (void)pool, (void)mode, (void)rounds;
+    return 0;
+}
 const duck_kernels *duck_kernels_amx_emulated(void) { return NULL; }
 unsigned long long duck_kernels_amx_emulated_dots(void) { return 0; }
 

@@ -54,3 +54,22 @@ def test_bench_kernels_refuses_unknown_and_missing_sets(capsys):
         with pytest.raises(SystemExit):
             duckctl(["bench", "kernels", "--kernels", missing[0]] + TINY)
         assert f"lacks {missing[0]}" in capsys.readouterr().err
+
+
+def test_the_amx_tile_rate_is_measured_where_amx_runs():
+    """duck_kernels_amx_probe: every thread runs its rounds of four tile products in each mode
+    (the benchmark times them); where amx does not run it does nothing and the benchmark has no
+    amx_peak case (the amx GEMM's ratio is then to the FMA peak alone)."""
+    from bench.kernels_gemm import amx_peak_cases
+    from native._native import lib
+    from native.kernels import Pool
+
+    pool = Pool(2)
+    if "amx" not in kernels_available():
+        assert lib.duck_kernels_amx_probe(pool.ptr, 0, 1000) == 0
+        assert amx_peak_cases(pool, 2, ["amx", "avx512"]) == []
+        return
+    for mode in range(3):
+        assert lib.duck_kernels_amx_probe(pool.ptr, mode, 1 << 14) == 2 * (1 << 14) * 4 * 16 * 16 * 32 * 2
+    assert lib.duck_kernels_amx_probe(pool.ptr, 3, 1) == 0
+    assert [c.info["mode"] for c in amx_peak_cases(pool, 2, ["amx"])] == ["tiles", "tile_loads", "stored_tile_loads"]
