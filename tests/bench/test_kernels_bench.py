@@ -73,3 +73,12 @@ def test_the_amx_tile_rate_is_measured_where_amx_runs():
         assert lib.duck_kernels_amx_probe(pool.ptr, mode, 1 << 14) == 2 * (1 << 14) * 4 * 16 * 16 * 32 * 2
     assert lib.duck_kernels_amx_probe(pool.ptr, 3, 1) == 0
     assert [c.info["mode"] for c in amx_peak_cases(pool, 2, ["amx"])] == ["tiles", "tile_loads", "stored_tile_loads"]
+
+
+def test_the_amx_peak_modes_are_three_cases():
+    """Each mode of the tile-rate probe is its own case (their keys differ), as each
+    instruction set's FMA peak is."""
+    from bench.kernel_cases import Case
+
+    keys = {Case("amx_peak", None, 0, 0, mode=m).key for m in ("tiles", "tile_loads", "stored_tile_loads")}
+    assert len(keys) == 3
