@@ -165,8 +165,7 @@ static int on_datagram(duck_transport *t, duck_call *calls, rx_item *it, uint64_
     c->reply_len = s->rep_total;
     c->rtt_ns = now - s->t_start;
     s->done = 1;
-    tr_rtt_sample(&t->link[d], c, s, now);
-    it->completes = (int32_t)ci;
+    it->completes = (int32_t)ci;   /* its samples (the reply's kernel time) once the payload is in */
     return 1;
 }
 
@@ -188,11 +187,16 @@ static int take_batch(duck_transport *t, duck_call *calls, int n, tr_done_fn don
     for (int i = 0; i < n; i++)
         finished += on_datagram(t, calls, &items[i], now);
     tr_parallel(t, (uint32_t)n, bytes, copy_one, &b);
+    /* the samples read the replies (the duck's kernel time), so they follow the copies; all of
+     * them precede the callbacks, which may start calls again (their states anew) */
     for (int i = 0; i < n; i++) {
         t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
-        if (items[i].completes >= 0 && done)
-            done(t, calls, (uint32_t)items[i].completes, ctx);
+        if (items[i].completes >= 0)
+            tr_rtt_sample(&t->link[items[i].duck], &calls[items[i].completes], &t->st[items[i].completes], now);
     }
+    for (int i = 0; i < n && done; i++)
+        if (items[i].completes >= 0)
+            done(t, calls, (uint32_t)items[i].completes, ctx);
     return finished;
 }
 

@@ -1,6 +1,7 @@
 """Faults with real ducks: 5 % datagram loss in both directions gives the same
 outputs; a duck killed with SIGKILL mid-forward is named within the failure
 deadline and the fleet recovers once it is back; a dead address is named."""
+import os
 import socket
 import threading
 import time
@@ -16,18 +17,21 @@ from tests.transport.test_forward import (SUMMATION_ORDER_RTOL, assert_close, fl
 
 @pytest.mark.parametrize("build", ["release", "asan"])
 def test_five_percent_loss_gives_the_same_outputs(tmp_path, build):
-    """Reassembly, RESEND and NACK under loss; the ASan/UBSan build runs it too."""
+    """Reassembly, RESEND and NACK under loss; the ASan/UBSan build runs it too. The 160-token
+    forwards (640 KiB each way per duck) go through the helper threads of the host and of the
+    ducks (two workers each): sealed, checked, resent and summed there under loss too."""
     rng = np.random.default_rng(21)
     n, hidden, n_experts = 3, 1024, 4
     experts = make_layer(rng, n_experts, 64 * n, hidden)
     per_duck = split_experts(experts, tp=n)
-    lossy = {i: ["--enable-fault-injection", "--drop-rate", "0.05", "--fault-seed", str(i + 1)] for i in range(n)}
+    lossy = {i: ["--enable-fault-injection", "--drop-rate", "0.05", "--fault-seed", str(i + 1), "--threads", "2"]
+             for i in range(n)}
     binary = sanitizer_binary() if build == "asan" else None
     with Ducks(n, tmp_path, binary=binary, per_duck_args=lossy, retransmit_ms=5, deadline_ms=5000) as ducks:
         assert all(info.fault_injection for info in ducks.fleet.hello())
         ducks.fleet.upload(flat(per_duck))                 # 100+ fragments per part: NACK/RESEND paths
         session = ducks.fleet.open_session({0: per_duck}, hidden)
-        for step, ntok in enumerate([1, 8, 1, 33, 1, 8] * 3):
+        for step, ntok in enumerate([1, 8, 1, 33, 160, 1, 8] * 3):
             x = (rng.standard_normal((ntok, hidden)) * 0.1).astype(np.float32)
             ids, w = routing(rng, ntok, 2, n_experts)
             y = session.forward(0, x, ids, w)
@@ -37,6 +41,7 @@ def test_five_percent_loss_gives_the_same_outputs(tmp_path, build):
         assert sum(s["resends"] + s["duplicates"] for s in stats) > 0
         t = ducks.fleet.transport_stats()
         assert t["retransmits"] > 0 and t["timeouts"] == 0 and t["nacks"] > 0
+        assert ducks.fleet.workers > 1 or len(os.sched_getaffinity(0)) == 1
     for duck in ducks.ducks:
         assert not sanitizer_report(duck.log()), duck.log()[-3000:]
 

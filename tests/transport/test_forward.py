@@ -309,3 +309,30 @@ def test_a_prefill_chunk_on_helper_threads_has_the_bits_of_one_thread(tmp_path, 
     if out_dtype == np.float32:   # the local slices given the same bf16 activations: the same bits
         want = local_reference(per_duck, hidden, x, ids, w)
         assert np.array_equal(y.view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
+
+
+def test_the_duck_time_per_token_comes_from_the_reply_just_received(tmp_path):
+    """A one-datagram reply's kernel time is read once its payload is in the reply: the
+    first forward of a fresh fleet sets the duck's time per token to exactly what the duck
+    reported (the expected compute of a long forward, and the silence that fails it, follow
+    from it). It was once read before the copy, from whatever the buffer held."""
+    from native.transport import Fleet
+    from native.transport.session import Session
+
+    rng = np.random.default_rng(4)
+    hidden = 1024
+    per_duck = split_experts(make_layer(rng, 1, 512, hidden), tp=1)
+    x = (rng.standard_normal((1, hidden)) * 0.1).astype(np.float32)
+    ones = (np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32))
+    with Ducks(1, tmp_path) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        with Fleet([ducks[0].address], ducks.key, deadline_ms=1000) as fresh:
+            fresh.hello()
+            one = Session(fresh, session.id, hidden, {0})
+            one.forward(0, x, *ones)
+            kernel_us = one.kernel_us_max
+            assert kernel_us > 0
+            per_ns = kernel_us * 1000                      # the first sample: its variation is half of it
+            work_ns = (per_ns + 4 * (per_ns // 2)) * 1000  # a forward of 1000 tokens
+            assert fresh.lost_after_ms(0, 1000) == pytest.approx((1000 * 1000 + 4 * work_ns // 1000) / 1000)
