@@ -223,6 +223,18 @@ def _measure_read(ducks: int, threads: int) -> float:
     return measure_read_gbps(ducks * threads, mib=512, seconds=0.5)
 
 
+# Ducks on CPUs of their own (--pin-ducks) spin-then-block for this long, as duckd's network-booted
+# ducks do (fleet.spin_us): a decode layer then finds the duck's workers awake (docs/duckd-config.md).
+PINNED_DUCK_SPIN_US = 1000
+
+
+def duck_spin_us(args) -> int:
+    """--duck-spin-us as given, else PINNED_DUCK_SPIN_US for pinned ducks (dedicated cores), 0 for the others."""
+    if args.duck_spin_us is not None:
+        return args.duck_spin_us
+    return PINNED_DUCK_SPIN_US if args.pin_ducks else 0
+
+
 def run_config(args, kind: str, device, dtype) -> dict:
     """One backend kind ('fleet', 'gpu', 'cpu-torch') on a fresh host model."""
     config = synthetic_config(args.synthetic, args.layers, args.experts, args.dense_layers)
@@ -242,6 +254,7 @@ def run_config(args, kind: str, device, dtype) -> dict:
                 raise ValueError(f"--pin-ducks: {args.ducks} ducks x {args.duck_threads} threads need "
                                  f"{args.ducks * args.duck_threads} CPUs, this host allows {len(allowed)}")
             out["duck_cpus"] = cpus
+        args.duck_spin_us = duck_spin_us(args)
         local = LocalDucks(args.ducks, threads=args.duck_threads, cpus=cpus, spin_us=args.duck_spin_us,
                            cache_capacity=f"{(per_duck * 1.05 + (64 << 20)) // (1 << 20):.0f}M")
         backend = FleetFfn(addresses=local.addresses, key=local.key, multiple_of=args.multiple_of,
@@ -315,7 +328,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--multiple-of", type=int, default=64)
     ap.add_argument("--pin-ducks", action="store_true",
                     help="give each duck its own block of CPUs, one worker pinned per CPU (dedicated hardware)")
-    ap.add_argument("--duck-spin-us", type=int, default=0, help="ducks spin this long for requests before blocking")
+    ap.add_argument("--duck-spin-us", type=int, default=None,
+                    help="ducks spin this long for requests before blocking (default: "
+                         f"{PINNED_DUCK_SPIN_US} with --pin-ducks, whose ducks have their own CPUs, else 0)")
     ap.add_argument("--spin-us", type=int, default=0, help="host polls this long for replies (0: blocks)")
     ap.add_argument("--prompts", default="16,512,1024,4096",
                     help="prompt lengths, comma separated (4096 takes minutes on a small CPU host)")

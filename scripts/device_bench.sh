@@ -12,7 +12,9 @@
 #   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
 #              both MoE shapes, pool wake-up) and the standalone C test of the kernels
 # The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback), each duck pinned to
-# 4 CPUs of its own as 4 boxes would be (PIN=0: unpinned). Environment:
+# 4 CPUs of its own as 4 boxes would be, and like such boxes spinning 1000 us before it blocks
+# (bench e2e's default with --pin-ducks; "--duck-spin-us 0" in E2E_ARGS: blocking ducks;
+# PIN=0: unpinned and blocking). Environment:
 #   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
 #   --backends fleet --duck-spin-us 300"; "--batch 1,8,32" adds continuous batching on the torch
 #   path, what model.gpu_batching runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16)

@@ -33,6 +33,7 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     r = json.loads(capsys.readouterr().out)
     assert "synthetic" in r["note"] and r["shape"]["hidden"] == 2048 and r["shape"]["layers"] == 2
     fleet, cpu = r["fleet"], r["cpu-torch"]
+    assert fleet["duck_spin_us"] == 0          # unpinned ducks share the cores: they block
     assert r["fleet_read_gbps"] > 0 and fleet["roofline_tok_s"] > 0
     assert [p["prompt_len"] for p in fleet["prompts"]] == [5, 12]
     for p in fleet["prompts"] + cpu["prompts"]:
@@ -74,3 +75,16 @@ def test_routing_spread_counts_what_repeats():
     assert r["reused_from_previous_step"] == pytest.approx(0.625)
     assert r["experts_read_over_the_steps"] == pytest.approx((5 / 8 + 2 / 8) / 2)
     assert routing_spread([[], []], 8) is None
+
+
+def test_pinned_ducks_spin_unless_told():
+    """--pin-ducks gives each duck CPUs of its own, as boxes: they spin-then-block by default,
+    as duckd's network-booted ducks do; --duck-spin-us says otherwise, 0 included."""
+    from argparse import Namespace
+
+    from bench.e2e_synthetic import PINNED_DUCK_SPIN_US, duck_spin_us
+
+    assert duck_spin_us(Namespace(duck_spin_us=None, pin_ducks=True)) == PINNED_DUCK_SPIN_US > 0
+    assert duck_spin_us(Namespace(duck_spin_us=None, pin_ducks=False)) == 0
+    assert duck_spin_us(Namespace(duck_spin_us=0, pin_ducks=True)) == 0
+    assert duck_spin_us(Namespace(duck_spin_us=300, pin_ducks=False)) == 300
