@@ -259,11 +259,13 @@ def test_a_forward_longer_than_the_deadline_is_neither_resent_nor_failed(tmp_pat
         with Fleet([ducks[0].address], ducks.key, retransmit_ms=2, deadline_ms=deadline_ms) as fast:
             fast.hello()
             quick = Session(fast, session.id, hidden, {0})
-            quick.forward(0, x[:1], ones[0][:1], ones[1][:1])          # the duck's time per token, measured
-            before = fast.transport_stats()["retransmits"]
+            # the duck's time per token, measured (this first call's timer knows nothing yet: on a
+            # busy machine its 1-token kernel may outlast it and be resent once; not what is tested)
+            quick.forward(0, x[:1], ones[0][:1], ones[1][:1])
+            before, resent_before = fast.transport_stats()["retransmits"], quick.retransmits
             y = quick.forward(0, x, *ones)
             assert quick.kernel_us_max / 1000 > deadline_ms, "the request was not longer than the deadline"
-            assert fast.transport_stats()["retransmits"] == before and quick.retransmits == 0
+            assert fast.transport_stats()["retransmits"] == before and quick.retransmits == resent_before
         assert np.array_equal(y, want)
 
 
