@@ -5,7 +5,6 @@
 #define _POSIX_C_SOURCE 200809L
 #include "duckfw.h"
 
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,12 +130,11 @@ typedef struct seal_job {
     uint32_t total, count, fsize;
     int with_mac;
     const uint32_t *frags;        /* the fragment each place of the batch holds */
-    unsigned n;
-    atomic_uint next;
 } seal_job;
 
-static void seal_one(const seal_job *j, unsigned k)
+static void seal_one(void *ctx, unsigned k)
 {
+    const seal_job *j = ctx;
     const duck_core *c = j->c;
     uint32_t i = j->frags[k], off = j->fsize * i, len = j->total - off < j->fsize ? j->total - off : j->fsize;
     wire_header h = *j->base;
@@ -145,15 +143,6 @@ static void seal_one(const seal_job *j, unsigned k)
     h.total_len = j->total;
     c->out_lens[k] = wire_seal(&h, j->payload + off, len, &c->cfg.key, j->with_mac,
                                c->out + (size_t)k * (c->cfg.mtu + 64));
-}
-
-static void seal_task(void *arg, unsigned worker, unsigned nworkers)
-{
-    (void)worker;
-    (void)nworkers;
-    seal_job *j = arg;
-    for (unsigned k; (k = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
-        seal_one(j, k);
 }
 
 /* Seals fragments [0, count) of one message in datagrams of at most mtu
@@ -168,19 +157,13 @@ static void send_message(duck_core *c, const duck_peer *to, const wire_header *b
     if (have && have_bits != count)
         have = NULL;   /* the peer's view of the geometry is not ours: send all */
     int par = c->pool && total >= PAR_MIN_BYTES;
-    seal_job j = {c, base, payload, total, count, fsize, with_mac, frags, 0, 0};
+    seal_job j = {c, base, payload, total, count, fsize, with_mac, frags};
     for (uint32_t i = 0; i < count;) {
         unsigned n = 0;
         for (; i < count && n < SEND_BATCH; i++)
             if (!have || !(have[i / 8] & (1u << (i % 8))))
                 frags[n++] = i;
-        j.n = n;
-        atomic_store_explicit(&j.next, 0, memory_order_relaxed);
-        if (par && n > 1)
-            duck_pool_run_shared(c->pool, seal_task, &j);
-        else
-            for (unsigned k = 0; k < n; k++)
-                seal_one(&j, k);
+        duck_pool_for(par ? c->pool : NULL, n, seal_one, &j);
         unsigned m = 0;
         for (unsigned k = 0; k < n; k++) {
             if (core_fault_drop(c))
@@ -299,18 +282,13 @@ typedef struct check_job {
     int *rc;
     wire_header *h;
     const uint8_t **payload;
-    unsigned n;
-    atomic_uint next;
 } check_job;
 
-static void check_task(void *arg, unsigned worker, unsigned nworkers)
+static void check_one(void *ctx, unsigned i)
 {
-    (void)worker;
-    (void)nworkers;
-    check_job *j = arg;
-    for (unsigned i; (i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
-        if (!j->drop[i])
-            j->rc[i] = wire_check(j->bufs[i], j->lens[i], &j->c->cfg.key, 0, &j->h[i], &j->payload[i]);
+    const check_job *j = ctx;
+    if (!j->drop[i])
+        j->rc[i] = wire_check(j->bufs[i], j->lens[i], &j->c->cfg.key, 0, &j->h[i], &j->payload[i]);
 }
 
 /* Whether every datagram of the batch is a fragment of a large forward: the
@@ -335,8 +313,8 @@ void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs,
     static const uint8_t *payload[CORE_BATCH_MAX];
     int par = n <= CORE_BATCH_MAX && batch_parallel(c, bufs, lens, n);
     if (par) {
-        check_job j = {c, bufs, lens, drop, rc, h, payload, n, 0};
-        duck_pool_run_shared(c->pool, check_task, &j);
+        check_job j = {c, bufs, lens, drop, rc, h, payload};
+        duck_pool_for(c->pool, n, check_one, &j);
     }
     for (unsigned i = 0; i < n && !c->shutdown; i++) {
         c->rx_ns = rx_ns[i];

@@ -357,3 +357,30 @@ void *duck_thread_scratch(unsigned slot, size_t bytes)
     }
     return b->mem[slot];
 }
+
+typedef struct item_job {
+    atomic_uint next;
+    unsigned n;
+    duck_item_fn fn;
+    void *ctx;
+} item_job;
+
+static void item_task(void *arg, unsigned worker, unsigned nworkers)
+{
+    (void)worker;
+    (void)nworkers;
+    item_job *j = arg;
+    for (unsigned i; (i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
+        j->fn(j->ctx, i);
+}
+
+void duck_pool_for(duck_pool *pool, unsigned n, duck_item_fn fn, void *ctx)
+{
+    if (!pool || n < 2) {
+        for (unsigned i = 0; i < n; i++)
+            fn(ctx, i);
+        return;
+    }
+    item_job j = {0, n, fn, ctx};
+    duck_pool_run_shared(pool, item_task, &j);
+}

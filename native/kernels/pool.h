@@ -31,6 +31,12 @@ void duck_pool_run(duck_pool *pool, duck_task_fn fn, void *arg);
  * runs it, and may not rely on worker numbers being all present. */
 void duck_pool_run_shared(duck_pool *pool, duck_task_fn fn, void *arg);
 
+/* fn(ctx, i) for every i in [0, n), the items claimed one at a time from a
+ * counter by the calling thread and every worker that joins in time
+ * (duck_pool_run_shared); in order on the calling thread where pool is NULL. */
+typedef void (*duck_item_fn)(void *ctx, unsigned item);
+void duck_pool_for(duck_pool *pool, unsigned n, duck_item_fn fn, void *ctx);
+
 /* A latch for the phases of a shared task: a count of finished pieces that
  * workers wait on. Waiting spins for a bounded time (the pool's spin_us, at
  * least DUCK_POOL_LATCH_SPIN_US: the wait is normally one piece of work

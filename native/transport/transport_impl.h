@@ -113,7 +113,7 @@ typedef void (*tr_done_fn)(duck_transport *t, duck_call *calls, uint32_t i, void
 /* Runs fn(ctx, i) for every i in [0, n): shared out over the helper threads
  * when the items touch `bytes` bytes in all, enough to pay for waking them;
  * otherwise here, in order (transport_par.c). fn must not depend on the order. */
-typedef void (*tr_item_fn)(void *ctx, uint32_t item);
+typedef duck_item_fn tr_item_fn;   /* fn(ctx, item) */
 void tr_parallel(duck_transport *t, uint32_t n, size_t bytes, tr_item_fn fn, void *ctx);
 
 /* Shared by transport.c, transport_run.c and transport_forward.c. */

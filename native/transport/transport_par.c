@@ -11,28 +11,11 @@
 #include "transport_impl.h"
 
 #include <sched.h>
-#include <stdatomic.h>
 
 /* Work below this many bytes runs on the calling thread: a blocked helper takes
  * tens of microseconds to wake, a 64 KiB datagram about 20 to seal or check. */
 #define PAR_MIN_BYTES ((size_t)256 << 10)
 #define PAR_MAX_WORKERS 8
-
-typedef struct par_job {
-    atomic_uint next;
-    uint32_t n;
-    tr_item_fn fn;
-    void *ctx;
-} par_job;
-
-static void par_task(void *arg, unsigned worker, unsigned nworkers)
-{
-    (void)worker;
-    (void)nworkers;
-    par_job *job = arg;
-    for (uint32_t i; (i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed)) < job->n;)
-        job->fn(job->ctx, i);
-}
 
 static unsigned workers_wanted(const duck_transport *t)
 {
@@ -51,13 +34,7 @@ void tr_parallel(duck_transport *t, uint32_t n, size_t bytes, tr_item_fn fn, voi
         /* unpinned, blocking when idle: the ducks may share this host's cores */
         t->pool = w > 1 ? duck_pool_create(w, 0, 0) : NULL;
     }
-    if (n < 2 || bytes < PAR_MIN_BYTES || !t->pool) {
-        for (uint32_t i = 0; i < n; i++)
-            fn(ctx, i);
-        return;
-    }
-    par_job job = {0, n, fn, ctx};
-    duck_pool_run_shared(t->pool, par_task, &job);
+    duck_pool_for(bytes >= PAR_MIN_BYTES ? t->pool : NULL, n, fn, ctx);
 }
 
 unsigned duck_transport_workers(const duck_transport *t)
