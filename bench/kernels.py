@@ -175,25 +175,29 @@ def _moe_case(layer: MoeSlice, model: str, ntok: int, pool, ws, threads: int, rn
     return case
 
 
-GEMM_LAYER = MOE_SHAPES[1]   # the prefill GEMM runs on the experts of the Qwen3-30B-A3B slice
+# the prefill GEMM runs on the experts of one layer slice over 4 ducks: (experts made, hidden, width);
+# 32 of DeepSeek's 256 are 400 MB, beyond the caches as the rotation needs
+GEMM_LAYERS = {"qwen3-30b-a3b": (128, 2048, 192), "deepseek-v3": (32, 7168, 512)}
 
 
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
-                read_buf: np.ndarray, shared: dict, sets: list[str]) -> list[Case]:
+                read_buf: np.ndarray, shared: dict, sets: list[str], gemm: dict) -> list[Case]:
     pool = Pool(threads)
     ws = Workspace()
     cases = [Case("read", lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(read_buf), read_buf.size),
                   read_buf.size, 0, threads=threads)]
-    for rows, cols in ((2048, 7168), (7168, 2048)):
-        cases += _gemv_cases(pool, ws, rows, cols, threads, sets, shared, rng, cold_bytes)
-    for model, n_experts, hidden, width, ntok in MOE_SHAPES:
-        layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
-        cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
-    model, n_experts, hidden, width, _ = GEMM_LAYER
+    if not gemm["only"]:
+        for rows, cols in ((2048, 7168), (7168, 2048)):
+            cases += _gemv_cases(pool, ws, rows, cols, threads, sets, shared, rng, cold_bytes)
+        for model, n_experts, hidden, width, ntok in MOE_SHAPES:
+            layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
+            cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
     cases += kernels_gemm.fma_peak_cases(pool, threads, sets)
     cases += kernels_gemm.amx_peak_cases(pool, threads, sets)
-    cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool, threads,
-                                     sets, rng)
+    for model in gemm["models"]:
+        n_experts, hidden, width = GEMM_LAYERS[model]
+        cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool,
+                                         threads, sets, rng, gemm["tokens"], gemm["parts"])
     return cases
 
 
@@ -215,14 +219,18 @@ def pool_wake(threads: int, runs: int = 200, gap_us: int = 300, spin_us: int = 1
 
 
 def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int, cold_mib: int,
-        moe_experts: int, sets: list[str] | None = None) -> dict:
+        moe_experts: int, sets: list[str] | None = None, gemm: dict | None = None) -> dict:
+    """gemm: the prefill GEMM's cases: models (GEMM_LAYERS' names), tokens per expert,
+    parts (the amx GEMM's parts timed too), only (no GEMV and MoE cases)."""
+    gemm = {"models": ["qwen3-30b-a3b"], "tokens": kernels_gemm.GEMM_TOKENS, "parts": False, "only": False,
+            **(gemm or {})}
     rng = np.random.default_rng(1234)
     sets = sets or kernel_sets_to_compare()
     log.info("allocating a %d MiB read buffer", read_mib)
     read_buf = _aligned_bytes(read_mib * MiB)
     read_buf[:] = 1
     shared: dict = {}
-    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared, sets) for t in threads_list}
+    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared, sets, gemm) for t in threads_list}
     for r in range(rounds):
         log.info("round %d/%d", r + 1, rounds)
         for t in threads_list:
@@ -235,13 +243,13 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
     for t in threads_list:
         med = {c.key: statistics.median(c.seconds) for c in by_threads[t]}
         gbps_of = {c.key: c.work_bytes / med[c.key] / 1e9 for c in by_threads[t]}
-        read = gbps_of[("read", "None", None, None)]
+        read = gbps_of[("read", "None", None, None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
         compute = kernels_gemm.entries(by_threads[t], med, t)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            if c.name in ("fma_peak", "amx_peak"):
+            if c.name in ("fma_peak", "amx_peak", "amx_part"):
                 result["cases"].append(compute[c.key])
                 continue
             gbps = gbps_of[c.key]
@@ -250,7 +258,7 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
             entry.update(compute.get(c.key, {}))   # fp9_gemm: GFLOP/s, share of the FMA peak
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
-                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None)]
+                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None, None)]
                 entry["int8_peer_isa"] = isa
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
@@ -335,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default=None,
                     help="comma-separated fp9 kernel sets to compare (default: the best and every fast set "
                          f"this CPU runs; known: {', '.join(KERNEL_SETS[1:])})")
+    ap.add_argument("--gemm-models", default="qwen3-30b-a3b",
+                    help=f"layer slices of the prefill GEMM cases (of: {', '.join(GEMM_LAYERS)})")
+    ap.add_argument("--gemm-tokens", default=",".join(map(str, kernels_gemm.GEMM_TOKENS)),
+                    help="tokens per expert of the prefill GEMM cases")
+    ap.add_argument("--gemm-only", action="store_true", help="only the read, the peaks and the prefill GEMM")
+    ap.add_argument("--amx-parts", action="store_true",
+                    help="time the amx GEMM with each of its parts left out, against the whole")
     ap.add_argument("--json", action="store_true", help="print JSON only")
     ap.add_argument("--synth", action="store_true", help="measure synthetic fp9 generation only")
     args = ap.parse_args(argv)
@@ -354,7 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             ap.error(f"--kernels {args.kernels}: this CPU or build lacks {', '.join(missing)} "
                      f"(available: {', '.join(kernels_available())})")
-    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets)
+    models = [m.strip() for m in args.gemm_models.split(",") if m.strip()]
+    if not models or any(m not in GEMM_LAYERS for m in models):
+        ap.error(f"--gemm-models {args.gemm_models}: known are {', '.join(GEMM_LAYERS)}")
+    try:
+        tokens = tuple(int(t) for t in args.gemm_tokens.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or any(t < 1 or t > 1024 for t in tokens):
+        ap.error(f"--gemm-tokens {args.gemm_tokens}: comma-separated token counts from 1 to 1024")
+    gemm = {"models": models, "tokens": tokens, "parts": args.amx_parts, "only": args.gemm_only}
+    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets, gemm)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
 

@@ -53,7 +53,26 @@ def amx_peak_cases(pool, threads: int, sets: list[str]) -> list[Case]:
                  flops=per_round * AMX_ROUNDS, threads=threads, mode=AMX_MODES[m]) for m in range(3)]
 
 
-def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng) -> list[Case]:
+# bench kernels --amx-parts: the amx GEMM with parts of it left out (duck_kernels_amx_parts),
+# each timed against the whole GEMM in the same round
+AMX_PARTS = {"serial": lib.DUCK_AMX_PART_SERIAL, "no_decode": lib.DUCK_AMX_PART_NO_DECODE,
+             "no_tiles": lib.DUCK_AMX_PART_NO_TILES, "no_out": lib.DUCK_AMX_PART_NO_OUT,
+             "no_prefetch": lib.DUCK_AMX_PART_NO_PREFETCH,
+             "decode_only": lib.DUCK_AMX_PART_NO_TILES | lib.DUCK_AMX_PART_NO_OUT}
+
+
+def _with_parts(fn, parts: int):
+    def call():
+        lib.duck_kernels_amx_parts(parts)
+        try:
+            fn()
+        finally:
+            lib.duck_kernels_amx_parts(0)
+    return call
+
+
+def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng,
+               tokens: tuple[int, ...] = GEMM_TOKENS, parts: bool = False) -> list[Case]:
     """What prefill does with the experts of a chunk: each one's gate/up and
     down slices streamed once over all of its tokens, rows split over the
     pool (duck_bench_gemm: GEMMs only, one pool run per GEMM_EXPERTS
@@ -61,7 +80,7 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
     hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
     groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
     cases = []
-    for ntok in GEMM_TOKENS:
+    for ntok in tokens:
         # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. Both
         # inputs are bf16 values, as a GPU host's fleet has them: gate/up's x as sent, down's silu(gate) * up
         # rounded to bf16 by the duck on bf16 activations (ffn.c); the avx512-bf16 and amx sets' case
@@ -80,6 +99,10 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
                         shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name)
             case.keep = (x, h, gu, y, rows)
             cases.append(case)
+            if parts and name in ("amx", "amx-emu"):
+                cases += [Case("amx_part", _with_parts(case.fn, mask), per_call, 0, flops=case.flops, model=model,
+                               shape=case.info["shape"], tokens=ntok, threads=threads, kernels=name, part=label)
+                          for label, mask in AMX_PARTS.items()]
     return cases
 
 
@@ -92,6 +115,11 @@ def entries(cases: list[Case], med: dict, threads: int) -> dict:
         if c.name in ("fma_peak", "amx_peak"):
             out[c.key] = {"name": c.name, **c.info, "gflops": round(gflops, 2),
                           "gflops_per_core": round(gflops / threads, 2)}
+        elif c.name == "amx_part":   # its time over the whole GEMM's, round by round
+            whole = next(p for p in cases if p.name == "fp9_gemm" and p.info["kernels"] == c.info["kernels"]
+                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"])
+            out[c.key] = {"name": c.name, **c.info, "seconds": round(med[c.key], 6), "time_ratio": round(
+                statistics.median([s / w for s, w in zip(c.seconds, whole.seconds)]), 3)}
         elif c.name == "fp9_gemm":
             isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
             peak = next(p for p in cases if p.name == "fma_peak" and p.info["isa"] == isa)
@@ -112,6 +140,10 @@ def format_line(c: dict) -> str | None:
     if c["name"] in ("fma_peak", "amx_peak"):
         return (f"{c['name']:10s} {'':22s} {c.get('isa') or c['mode']:28s} threads {c['threads']:2d}  "
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
+    if c["name"] == "amx_part":
+        return (f"{c['name']:10s} {str(c['shape']):22s} {c['model'] + ' T' + str(c['tokens']) + ' ' + c['part']:28s} "
+                f"threads {c['threads']:2d}  {c['seconds'] * 1e3:8.3f} ms  time_ratio {c['time_ratio']:.3f} "
+                f"(of the whole amx GEMM)")
     if c["name"] == "fp9_gemm":
         label = f"{c['model']} T{c['tokens']} {c['kernels']}"
         return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "

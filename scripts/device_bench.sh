@@ -11,13 +11,18 @@
 #   transport  bench transport, 4 ducks x 4 threads, with a prefill chunk (CHUNK, default 512x2048)
 #   kernels    bench kernels at 1, 4 and 16 threads (AVX2 and AVX-512 sets, int8 peers,
 #              both MoE shapes, pool wake-up) and the standalone C test of the kernels
+#   gemmparts  the C test, then the amx prefill GEMM alone on the DeepSeek and Qwen3 slices (GMODELS)
+#              at 8-128 tokens per expert (GTOKENS), 4 and 16 threads (KTHREADS), with each of its
+#              parts left out in turn (bench kernels --amx-parts)
 # The fleet is 4 ducks x 4 threads on this host's 16 cores (loopback), each duck pinned to
 # 4 CPUs of its own as 4 boxes would be, and like such boxes spinning 1000 us before it blocks
 # (bench e2e's default with --pin-ducks; "--duck-spin-us 0" in E2E_ARGS: blocking ducks;
 # PIN=0: unpinned and blocking). Environment:
 #   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
 #   --backends fleet --duck-spin-us 300"; "--batch 1,8,32" adds continuous batching on the torch
-#   path, what model.gpu_batching runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16)
+#   path, what model.gpu_batching runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16),
+#   DUCKS x DTHREADS (the fleet of the deepseek and qwen3 steps, 4 x 4; the file names then say
+#   e.g. -8x2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -30,6 +35,14 @@ STEPS=${STEPS:-8}
 E2E_ARGS=${E2E_ARGS:-}
 [ "${PIN:-1}" = 1 ] && E2E_ARGS="--pin-ducks $E2E_ARGS"
 TAG=${TAG:-}
+DUCKS=${DUCKS:-4}
+DTHREADS=${DTHREADS:-4}
+[ "$DUCKS" = 4 ] && [ "$DTHREADS" = 4 ] || TAG="-${DUCKS}x${DTHREADS}$TAG"
+c_test() {   # the standalone C test of the kernels (on the tiles where the CPU has AMX)
+    gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join(
+        [f"-I{d}" for d in s.INCLUDE_DIRS] + s.FP9 + s.KERNELS + s.C_TESTS))') -lpthread -lm -o /tmp/test_native \
+        && /tmp/test_native 2>&1 | tail -3
+}
 for step in "$@"; do
     echo "=== $step $(date +%T)"
     case $step in
@@ -48,11 +61,11 @@ for step in "$@"; do
     fp8)
         python3 bench/gpu_fp8.py --json "$OUT/gpu_fp8.json" 2>&1 | tail -30 ;;
     deepseek)
-        python3 -m bench.e2e_synthetic --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks 4 --duck-threads 4 \
+        python3 -m bench.e2e_synthetic --synthetic deepseek-v32 --layers 4 --dense-layers 1 --ducks "$DUCKS" --duck-threads "$DTHREADS" \
             --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-deepseek$TAG.json" 2>"$OUT/e2e-deepseek$TAG.log"
         tail -4 "$OUT/e2e-deepseek$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-deepseek$TAG.json" ;;
     qwen3)
-        python3 -m bench.e2e_synthetic --synthetic qwen3-30b-a3b --ducks 4 --duck-threads 4 \
+        python3 -m bench.e2e_synthetic --synthetic qwen3-30b-a3b --ducks "$DUCKS" --duck-threads "$DTHREADS" \
             --steps "$STEPS" $GRAPHS $E2E_ARGS --json >"$OUT/e2e-qwen3$TAG.json" 2>"$OUT/e2e-qwen3$TAG.log"
         tail -4 "$OUT/e2e-qwen3$TAG.log"; python3 scripts/e2e_table.py "$OUT/e2e-qwen3$TAG.json" ;;
     qwen3spin)   # the same with the ducks spinning (yielding) DUCK_SPIN us before they block
@@ -70,12 +83,17 @@ for step in "$@"; do
         python3 -c "import json, sys; from bench.transport import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
             "$OUT/transport$TAG.json" ;;
     kernels)
-        gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join(
-            [f"-I{d}" for d in s.INCLUDE_DIRS] + s.FP9 + s.KERNELS + s.C_TESTS))') -lpthread -lm -o /tmp/test_native \
-            && /tmp/test_native 2>&1 | tail -3
+        c_test
         python3 -m bench.kernels --threads "${KTHREADS:-1,4,16}" ${KARGS:-} --json >"$OUT/kernels.json" 2>"$OUT/kernels.log"
         python3 -c "import json, sys; from bench.kernels import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
             "$OUT/kernels.json" ;;
+    gemmparts)
+        c_test
+        python3 -m bench.kernels --threads "${KTHREADS:-4,16}" --rounds 3 --seconds 0.2 --kernels amx --gemm-only \
+            --gemm-models "${GMODELS:-deepseek-v3,qwen3-30b-a3b}" --gemm-tokens "${GTOKENS:-8,16,32,128}" --amx-parts --json \
+            >"$OUT/kernels-gemmparts$TAG.json" 2>"$OUT/kernels-gemmparts$TAG.log"
+        python3 -c "import json, sys; from bench.kernels import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+            "$OUT/kernels-gemmparts$TAG.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -64,6 +64,15 @@ const duck_kernels *duck_kernels_amx_emulated(void);
  * loads (1), and with the A buffer stored by vector stores first (2); returns the
  * floating-point operations done, 0 where amx does not run (timed by the caller). */
 uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds);
+/* Bench only: the amx GEMM (and amx-emu's) with parts of it left out or
+ * reordered, to time the others (bench kernels --amx-parts); 0 restores it. The
+ * results are wrong while any part is left out. */
+#define DUCK_AMX_PART_NO_DECODE 1      /* the weights decoded once per panel, not per chunk */
+#define DUCK_AMX_PART_NO_TILES 2       /* no tile loads, products or stores */
+#define DUCK_AMX_PART_NO_OUT 4         /* the sums not written to y */
+#define DUCK_AMX_PART_NO_PREFETCH 8    /* no prefetch of the next micro-panel */
+#define DUCK_AMX_PART_SERIAL 16        /* each chunk decoded whole before its products (not between) */
+void duck_kernels_amx_parts(int parts);
 /* The tile products amx-emu has emulated so far (tests: its tile program ran). */
 unsigned long long duck_kernels_amx_emulated_dots(void);
 /* The fastest the CPU supports: amx, else avx512-bf16 on AMD (on Intel's cores

@@ -9,8 +9,9 @@
  * exponents (exact; e5m3's subnormals, which TDPBF16PS would read as 0, through
  * an fp32 multiply). The activations are B, transposed once per call into token
  * tiles of 16. A micro-panel of 32 rows is decoded 128 columns at a time into
- * 8 KiB (L1) and multiplied with every token tile; a panel's sums gather in the C
- * tiles (rows x tokens) and go to y transposed, times the scales. Eight tiles:
+ * 8 KiB (L1) and multiplied with every token tile, the next 128 columns decoded
+ * into a second buffer between those tile products; a panel's sums gather in the
+ * C tiles (rows x tokens) and go to y transposed, times the scales. Eight tiles:
  * C 0-3 (32 rows x 32 tokens), A 4-5, B 6-7. Each product is exact (bf16 x bf16
  * fits fp32); the sums run in another order than _ref's.
  *
@@ -137,18 +138,19 @@ static inline __attribute__((always_inline)) __m512i times_2_64(__m512i w)
                            _mm512_and_si512(_mm512_castps_si512(odd), high));
 }
 
-/* Groups [g, g + ng) of row pairs [p, p + np) into wa[s][32][32]: per 32 columns
- * s, each of the 32 rows' columns in order as bf16 times 2^64 (two A tiles of 16
- * rows x 64 bytes), rows past np pairs zero; one line of [*ahead, ahead_end)
- * prefetched per 32 weights decoded (*ahead advances). No transposition: a row's
- * 32 decoded words are an A tile's row as they stand. */
+/* Groups [g, g + ng) of row pairs [p + pr0, p + pr1) (of a micro-panel of np
+ * live pairs at p) into wa[s][32][32]: per 32 columns s, each row's columns in
+ * order as bf16 times 2^64 (two A tiles of 16 rows x 64 bytes), rows past np
+ * pairs zero; one line of [*ahead, ahead_end) prefetched per 32 weights decoded
+ * (*ahead advances). No transposition: a row's 32 decoded words are an A
+ * tile's row as they stand. */
 static inline __attribute__((always_inline)) void decode_a(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g,
-                                                           uint32_t ng, uint16_t *wa, const char **ahead,
-                                                           const char *ahead_end)
+                                                           uint32_t ng, uint32_t pr0, uint32_t pr1, uint16_t *wa,
+                                                           const char **ahead, const char *ahead_end)
 {
     const char *pf = *ahead;
     const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
-    for (uint32_t pr = 0; pr < AMX_PAIRS; pr++) {
+    for (uint32_t pr = pr0; pr < pr1; pr++) {
         const fp9_block *run = pr < np ? fp9_pair_run(m, p + pr, g0) + (g - g0) : NULL;
         for (uint32_t gi = 0; gi < ng; gi++)
             for (int h = 0; h < 2; h++)
@@ -227,34 +229,97 @@ static void scaled_into(amx_emu *e, int q, float *dst, const fp9_matrix *m, uint
     }
 }
 
+/* The chunk of weights (a micro-panel's 32 rows x 128 columns) the GEMM decodes
+ * next: micro-panel p (np live pairs), groups [g, g + ng), the c-th of its
+ * panel; and the prefetch of the micro-panel after p, a share per chunk. */
+typedef struct amx_cursor {
+    const fp9_matrix *m;
+    uint32_t pair_begin, pair_end, p0, p1, nchunks;
+    uint32_t p, np, g, ng, c;
+    int live;                  /* a chunk is left to decode */
+    const char *next, *pf;     /* the next micro-panel's blocks, and how far prefetched */
+    size_t ahead;
+} amx_cursor;
+
+#define AMX_CHUNK_GROUPS (AMX_COLS / FP9_GROUP)
+
+static void cursor_at(amx_cursor *d, uint32_t p)
+{
+    d->p = p;
+    d->np = d->pair_end - p < AMX_PAIRS ? d->pair_end - p : AMX_PAIRS;
+    d->g = d->p0;
+    d->ng = d->p1 - d->p0 < AMX_CHUNK_GROUPS ? d->p1 - d->p0 : AMX_CHUNK_GROUPS;
+    d->c = 0;
+    d->live = 1;
+    d->next = d->pf = fp9_next_run(d->m, p, AMX_PAIRS, d->pair_begin, d->pair_end, d->p0, &d->ahead);
+}
+
+static void cursor_advance(amx_cursor *d)
+{
+    d->g += AMX_CHUNK_GROUPS;
+    d->c++;
+    if (d->g < d->p1)
+        d->ng = d->p1 - d->g < AMX_CHUNK_GROUPS ? d->p1 - d->g : AMX_CHUNK_GROUPS;
+    else if (d->p + AMX_PAIRS < d->pair_end)
+        cursor_at(d, d->p + AMX_PAIRS);
+    else
+        d->live = 0;
+}
+
+/* Pairs [pr0, pr1) of the cursor's chunk into wa. */
+static inline __attribute__((always_inline)) void cursor_decode(amx_cursor *d, uint32_t pr0, uint32_t pr1,
+                                                                uint16_t *wa, int prefetch)
+{
+    const char *end = prefetch && d->next ? d->next + d->ahead * (d->c + 1) / d->nchunks : NULL;
+    decode_a(d->m, d->p, d->np, d->g, d->ng, pr0, pr1, wa, &d->pf, end);
+}
+
+/* Bench only (duck_kernels_amx_parts): parts of the GEMM left out or reordered,
+ * to time the others. The results are then wrong. */
+static atomic_int amx_parts;
+
 /* The GEMM of a micro-panel at a time (32 rows): per 128 columns its weights
- * are decoded once into wa (8 KiB, L1) and multiplied with every token tile of
- * xb; the sums of a panel (2048 columns) gather in the C tiles (16 rows x 16
- * tokens each; kept in the tiles across the panel where two token tiles hold
- * every token and there are no block scales, else through acc per 128 columns,
- * block-scaled there), then go to y transposed. The order of panels, micro-panels
- * and prefetches is gemm_tokens.h's. */
+ * are decoded once into a buffer of 8 KiB (L1) and multiplied with every token
+ * tile of xb; two buffers, so that the next chunk (the next 128 columns, or the
+ * next micro-panel's first) is decoded a quarter at a time between the tile
+ * products of this one: the vector units decode while the tiles multiply,
+ * within the core's window of instructions in flight, and the tiles never
+ * load what was stored just before. The sums of a panel (2048 columns) gather
+ * in the C tiles (16 rows x 16 tokens each; kept in the tiles across the panel
+ * where two token tiles hold every token and there are no block scales, else
+ * through acc per 128 columns, block-scaled there), then go to y transposed.
+ * The order of panels and micro-panels is gemm_tokens.h's. */
 static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                        const uint32_t *xb, float *acc, float *const *y, int accumulate, amx_emu *e)
 {
-    uint16_t wa[AMX_COLS * 2 * AMX_PAIRS] __attribute__((aligned(64)));
+    uint16_t wa[2][AMX_COLS * 2 * AMX_PAIRS] __attribute__((aligned(64)));
     const uint32_t kpairs = m->groups * FP9_GROUP / 2, ntt = (ntok + 15) / 16;
     const float out_scale = m->prescale * 0x1p48f * 0x1p-64f;   /* the weights decoded times 2^64 */
     const int keep = ntt <= 2 && !m->block_scales;
+    const int parts = atomic_load_explicit(&amx_parts, memory_order_relaxed);
+    const int decode = !(parts & DUCK_AMX_PART_NO_DECODE), tiles = !(parts & DUCK_AMX_PART_NO_TILES);
+    const int interleave = !(parts & DUCK_AMX_PART_SERIAL), prefetch = !(parts & DUCK_AMX_PART_NO_PREFETCH);
     for (uint32_t p0 = 0; p0 < m->groups; p0 += FP9_PANEL_GROUPS) {
         const uint32_t p1 = p0 + fp9_panel_groups(m->groups, p0);
-        const uint32_t nchunks = (p1 - p0 + AMX_COLS / FP9_GROUP - 1) / (AMX_COLS / FP9_GROUP);
+        amx_cursor d = {.m = m, .pair_begin = pair_begin, .pair_end = pair_end, .p0 = p0, .p1 = p1,
+                        .nchunks = (p1 - p0 + AMX_CHUNK_GROUPS - 1) / AMX_CHUNK_GROUPS};
+        cursor_at(&d, pair_begin);
+        cursor_decode(&d, 0, AMX_PAIRS, wa[0], prefetch);
+        if (!decode)
+            memcpy(wa[1], wa[0], sizeof wa[1]);
+        cursor_advance(&d);
+        int buf = 0;
         for (uint32_t p = pair_begin; p < pair_end; p += AMX_PAIRS) {
             const uint32_t np = pair_end - p < AMX_PAIRS ? pair_end - p : AMX_PAIRS;
             const uint32_t row = 2 * p, live = m->rows - row < 2 * np ? m->rows - row : 2 * np;
-            size_t ahead;
-            const char *next = fp9_next_run(m, p, AMX_PAIRS, pair_begin, pair_end, p0, &ahead), *cursor = next;
-            for (uint32_t g = p0, c = 0; g < p1; g += AMX_COLS / FP9_GROUP, c++) {
-                const uint32_t ng = p1 - g < AMX_COLS / FP9_GROUP ? p1 - g : AMX_COLS / FP9_GROUP;
-                const uint32_t n = ng * FP9_GROUP, kp0 = g * FP9_GROUP / 2;
-                const int first = g == p0, last = g + AMX_COLS / FP9_GROUP >= p1;
-                decode_a(m, p, np, g, ng, wa, &cursor, next ? next + ahead * (c + 1) / nchunks : NULL);
-                for (uint32_t tt = 0; tt < ntt; tt += 2) {
+            for (uint32_t g = p0; g < p1; g += AMX_CHUNK_GROUPS) {
+                const uint32_t ng = p1 - g < AMX_CHUNK_GROUPS ? p1 - g : AMX_CHUNK_GROUPS;
+                const uint32_t steps = ng * FP9_GROUP / 32, kp0 = g * FP9_GROUP / 2;
+                const int first = g == p0, last = g + AMX_CHUNK_GROUPS >= p1;
+                const uint16_t *cur = wa[buf];
+                uint16_t *nxt = wa[buf ^ 1];
+                const int ahead = d.live && decode;
+                for (uint32_t tt = 0; tt < ntt && tiles; tt += 2) {
                     const int two = tt + 1 < ntt;
                     float *blk = acc + (size_t)tt * 512;
                     if (!keep && !m->block_scales && !first) {
@@ -272,9 +337,9 @@ static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_e
                             T_ZERO(3);
                         }
                     }
-                    for (uint32_t s = 0; s < n / 32; s++) {   /* 32 columns: 16 pairs */
-                        T_LOAD(4, wa + (size_t)s * 1024, 64);         /* rows 0-15 */
-                        T_LOAD(5, wa + (size_t)s * 1024 + 512, 64);   /* rows 16-31 */
+                    for (uint32_t s = 0; s < steps; s++) {   /* 32 columns: 16 pairs */
+                        T_LOAD(4, cur + (size_t)s * 1024, 64);         /* rows 0-15 */
+                        T_LOAD(5, cur + (size_t)s * 1024 + 512, 64);   /* rows 16-31 */
                         T_LOAD(6, xb + ((size_t)tt * kpairs + kp0 + 16 * s) * 16, 64);
                         T_DP(0, 4, 6);
                         T_DP(1, 5, 6);
@@ -283,6 +348,8 @@ static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_e
                             T_DP(2, 4, 7);
                             T_DP(3, 5, 7);
                         }
+                        if (tt == 0 && ahead && interleave)   /* a share of the next chunk's rows */
+                            cursor_decode(&d, s * AMX_PAIRS / steps, (s + 1) * AMX_PAIRS / steps, nxt, prefetch);
                     }
                     if (m->block_scales) {
                         for (int q = 0; q < (two ? 4 : 2); q++)
@@ -296,8 +363,14 @@ static void gemm_tiles(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_e
                         }
                     }
                 }
+                if (ahead && (!interleave || !tiles))
+                    cursor_decode(&d, 0, AMX_PAIRS, nxt, prefetch);
+                if (d.live)
+                    cursor_advance(&d);
+                buf ^= 1;
             }
-            acc_out(acc, ntok, y, row, live, out_scale, accumulate || p0 > 0);
+            if (!(parts & DUCK_AMX_PART_NO_OUT))
+                acc_out(acc, ntok, y, row, live, out_scale, accumulate || p0 > 0);
         }
     }
 }
@@ -401,6 +474,8 @@ uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds)
     return (uint64_t)duck_pool_size(pool) * rounds * 4 * 16 * 16 * 32 * 2;
 }
 
+void duck_kernels_amx_parts(int parts) { atomic_store(&amx_parts, parts); }
+
 static void gemm_amx(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
                      const float *const *x, float *const *y, int accumulate)
 {
@@ -456,5 +531,6 @@ uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds)
 }
 const duck_kernels *duck_kernels_amx_emulated(void) { return NULL; }
 unsigned long long duck_kernels_amx_emulated_dots(void) { return 0; }
+void duck_kernels_amx_parts(int parts) { (void)parts; }
 
 #endif

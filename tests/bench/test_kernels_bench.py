@@ -82,3 +82,34 @@ def test_the_amx_peak_modes_are_three_cases():
 
     keys = {Case("amx_peak", None, 0, 0, mode=m).key for m in ("tiles", "tile_loads", "stored_tile_loads")}
     assert len(keys) == 3
+
+
+def test_bench_kernels_gemm_only_on_a_named_slice(capsys):
+    """--gemm-only: the read, the peaks and the prefill GEMM alone, on the layer slices and token counts
+    asked for (DeepSeek's slice, 16 tokens per expert: its prefill at 512 tokens); --amx-parts adds the
+    amx GEMM with each part left out where the amx program runs (the tiles, or amx-emu)."""
+    sets = [k for k in ("amx-emu", "avx2-blend", "avx2-xor") if k in kernels_available()][:1]
+    args = ["bench", "kernels", "--threads", "1", "--json", "--gemm-only", "--gemm-models", "deepseek-v3",
+            "--gemm-tokens", "16", "--amx-parts", "--kernels", sets[0]] + TINY
+    assert duckctl(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    names = {c["name"] for c in r["cases"]}
+    assert not names & {"fp9_gemv", "int8_gemv", "moe_slice"} and r["read_gbps"]["1"] > 0
+    (gemm,) = [c for c in r["cases"] if c["name"] == "fp9_gemm"]
+    assert gemm["model"] == "deepseek-v3" and gemm["tokens"] == 16 and gemm["shape"] == [32, 3, 512, 7168]
+    assert gemm["gflops"] > 0 and gemm["ratio_to_fma_peak"] > 0
+    parts = {c["part"]: c for c in r["cases"] if c["name"] == "amx_part"}
+    if sets[0] == "amx-emu":
+        assert set(parts) == {"serial", "no_decode", "no_tiles", "no_out", "no_prefetch", "decode_only"}
+        assert all(c["time_ratio"] > 0 and c["seconds"] > 0 for c in parts.values())
+    else:
+        assert not parts   # no amx program on this CPU: nothing to take apart
+
+
+@pytest.mark.parametrize("flag,value,says", [("--gemm-models", "llama", "known are qwen3-30b-a3b, deepseek-v3"),
+                                             ("--gemm-tokens", "0,16", "token counts from 1 to 1024"),
+                                             ("--gemm-tokens", "x", "token counts from 1 to 1024")])
+def test_bench_kernels_refuses_bad_gemm_cases(flag, value, says, capsys):
+    with pytest.raises(SystemExit):
+        duckctl(["bench", "kernels", flag, value] + TINY)
+    assert says in capsys.readouterr().err
