@@ -204,14 +204,26 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8])
         r[i] = t[i];
 }
 
-/* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][16]: eight rows
- * of eight columns at a time, decoded, transposed. */
+/* Sixteen weights of a row as 16-bit words: the magnitude byte, and bit 11 set
+ * where the weight is negative (bit 31 once widened to 32 bits and shifted by
+ * FP9_DECODE_SHIFT: the fp32 sign). */
+static inline __attribute__((always_inline)) __m256i words16(const uint8_t *mag, uint32_t signs16, __m256i lane_bits)
+{
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)mag));
+    const __m256i s = _mm256_and_si256(_mm256_set1_epi16((short)signs16), lane_bits);
+    return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi16(s, lane_bits), _mm256_set1_epi16(0x0800)));
+}
+
+/* Groups [g, g + ng) of row pairs [p, p + np) into wt[k][16]: eight rows of
+ * sixteen columns at a time as 16-bit words (words16), transposed as words
+ * (an 8 x 8 transpose in each 128-bit lane: columns c and c + 8), then widened
+ * to fp32 bit patterns column by column. */
 static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t g, uint32_t ng, float *wt,
                          const char **ahead, const char *ahead_end)
 {
     const char *pf = *ahead;
-    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
-    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                16384, (short)0x8000);
     const uint32_t g0 = g - g % FP9_PANEL_GROUPS;
     for (uint32_t half = 0; half < 2; half++) {
         const uint32_t live = np > 4 * half ? (np - 4 * half < 4 ? np - 4 * half : 4) : 0;
@@ -219,8 +231,8 @@ static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t 
         for (uint32_t i = 0; i < 4; i++)
             run[i] = i < live ? fp9_pair_run(m, p + 4 * half + i, g0) + (g - g0) : NULL;
         for (uint32_t gi = 0; gi < ng; gi++)
-            for (int j = 0; j < 8; j++) {
-                __m256 w[8];
+            for (int j = 0; j < 4; j++) {   /* columns 16j .. 16j + 15 of the group */
+                __m256i w[8];
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
                     if (pf < ahead_end) {
@@ -228,16 +240,32 @@ static void decode_panel(const fp9_matrix *m, uint32_t p, uint32_t np, uint32_t 
                         pf += 64;
                     }
                     const fp9_block *b = run[r >> 1] ? &run[r >> 1][gi] : NULL;
-                    w[r] = b ? decode8(b->mag[r & 1] + 8 * j,
-                                       _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2)))),
-                                       c[j & 3], sign_bit)
-                             : _mm256_setzero_ps();
+                    w[r] = b ? words16(b->mag[r & 1] + 16 * j, (uint32_t)(b->sign[r & 1] >> (16 * j)) & 0xFFFFu,
+                                       lane_bits)
+                             : _mm256_setzero_si256();
                 }
-                transpose8(w);
-                float *out = wt + (size_t)(gi * FP9_GROUP + 8 * j) * 16 + 8 * half;
-#pragma GCC unroll 8
-                for (int k = 0; k < 8; k++)
-                    _mm256_store_ps(out + 16 * k, w[k]);
+                __m256i t[8], u[8];
+                for (int i = 0; i < 4; i++) {   /* rows 2i, 2i + 1 interleaved */
+                    t[2 * i] = _mm256_unpacklo_epi16(w[2 * i], w[2 * i + 1]);
+                    t[2 * i + 1] = _mm256_unpackhi_epi16(w[2 * i], w[2 * i + 1]);
+                }
+                for (int i = 0; i < 2; i++) {   /* rows 4i .. 4i + 3 interleaved */
+                    u[4 * i] = _mm256_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+                    u[4 * i + 1] = _mm256_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+                    u[4 * i + 2] = _mm256_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+                    u[4 * i + 3] = _mm256_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+                }
+                float *out = wt + (size_t)(gi * FP9_GROUP + 16 * j) * 16 + 8 * half;
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++)   /* columns 2i, 2i + 1 (and + 8): the eight rows' words */
+                    for (int o = 0; o < 2; o++) {
+                        const __m256i v = o ? _mm256_unpackhi_epi64(u[i], u[4 + i]) : _mm256_unpacklo_epi64(u[i], u[4 + i]);
+                        const int c = 2 * i + o;
+                        _mm256_store_si256((__m256i *)(out + 16 * c), _mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), FP9_DECODE_SHIFT));
+                        _mm256_store_si256((__m256i *)(out + 16 * (c + 8)), _mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), FP9_DECODE_SHIFT));
+                    }
             }
     }
     *ahead = pf;
@@ -278,6 +306,17 @@ static inline __attribute__((always_inline)) void tile(const float *wt, uint32_t
             c1[0][i] = _mm256_add_ps(c1[0][i], c1[1][i]);
         }
     const __m256 s0 = _mm256_load_ps(scale), s1 = _mm256_load_ps(scale + 8);
+    if (live >= 16) {   /* every row live: plain loads and stores (masked stores are slow on AMD's cores) */
+#pragma GCC unroll 6
+        for (int i = 0; i < T; i++) {
+            float *yr = y[i] + row;
+            __m256 y0 = load ? _mm256_loadu_ps(yr) : _mm256_setzero_ps();
+            __m256 y1 = load ? _mm256_loadu_ps(yr + 8) : _mm256_setzero_ps();
+            _mm256_storeu_ps(yr, _mm256_fmadd_ps(c0[0][i], s0, y0));
+            _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(c1[0][i], s1, y1));
+        }
+        return;
+    }
 #pragma GCC unroll 6
     for (int i = 0; i < T; i++) {
         __m256 y0 = load ? _mm256_maskload_ps(y[i] + row, m0) : _mm256_setzero_ps();
