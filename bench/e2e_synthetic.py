@@ -76,8 +76,9 @@ class Runner:
     def _ids(self, n: int) -> torch.Tensor:
         return torch.randint(2, self.vocab, (n,), generator=self.gen).to(self.device)
 
-    def prefill(self, prompt_len: int, steps: int, chunk: int = DEFAULT_CHUNK) -> dict:
-        return measure_prefill(self, prompt_len, chunk, steps + 4)
+    def prefill(self, prompt_len: int, steps: int, chunk: int = DEFAULT_CHUNK, overlap: bool = False) -> dict:
+        """overlap: two chunks in flight where the backend computes elsewhere (the fleet), as duckd does."""
+        return measure_prefill(self, prompt_len, chunk, steps + 4, overlap and self.timed.overlaps_host)
 
     def _lanes(self, cache, mode: str, tokens: int, drive_from_c: bool = True):
         """What runs the steps: None (the model's forward), a lane, or (lane, lane, worker)."""
@@ -274,12 +275,20 @@ def run_config(args, kind: str, device, dtype) -> dict:
     try:
         runner = Runner(model, backend, device, use_graphs=not args.no_graphs)
         runner.decode(runner.prefill(8, 4)["cache"], 8, 2)   # warm-up: allocations, first touches
+        # ... and a whole chunk's: the ducks' workspace for one grows to its size (page faults) once
+        runner.prefill(min(args.prefill_chunk, max(args.prompts)), 4, args.prefill_chunk)
         out["prompts"] = []
         for p in args.prompts:
-            pre = runner.prefill(p, 6 * args.steps + 4, args.prefill_chunk)
+            before = None
+            if args.prefill_overlap == "both":   # the chunk-by-chunk prefill first, beside the overlapped one
+                before = runner.prefill(p, 4, args.prefill_chunk, False)
+                before.pop("cache")
+            pre = runner.prefill(p, 6 * args.steps + 4, args.prefill_chunk, args.prefill_overlap != "off")
             cache = pre.pop("cache")
             single = runner.decode(cache, p, args.steps)
             entry = {**pre, "decode": single}
+            if before is not None and pre["overlap"]:
+                entry["prefill_chunk_by_chunk"] = before
             out["prompts"].append(entry)
             if p == args.prompts[0] and args.pairs:
                 pair = runner.decode(cache, p + args.steps, args.steps, tokens=2)
@@ -336,6 +345,9 @@ def main(argv: list[str]) -> int:
                     help="prompt lengths, comma separated (4096 takes minutes on a small CPU host)")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_CHUNK,
                     help="prompt tokens per prefill forward (duckd's model.prefill_chunk)")
+    ap.add_argument("--prefill-overlap", choices=("on", "off", "both"), default="on",
+                    help="fleet: prompts of two chunks or more with two chunks in flight, one's host work beside "
+                         "the other's FFN calls, as duckd does (on); chunk by chunk (off); both, one after the other")
     ap.add_argument("--request-tokens", type=int, default=0,
                     help="fleet: most tokens per request (0: as many as the ducks take); a chunk of more goes as "
                          "requests in flight together, one's transfer beside another's compute")
@@ -426,6 +438,8 @@ def _table(r: dict) -> str:
         k = r[kind]
         for p in k["prompts"]:
             lines.append(prefill_line(kind, p))
+            if "prefill_chunk_by_chunk" in p:
+                lines.append(prefill_line(kind, p["prefill_chunk_by_chunk"]))
             d = p["decode"]
             split = d["per_layer_ms"]
             extra = "".join(f", {n} {v:.2f}" for n, v in split.items() if v is not None)

@@ -34,6 +34,10 @@ class TimedFfn(FfnBackend):
         return self.backend.captures_in_graph
 
     @property
+    def overlaps_host(self) -> bool:
+        return self.backend.overlaps_host
+
+    @property
     def kernel_us_total(self) -> float:
         return self.backend.kernel_us_total
 

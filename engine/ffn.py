@@ -92,6 +92,13 @@ class FfnBackend(abc.ABC):
         return False
 
     @property
+    def overlaps_host(self) -> bool:
+        """Whether a call leaves this host's CPU and GPU free while it runs (the ducks compute it),
+        so that a prefill of several chunks overlaps one chunk's host work with another's FFN
+        calls (engine.prefill.prefill_hidden_overlapped)."""
+        return False
+
+    @property
     def captures_in_graph(self) -> bool:
         """Whether the backend runs on the model's GPU without host syncs, so its calls stay
         inside a CUDA graph of the decode step (engine.gpu.graphs)."""

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 class FleetFfn(HostFfn):
     name = "fleet"
+    overlaps_host = True   # the ducks compute; the transport waits without the GIL
 
     def __init__(self, fleet=None, *, addresses=None, key: bytes | None = None, key_file: str | None = None,
                  multiple_of: int = 64, local_ducks: int = 0, replicas: int = 1, cover_bytes: int | None = None,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.prefill import DEFAULT_CHUNK, check_chunk, prefill_logits
+from engine.prefill import DEFAULT_CHUNK, check_chunk, prefill_hidden_overlapped, prefill_logits
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,9 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
                 logits = native(ids, positions)[-1] if out.out_ids else native.prefill(ids, positions, prefill_chunk)
             elif out.out_ids:
                 logits = model.compute_logits(forward(ids, positions)[-1:])[0]                     # [V]
+            elif len(prompt_ids) > prefill_chunk and _ffn_overlaps_host(model):   # two chunks in flight
+                logits = model.compute_logits(prefill_hidden_overlapped(
+                    model, cache, ids.to(device), positions.to(device), prefill_chunk, last_only=True))[0]
             else:
                 logits = prefill_logits(model, forward, ids, positions, prefill_chunk)             # [V]
             done = out.push(logits)
@@ -229,6 +232,13 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     stats = GenerationStats(len(prompt_ids), len(out.out_ids), elapsed, ttft)
     log.info("%s", stats)
     return GenerationResult(out.out_ids, text, out.finish, stats, out.logits_kept)
+
+
+def _ffn_overlaps_host(model) -> bool:
+    try:
+        return model.ffn_backend().overlaps_host
+    except (AttributeError, ValueError, RuntimeError):   # no FFN layers, or no single backend
+        return False
 
 
 def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):

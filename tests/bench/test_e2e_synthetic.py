@@ -28,7 +28,7 @@ def test_synthetic_configs_keep_the_published_widths():
 def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     rc = duckctl(["bench", "e2e", "--synthetic", "qwen3-30b-a3b", "--layers", "2", "--experts", "16",
                   "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3", "--prefill-chunk", "8",
-                  "--backends", "fleet,cpu-torch", "--batch", "1,3", "--json"])
+                  "--backends", "fleet,cpu-torch", "--batch", "1,3", "--prefill-overlap", "both", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert "synthetic" in r["note"] and r["shape"]["hidden"] == 2048 and r["shape"]["layers"] == 2
@@ -39,9 +39,16 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     for p in fleet["prompts"] + cpu["prompts"]:
         assert p["ttft_s"] > 0 and p["prefill_tok_s"] > 0 and p["decode"]["tok_s"] > 0
         assert p["decode"]["ffn_calls_per_step"] == 2
-        assert p["chunks"] == (1 if p["prompt_len"] == 5 else 2) and p["per_layer_chunk_ms"]["host"] > 0
+        assert p["chunks"] == (1 if p["prompt_len"] == 5 else 2)
+        # the fleet's 2-chunk prompt runs two chunks in flight (the host's share then overlaps the calls')
+        assert p["overlap"] == (p in fleet["prompts"] and p["chunks"] == 2)
+        assert (p["per_layer_chunk_ms"]["host"] is None) if p["overlap"] else p["per_layer_chunk_ms"]["host"] > 0
         # top-8 of 16 experts over 5..8 tokens of a chunk: at least 8 distinct per layer
         assert 8 <= p["distinct_experts_per_layer_chunk"] <= 16
+    # --prefill-overlap both: the chunk-by-chunk prefill of the 2-chunk prompt beside the overlapped one
+    (cbc,) = [p["prefill_chunk_by_chunk"] for p in fleet["prompts"] if "prefill_chunk_by_chunk" in p]
+    assert cbc["prompt_len"] == 12 and not cbc["overlap"] and cbc["per_layer_chunk_ms"]["host"] > 0
+    assert "prefill_chunk_by_chunk" not in fleet["prompts"][0] and cbc["ttft_s"] > 0
     for p in fleet["prompts"]:
         assert p["per_layer_chunk_ms"]["duck_kernel"] > 0
         assert p["requests_per_call"]["requests"] == 1 and p["requests_per_call"]["duck_max_tokens"] == MAX_TOKENS

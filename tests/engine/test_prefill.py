@@ -14,7 +14,8 @@ import torch
 from engine.fleet import FleetFfn
 from engine.generate import SamplingParams, generate
 from engine.loader import load_model
-from engine.prefill import check_chunk, prefill_chunks
+from engine.lanes import StepTrace
+from engine.prefill import check_chunk, prefill_chunks, prefill_hidden, prefill_hidden_overlapped
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
 
 # max |prefill - token by token| / max |token by token| over every position's logits. The
@@ -127,6 +128,44 @@ def test_generate_prefills_in_chunks(kind, backend, family):
     for c in CHUNKS:
         assert _rel(first[c], first[1]) <= PREFILL_VS_STEPWISE_RTOL, c
         assert runs[c].token_ids == runs[1].token_ids, c
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_overlapped_prefill_is_the_chunked_prefill_bit_for_bit(kind, family):
+    """Two chunks in flight (chunk k + 1 one stage behind chunk k, the FFN calls on a worker
+    thread, through local ducks) give the chunk-by-chunk prefill's hidden states and caches
+    exactly, for every cache kind: KV, MLA latents, DeltaNet conv and recurrent states."""
+    from engine.batch_torch import cache_tensors
+
+    folder, vocab = family(kind)
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        assert lm.ffn.overlaps_host
+        model, prompt = lm.model, torch.tensor(_prompt(vocab, seed=8))
+        positions = torch.arange(len(prompt))
+        with torch.inference_mode():
+            for chunk in (7, 64, 100):      # 33, 4 and 3 chunks (the last one short)
+                ref_cache, cache = model.make_cache(PROMPT), model.make_cache(PROMPT)
+                ref = prefill_hidden(lambda i, p: model(i, p, ref_cache), prompt, positions, chunk)
+                calls = []
+                forward = lm.ffn.forward
+                lm.ffn.forward = lambda layer, x, *a, **k: calls.append(x.shape[0]) or forward(layer, x, *a, **k)
+                trace = StepTrace()
+                try:
+                    got = prefill_hidden_overlapped(model, cache, prompt, positions, chunk, trace=trace)
+                finally:
+                    lm.ffn.forward = forward
+                assert torch.equal(got, ref), chunk
+                for a, b in zip(cache_tensors(cache), cache_tensors(ref_cache)):
+                    assert torch.equal(a, b), chunk
+                n_chunks = len(prefill_chunks(PROMPT, chunk))
+                assert len(calls) == trace.calls == n_chunks * len(model.ffn_modules())   # one call per layer and chunk
+                assert max(calls) == chunk and trace.wall > 0 and trace.host > 0
+                last = prefill_hidden_overlapped(model, model.make_cache(PROMPT), prompt, positions, chunk,
+                                                 last_only=True)
+                assert torch.equal(last, ref[-1:])
+    finally:
+        lm.ffn.close()
 
 
 def test_chunk_is_checked():
