@@ -32,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -218,39 +219,52 @@ def _run_native(lane, step, backend, ids, positions, trace: StepTrace | None) ->
     return hidden
 
 
-def run_two_lanes(lane_a, lane_b, worker: FfnWorker, ids: torch.Tensor, positions: torch.Tensor,
-                  trace: StepTrace | None = None) -> torch.Tensor:
-    """Tokens ids[0] and ids[1] at positions[0] and positions[0] + 1 through two lanes,
-    B one stage behind A, the FFN calls on the worker (see the module docstring).
-    Returns the hidden states [2, H], as the 2-token forward would."""
-    if ids.shape[0] != 2 or positions.shape[0] != 2:
-        raise ValueError(f"two lanes take exactly 2 tokens, got {ids.shape[0]}")
+def run_staggered(lanes, worker: FfnWorker, jobs: list[tuple[torch.Tensor, torch.Tensor]],
+                  trace: StepTrace | None = None, keep=None) -> list[torch.Tensor]:
+    """Jobs (ids, positions) through the lanes, each job one stage behind the one before, the FFN
+    calls on the worker in submission order (see the module docstring); a lane that finishes its
+    job takes the next one. Job k + 1's layer L runs after job k's (its FFN calls are submitted,
+    and answered, after job k's of the same layer), so a job may attend to the positions of the jobs
+    before it: the token and draft of the dual lane, the chunks of a prefill. Returns each job's
+    hidden states, or what keep(hidden) makes of them (a copy: a prefill keeps a chunk's last row)."""
     t_start = time.perf_counter()
-    host = wait = 0.0
-    pending: list[tuple[object, Future]] = []   # (lane, future) in submission order
+    host = wait = ffn = kern = 0.0
+    calls = 0
+    out: list[torch.Tensor | None] = [None] * len(jobs)
+    pending: deque = deque()   # (lane, job, future), in submission order
+    following = 0              # the next job to start
 
     def timed(fn, *args):
         nonlocal host
         t0 = time.perf_counter()
-        out = fn(*args)
-        host += time.perf_counter() - t0
-        return out
+        try:
+            return fn(*args)
+        finally:
+            host += time.perf_counter() - t0
 
-    def submit(lane, req):
-        if req is not None:
-            pending.append((lane, worker.submit(req)))
+    def went(lane, k: int | None, req) -> None:
+        """The lane ran job k to an FFN call (submitted), or to its end (kept; the lane takes the
+        next job); k None: the lane is idle."""
+        nonlocal following
+        while req is None:
+            if k is not None:   # a lane's hidden may be its static buffer: a copy where it runs again
+                h = keep(lane.hidden) if keep is not None else lane.hidden
+                out[k] = h.clone() if keep is not None or following < len(jobs) else h
+            if following == len(jobs):
+                return
+            k, following = following, following + 1
+            req = timed(lane.start, *jobs[k])
+        pending.append((lane, k, worker.submit(req)))
 
-    submit(lane_a, timed(lane_a.start, ids[:1], positions[:1]))
-    submit(lane_b, timed(lane_b.start, ids[1:], positions[1:]))
-    ffn = kern = 0.0
-    calls = 0
+    for lane in lanes:
+        went(lane, None, None)
     while pending:
-        lane, fut = pending.pop(0)
+        lane, k, fut = pending.popleft()
         t0 = time.perf_counter()
         y, dt, kt = fut.result()
         wait += time.perf_counter() - t0
         ffn, kern, calls = ffn + dt, kern + kt, calls + 1
-        submit(lane, timed(lane.resume, y))
+        went(lane, k, timed(lane.resume, y))
     if trace is not None:
         trace.wall += time.perf_counter() - t_start
         trace.host += host
@@ -258,4 +272,15 @@ def run_two_lanes(lane_a, lane_b, worker: FfnWorker, ids: torch.Tensor, position
         trace.ffn_wait += wait
         trace.kernel += kern
         trace.calls += calls
-    return torch.cat((lane_a.hidden, lane_b.hidden), 0)
+    return out
+
+
+def run_two_lanes(lane_a, lane_b, worker: FfnWorker, ids: torch.Tensor, positions: torch.Tensor,
+                  trace: StepTrace | None = None) -> torch.Tensor:
+    """Tokens ids[0] and ids[1] at positions[0] and positions[0] + 1 through two lanes,
+    B one stage behind A, the FFN calls on the worker (see the module docstring).
+    Returns the hidden states [2, H], as the 2-token forward would."""
+    if ids.shape[0] != 2 or positions.shape[0] != 2:
+        raise ValueError(f"two lanes take exactly 2 tokens, got {ids.shape[0]}")
+    return torch.cat(run_staggered((lane_a, lane_b), worker, [(ids[:1], positions[:1]), (ids[1:], positions[1:])],
+                                   trace), 0)

@@ -28,8 +28,6 @@ is the same, bit for bit.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -75,52 +73,19 @@ def prefill_logits(model, forward: Forward, ids: torch.Tensor, positions: torch.
 def prefill_hidden_overlapped(model, cache, ids: torch.Tensor, positions: torch.Tensor,
                               chunk: int = DEFAULT_CHUNK, last_only: bool = False, trace=None) -> torch.Tensor:
     """prefill_hidden of model(ids, positions, cache) with two chunks in flight (see the module
-    docstring); ids and positions on the model's device. trace: an engine.lanes.StepTrace that
-    gets the host / FFN split (ffn_wait: the host waiting on the ducks)."""
-    from engine.lanes import EagerLane, FfnWorker, StepTrace
+    docstring; engine.lanes.run_staggered drives them); ids and positions on the model's device.
+    trace: an engine.lanes.StepTrace that gets the host / FFN split."""
+    from engine.lanes import EagerLane, FfnWorker, run_staggered
 
     parts = prefill_chunks(ids.shape[0], chunk)
     if len(parts) == 1:
         return prefill_hidden(lambda i, p: model(i, p, cache), ids, positions, chunk, last_only)
-    lanes = [EagerLane(model, cache, "prefill-a"), EagerLane(model, cache, "prefill-b")]
+    lanes = (EagerLane(model, cache, "prefill-a"), EagerLane(model, cache, "prefill-b"))
     worker = FfnWorker(model.ffn_backend())
-    trace = trace if trace is not None else StepTrace()
-    kept: list[torch.Tensor | None] = [None] * len(parts)
-    pending: deque = deque()   # (lane, chunk index, future), in submission order
-    following = 0              # the next chunk to start
-    t_start = time.perf_counter()
-
-    def host(fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            trace.host += time.perf_counter() - t0
-
-    def went(lane, k: int, req) -> None:
-        """The lane ran chunk k to an FFN call (submitted) or to its end (kept; the lane takes the next chunk)."""
-        nonlocal following
-        while req is None:
-            kept[k] = lane.hidden[-1:] if last_only else lane.hidden
-            if following == len(parts):
-                return
-            k, following = following, following + 1
-            req = host(lane.start, ids[parts[k]], positions[parts[k]])
-        pending.append((lane, k, worker.submit(req)))
-
     try:
-        for lane in lanes:
-            k, following = following, following + 1
-            went(lane, k, host(lane.start, ids[parts[k]], positions[parts[k]]))
-        while pending:
-            lane, k, fut = pending.popleft()
-            t0 = time.perf_counter()
-            y, dt, kt = fut.result()
-            trace.ffn_wait += time.perf_counter() - t0
-            trace.ffn, trace.kernel, trace.calls = trace.ffn + dt, trace.kernel + kt, trace.calls + 1
-            went(lane, k, host(lane.resume, y))
+        hidden = run_staggered(lanes, worker, [(ids[part], positions[part]) for part in parts], trace,
+                               keep=(lambda h: h[-1:]) if last_only else None)
     finally:
         for part in (*lanes, worker):
             part.close()
-    trace.wall += time.perf_counter() - t_start
-    return kept[-1] if last_only else torch.cat(kept)
+    return hidden[-1] if last_only else torch.cat(hidden)

@@ -182,28 +182,6 @@ static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *
 #define GEMM_PAIRS 8    /* rows per tile: 16, two vectors */
 #define GEMM_TOKENS 6   /* tokens per tile: 12 accumulators, 15 of the 16 registers in use */
 
-/* r[i] lane j <-> r[j] lane i, 8 x 8 floats. */
-static inline __attribute__((always_inline)) void transpose8(__m256 r[8])
-{
-    __m256 t[8];
-    for (int i = 0; i < 4; i++) {   /* rows 2i, 2i + 1 interleaved per 128-bit lane */
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {   /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
-        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int j = 0; j < 4; j++) {
-        t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
-        t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = t[i];
-}
-
 /* Sixteen weights of a row as 16-bit words: the magnitude byte, and bit 11 set
  * where the weight is negative (bit 31 once widened to 32 bits and shifted by
  * FP9_DECODE_SHIFT: the fp32 sign). */
