@@ -10,6 +10,8 @@ a fleet of local ducks. Per decode step, medians over every step of every round:
 
     python bench/cpu_decode.py [--backends torch,fleet] [--steps 48] [--rounds 3] [--json out.json]
 
+The native decoder's projections are float16 unless DUCK_CPU_WEIGHTS=float32 (docs/cpu.md).
+
 Paths alternate round by round on one loaded model, so that other load on the
 machine falls on both; each round prefills a fresh cache with torch and then
 greedy-decodes --steps tokens, which must come out the same on both paths.
@@ -114,7 +116,8 @@ def measure(backend: str, args, prompt_text: str = PROMPT) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['machine']}: {result['threads']} threads, host kernels {result['host_kernels']}, "
+    lines = [f"{result['machine']}: {result['threads']} threads, host kernels {result['host_kernels']} "
+             f"({result.get('host_weights', 'float32')} projections), "
              f"torch {result['torch']} ({result['torch_threads']} threads), load average before {result['load_before']}"
              f" after {result['load_after']}",
              f"{'FFNs':<8}{'path':<8}{'step ms':>9}{'tok/s':>8}{'host ms':>9}{'ffn ms':>8}{'lm_head ms':>11}"]
@@ -131,10 +134,12 @@ def format_table(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from engine.cpu.decode import weight_type
     from native.host.ops import host_kernels, kernels_name
 
     result = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}",
               "threads": len(os.sched_getaffinity(0)), "host_kernels": kernels_name(host_kernels()),
+              "host_weights": weight_type(),
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "load_before": [round(x, 2) for x in os.getloadavg()], "runs": []}
     for backend in args.backends.split(","):

@@ -91,7 +91,7 @@ class BatchDecoder:
         if path not in ("native", "torch"):
             raise ValueError(f"path must be 'native' (engine.cpu.decode) or 'torch' (engine.batch_torch), got {path!r}")
         if path == "native":
-            from engine.cpu.decode import CpuDecoder as decoder   # fp32 weights and cache on the CPU
+            from engine.cpu.decode import CpuDecoder as decoder   # an fp32 model and cache on the CPU
         else:
             from engine.batch_torch import TorchSlotDecoder as decoder
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path

@@ -1,6 +1,7 @@
 """Prefill and decoding on the CPU for engine.generate: the steps of a
-Llama-family model in native C (native/host/), over the model's own fp32
-weights and its KV cache. One step of T tokens (a decode step, or a prefill
+Llama-family model in native C (native/host/), over the model's weights (the
+projections and lm_head as float16 copies by default: engine.cpu.host_model)
+and its KV cache. One step of T tokens (a decode step, or a prefill
 chunk of up to max_tokens):
 
     duck_host_begin                     embeddings, rotary tables
@@ -14,8 +15,9 @@ chunk of up to max_tokens):
     logits = decoder.prefill(ids, positions)     # [V]: the prompt in steps of max_tokens, the last token's logits
     logits = decoder(ids, positions)             # [T, V], T <= decoder.max_tokens
 
-Greedy answers are those of the torch path (same fp32 math; sums may be
-ordered differently). Threads: a pool of one per CPU this process may run on,
+With weights="float32" the math is the torch path's (fp32; sums may be ordered
+differently); with float16 projections (DUCK_CPU_WEIGHTS, default float16) it
+is the torch path's on those weights rounded to float16. Threads: a pool of one per CPU this process may run on,
 blocking when idle (the ducks share these cores).
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 
 import torch
 
-from engine.cpu.host_model import HostModel, UnsupportedModel
+from engine.cpu.host_model import WEIGHT_TYPES, HalfOverflow, HostModel, UnsupportedModel
 from engine.prefill import prefill_chunks
 from native._native import ffi, lib
 from native.host.ops import host_kernels, kernels_name
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 NATIVE_ENV = "DUCK_CPU_NATIVE"   # auto (default): where supported; 0: never; 1: always (unsupported raises)
 _MODES = {"auto": "auto", "": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
           "1": "on", "on": "on", "true": "on", "yes": "on", "force": "on"}
+WEIGHTS_ENV = "DUCK_CPU_WEIGHTS"   # float16 (default): the projections and lm_head as half copies; float32
 MAX_TOKENS = 16   # decode steps, MTP pairs and short verification steps (a prefill's decoder takes its chunk)
 MAX_STEP_TOKENS = lib.DUCK_HOST_MAX_TOKENS   # the longest step, a prefill chunk
 
@@ -53,13 +56,30 @@ def native_mode() -> str:
     return mode
 
 
+def weight_type() -> str:
+    """'float16' or 'float32', from DUCK_CPU_WEIGHTS (default float16)."""
+    raw = os.environ.get(WEIGHTS_ENV, "").strip().lower() or "float16"
+    name = {"f16": "float16", "fp16": "float16", "half": "float16", "f32": "float32", "fp32": "float32"}.get(raw, raw)
+    if name not in WEIGHT_TYPES:
+        raise ValueError(f"{WEIGHTS_ENV}={raw!r}: expected float16 (half copies of the projections and lm_head) "
+                         f"or float32 (the model's own weights)")
+    return name
+
+
 class CpuDecoder:
-    """The native decode steps of one model over one KV cache (see the module docstring)."""
+    """The native decode steps of one model over one KV cache (see the module docstring).
+    weights: 'float16' or 'float32' for the projections and lm_head (None: DUCK_CPU_WEIGHTS)."""
 
     def __init__(self, model, cache, kernel_set: str = "best", threads: int | None = None,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int = MAX_TOKENS, weights: str | None = None):
         self.model, self.cache = model, cache
-        self.host = HostModel(model, cache, max_tokens)   # raises UnsupportedModel
+        weights = weights or weight_type()
+        try:
+            self.host = HostModel(model, cache, max_tokens, weights)   # raises UnsupportedModel
+        except HalfOverflow as e:
+            log.warning("native CPU decoder: %s", e)
+            self.host = HostModel(model, cache, max_tokens, "float32")
+        self.weights = self.host.weights
         c = model.config
         self.max_tokens, self.hidden, self.vocab = max_tokens, c.hidden_size, c.vocab_size
         self._ntok = 0
@@ -82,8 +102,9 @@ class CpuDecoder:
         if ptr == ffi.NULL:
             raise UnsupportedModel(f"native CPU decoder: {ffi.string(err).decode()}")
         self._d = ffi.gc(ptr, lib.duck_host_decoder_destroy)
-        log.debug("native CPU decoder for %s: %s kernels, %d threads, cache of %d positions",
-                  type(model).__name__, kernels_name(self.kernels), self.pool.threads, cache.max_model_len)
+        log.debug("native CPU decoder for %s: %s kernels, %s projections, %d threads, cache of %d positions",
+                  type(model).__name__, kernels_name(self.kernels), self.weights, self.pool.threads,
+                  cache.max_model_len)
 
     def _check(self, rc: int) -> int:
         if rc < 0:

@@ -3,6 +3,13 @@ host part: the torch tensors the native decoder reads in place, checked for
 what it needs (fp32, on the CPU, contiguous, the Llama family's layout), and
 kept referenced for as long as the description lives.
 
+The projections (q, k, v, o) and lm_head are read as float16 copies by default
+(weights="float16"): half the bytes of a decode step, which on the CPU is bound
+by memory bandwidth; the arithmetic stays fp32 and the rounding (2^-11
+relative per weight) is far below the fp9 experts'. weights="float32" reads
+the model's own tensors in place. A model with weights beyond float16's range
+raises HalfOverflow (engine.cpu.decode then takes float32).
+
 Supported: Llama (SmolLM2 and the like), Qwen3 (per-head q/k RMSNorm) and
 Qwen3-MoE (softmax top-k router on the host). Anything else raises
 UnsupportedModel saying why; engine.cpu.decode then keeps the torch path.
@@ -17,21 +24,31 @@ from engine.models.base import GatedMLP
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
-from native._native import ffi
+from native._native import ffi, lib
 
 FAMILIES = (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
+
+
+WEIGHT_TYPES = ("float16", "float32")
 
 
 class UnsupportedModel(ValueError):
     """The native CPU decoder cannot run this model (or this cache); says why."""
 
 
+class HalfOverflow(UnsupportedModel):
+    """A projection or lm_head holds values float16 cannot (|w| > 65504)."""
+
+
 class HostModel:
     """duck_host_model and its layer table for one model and one KV cache.
     .model is the cffi struct; .ffn[i] the module whose backend runs layer i's FFN."""
 
-    def __init__(self, model, cache: KVCache, max_tokens: int):
+    def __init__(self, model, cache: KVCache, max_tokens: int, weights: str = "float16"):
+        if weights not in WEIGHT_TYPES:
+            raise ValueError(f"host weights {weights!r}: expected one of {', '.join(WEIGHT_TYPES)}")
+        self.weights = weights
         config = model.config
         if type(model) not in FAMILIES:
             raise UnsupportedModel(f"{type(model).__name__} ({config.model_type}) is not supported by the native "
@@ -45,8 +62,9 @@ class HostModel:
         m.final_norm = self._weight(model.model.norm.weight, "model.norm.weight", (config.hidden_size,))
         if getattr(model.lm_head, "bias", None) is not None:
             raise UnsupportedModel("lm_head has a bias: the native CPU decoder's lm_head has none")
-        m.lm_head = self._weight(self._linear(model.lm_head, "lm_head"), "lm_head.weight",
-                                 (config.vocab_size, config.hidden_size))
+        m.lm_head = self._projection(self._linear(model.lm_head, "lm_head"), "lm_head.weight",
+                                     (config.vocab_size, config.hidden_size))
+        m.wtype = lib.DUCK_HOST_F16 if weights == "float16" else lib.DUCK_HOST_F32
         m.inv_freq = self._ptr(rope_inv_freq(config).float().contiguous())
         self._check_cache(cache)
         self.layers = ffi.new("duck_host_layer[]", config.num_hidden_layers)
@@ -93,6 +111,18 @@ class HostModel:
             raise UnsupportedModel(f"{what} is not contiguous")
         return self._ptr(t.detach())
 
+    def _projection(self, t: torch.Tensor, what: str, shape: tuple[int, ...]):
+        """A projection's (or lm_head's) weights in the decoder's weight type: the
+        model's own fp32 tensor, or a float16 copy of it."""
+        ptr = self._weight(t, what, shape)
+        if self.weights == "float32":
+            return ptr
+        half = t.detach().to(torch.float16).contiguous()
+        if not torch.isfinite(half).all():
+            raise HalfOverflow(f"{what} holds values beyond float16's range (max |w| = "
+                               f"{float(t.abs().max()):.4g} > 65504): its projections stay float32")
+        return self._ptr(half, "const void *")
+
     @staticmethod
     def _linear(module: nn.Module, what: str) -> torch.Tensor:
         if type(module) is not nn.Linear:
@@ -113,7 +143,7 @@ class HostModel:
         for name, rows, cols in (("q_proj", qd, h), ("k_proj", kvd, h), ("v_proj", kvd, h), ("o_proj", h, qd)):
             proj = getattr(attn, name)
             what = p + "self_attn." + name
-            setattr(d, "w" + name[0], self._weight(self._linear(proj, what), what + ".weight", (rows, cols)))
+            setattr(d, "w" + name[0], self._projection(self._linear(proj, what), what + ".weight", (rows, cols)))
             setattr(d, "b" + name[0], self._bias(proj, what, rows))
         for name in ("q_norm", "k_norm"):
             norm = getattr(attn, name, None)

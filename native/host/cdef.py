@@ -13,9 +13,13 @@ typedef void (*duck_host_gemm_fn)(const float *w, size_t ldw, uint32_t rows, uin
 typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
 typedef void (*duck_host_gemv_t_fn)(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n,
                                     float *y);
+typedef void (*duck_host_gemm_h_fn)(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k,
+                                    uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
 typedef struct duck_host_kernels {
-    const char *name; duck_host_gemm_fn gemm; duck_host_dot_fn dot; duck_host_gemv_t_fn gemv_t; ...;
+    const char *name; duck_host_gemm_fn gemm; duck_host_dot_fn dot; duck_host_gemv_t_fn gemv_t;
+    duck_host_gemm_h_fn gemm_h; ...;
 } duck_host_kernels;
+float duck_half_to_float(uint16_t h);
 const duck_host_kernels *duck_host_kernels_ref(void);
 const duck_host_kernels *duck_host_kernels_avx2(void);
 const duck_host_kernels *duck_host_kernels_avx512(void);
@@ -31,12 +35,14 @@ void duck_host_attend(const duck_host_kernels *k, const float *q, const float *k
                       size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores, float *out);
 void duck_host_topk_softmax(const float *logits, uint32_t n, uint32_t topk, int normalize, int32_t *ids,
                             float *weights);
-void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, const float *w, uint32_t rows, uint32_t kdim,
-                    uint32_t ntok, const float *x, float *y);
+#define DUCK_HOST_F32 ...
+#define DUCK_HOST_F16 ...
+void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, uint32_t wtype, const void *w, uint32_t rows,
+                    uint32_t kdim, uint32_t ntok, const float *x, float *y);
 
 typedef struct duck_host_layer {
     const float *input_norm, *post_norm;
-    const float *wq, *wk, *wv, *wo;
+    const void *wq, *wk, *wv, *wo;
     const float *bq, *bk, *bv, *bo;
     const float *q_norm, *k_norm;
     const float *router;
@@ -46,7 +52,7 @@ typedef struct duck_host_layer {
 typedef struct duck_host_model {
     uint32_t hidden, heads, kv_heads, head_dim, layers, vocab, max_len, slots, max_tokens, n_experts, topk;
     uint64_t slot_stride; int32_t norm_topk; float eps;
-    const float *inv_freq; const float *embed; const float *final_norm; const float *lm_head;
+    const float *inv_freq; const float *embed; const float *final_norm; const void *lm_head; uint32_t wtype;
     const duck_host_layer *layer;
     ...;
 } duck_host_model;

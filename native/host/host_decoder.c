@@ -64,6 +64,8 @@ static const char *check_model(const duck_host_model *m, const duck_host_io *io)
         return "inv_freq, embed, final_norm, lm_head, the layer table and io.ffn_in are required";
     if (!(m->eps > 0.0f))
         return "eps must be positive";
+    if (m->wtype != DUCK_HOST_F32 && m->wtype != DUCK_HOST_F16)
+        return "wtype must be DUCK_HOST_F32 or DUCK_HOST_F16";
     if (m->slots > 1 && m->slot_stride < (uint64_t)m->max_len * m->kv_heads * m->head_dim)
         return "slot_stride is less than one slot's cache (max_len * kv_heads * head_dim)";
     int routed = 0;
@@ -192,7 +194,7 @@ static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
     const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
     if (u < m->heads) {
         float *q = d->q + (size_t)u * D;
-        d->k->gemm(l->wq + (size_t)u * D * H, H, D, H, T, d->h, H, q, qd);
+        duck_host_gemm_rows(d->k, m->wtype, l->wq, H, u * D, D, H, T, d->h, H, q, qd);
         for (uint32_t t = 0; t < T; t++) {
             add_bias(q + t * qd, l->bq ? l->bq + (size_t)u * D : NULL, D);
             duck_host_rope(d->k, q + t * qd, 1, D, d->cos + t * half, d->sin + t * half, l->q_norm, m->eps);
@@ -201,10 +203,9 @@ static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
     }
     const int is_key = u < m->heads + m->kv_heads;
     const uint32_t j = is_key ? u - m->heads : u - m->heads - m->kv_heads;
-    const float *w = (is_key ? l->wk : l->wv) + (size_t)j * D * H;
     const float *b = is_key ? l->bk : l->bv;
     float *out = (is_key ? d->kn : d->vn) + (size_t)j * D, *cache = is_key ? l->k_cache : l->v_cache;
-    d->k->gemm(w, H, D, H, T, d->h, H, out, kvd);
+    duck_host_gemm_rows(d->k, m->wtype, is_key ? l->wk : l->wv, H, j * D, D, H, T, d->h, H, out, kvd);
     for (uint32_t t = 0; t < T; t++) {
         float *v = out + t * kvd;
         add_bias(v, b ? b + (size_t)j * D : NULL, D);
@@ -288,7 +289,7 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
     const duck_host_layer *l = d->cur = &d->layers[layer];
     const uint32_t H = m->hidden, T = d->ntok;
     d->ffn_out = layer ? ffn_out : NULL;
-    d->gemm_o = (duck_host_gemm_job){d->k, l->wo, d->attn, d->o, H, m->heads * m->head_dim, T, 0};
+    d->gemm_o = (duck_host_gemm_job){d->k, l->wo, d->attn, d->o, H, m->heads * m->head_dim, T, m->wtype, 0};
     duck_host_phase *p = d->phases;
     p = add_phase(p, T, input_norm_item, d);
     p = add_phase(p, m->heads + 2 * m->kv_heads, qkv_unit, d);
@@ -296,7 +297,8 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
     duck_host_gemm_phase(&d->gemm_o, p++);
     p = add_phase(p, T, post_norm_item, d);
     if (l->router) {
-        d->gemm_router = (duck_host_gemm_job){d->k, l->router, d->io.ffn_in, d->router, m->n_experts, H, T, 0};
+        d->gemm_router = (duck_host_gemm_job){d->k, l->router, d->io.ffn_in, d->router, m->n_experts, H, T,
+                                              DUCK_HOST_F32, 0};
         duck_host_gemm_phase(&d->gemm_router, p++);
         p = add_phase(p, T, topk_item, d);
     }
@@ -326,7 +328,7 @@ int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint
                         rows[i]);
     d->ffn_out = ffn_out;
     d->rows = rows;
-    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, nrows, 0};
+    d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, nrows, m->wtype, 0};
     duck_host_phase *p = add_phase(d->phases, nrows, final_norm_item, d);
     duck_host_gemm_phase(&d->gemm_lm_head, p++);
     duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));

@@ -26,7 +26,7 @@ extern "C" {
 /* One decoder layer's tensors, row-major [out, in] as torch nn.Linear keeps them. */
 typedef struct duck_host_layer {
     const float *input_norm, *post_norm;       /* [hidden] */
-    const float *wq, *wk, *wv, *wo;           /* [heads*D, hidden], [kv*D, hidden] x2, [hidden, heads*D] */
+    const void *wq, *wk, *wv, *wo;            /* [heads*D, hidden], [kv*D, hidden] x2, [hidden, heads*D]; model.wtype */
     const float *bq, *bk, *bv, *bo;           /* the biases, or NULL (attention_bias) */
     const float *q_norm, *k_norm;             /* [head_dim] per-head RMSNorm (Qwen3), or NULL */
     const float *router;                      /* [n_experts, hidden] softmax router, or NULL: a dense FFN */
@@ -45,7 +45,9 @@ typedef struct duck_host_model {
     const float *inv_freq;                    /* [head_dim / 2], engine.layers.rope_inv_freq */
     const float *embed;                       /* [vocab, hidden] */
     const float *final_norm;                  /* [hidden] */
-    const float *lm_head;                     /* [vocab, hidden] (the embedding when tied) */
+    const void *lm_head;                      /* [vocab, hidden] (the embedding when tied); wtype */
+    uint32_t wtype;                           /* the projections' and lm_head's: DUCK_HOST_F32 or DUCK_HOST_F16
+                                                 (everything else is fp32) */
     const duck_host_layer *layer;             /* [layers], copied by create */
 } duck_host_model;
 

@@ -1,8 +1,9 @@
 /* fp32 kernels of the host's own decode step (engine.cpu's native decoder):
  * the few primitives every host op is built from, as a table with a portable
- * scalar reference (_ref), an AVX2+FMA set and an AVX-512F set, chosen at run
- * time from what the CPU has. Weights are the model's own fp32 tensors,
- * read in place. */
+ * scalar reference (_ref), an AVX2+FMA+F16C set and an AVX-512F set, chosen at
+ * run time from what the CPU has. Weights are the model's own fp32 tensors,
+ * read in place, or IEEE half (fp16) copies of them for the projections and
+ * lm_head: half the bytes a decode step reads, the arithmetic still fp32. */
 #ifndef DUCK_HOST_KERNELS_H
 #define DUCK_HOST_KERNELS_H
 
@@ -19,6 +20,11 @@ extern "C" {
  * the rows between threads. */
 typedef void (*duck_host_gemm_fn)(const float *w, size_t ldw, uint32_t rows, uint32_t k,
                                   uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
+/* The same with IEEE half weights: every sum is formed exactly as gemm forms
+ * it on the weights converted to fp32 (the conversion is exact), so the two
+ * give identical results. */
+typedef void (*duck_host_gemm_h_fn)(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k,
+                                    uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
 /* sum_i a[i] * b[i], i < n */
 typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
 /* y[c] = sum_r p[r] * v[r * ldv + c] for c < n (attention's weighted sum of values) */
@@ -30,10 +36,14 @@ typedef struct duck_host_kernels {
     duck_host_gemm_fn gemm;
     duck_host_dot_fn dot;
     duck_host_gemv_t_fn gemv_t;
+    duck_host_gemm_h_fn gemm_h;
 } duck_host_kernels;
 
+/* IEEE half -> fp32, exact (subnormals, infinities and NaN included) */
+float duck_half_to_float(uint16_t h);
+
 const duck_host_kernels *duck_host_kernels_ref(void);
-/* NULL where the build or the CPU lacks AVX2+FMA */
+/* NULL where the build or the CPU lacks AVX2+FMA+F16C */
 const duck_host_kernels *duck_host_kernels_avx2(void);
 /* NULL where the build or the CPU lacks AVX-512F */
 const duck_host_kernels *duck_host_kernels_avx512(void);

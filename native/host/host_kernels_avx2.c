@@ -1,11 +1,14 @@
 /* AVX2+FMA host kernels: 8 lanes, tails through maskload (masked-off lanes
  * are not read). Same shape as the AVX-512 set: one accumulator per sum,
- * four rows at a time. */
+ * four rows at a time. Half weights are widened with F16C into an fp32 panel
+ * in L1 and then run through the same FMA chain as fp32 weights. */
 #include "host_kernels.h"
+
+#include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
 /* loadu(ones_then_zeros + 8 - n) has its first n lanes set */
@@ -40,6 +43,32 @@ static float dot_avx2(const float *a, const float *b, uint32_t n)
     return dot8(a, b, n & ~7u, n & 7u, tail_mask(n & 7u));
 }
 
+/* Four rows' sums with one token, columns [0, n) of w0..w3 and xt, carried in
+ * a[4]: full vectors in index order, then the tail (masked-off lanes read as
+ * zero). gemm and gemm_h both form every sum through this chain. */
+static inline void fma4(const float *w0, const float *w1, const float *w2, const float *w3, const float *xt,
+                        uint32_t n, __m256 a[4])
+{
+    const uint32_t full = n & ~7u;
+    __m256 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    for (uint32_t c = 0; c < full; c += 8) {
+        const __m256 xv = _mm256_loadu_ps(xt + c);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c), xv, a3);
+    }
+    if (n & 7u) {
+        const __m256i tail = tail_mask(n & 7u);
+        const __m256 xv = _mm256_maskload_ps(xt + full, tail);
+        a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + full, tail), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + full, tail), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + full, tail), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + full, tail), xv, a3);
+    }
+    a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+}
+
 static void gemm_avx2(const float *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
                       const float *x, size_t ldx, float *y, size_t ldy)
 {
@@ -47,36 +76,28 @@ static void gemm_avx2(const float *w, size_t ldw, uint32_t rows, uint32_t k, uin
     const __m256i tail = tail_mask(rest);
     uint32_t r = 0;
     for (; r + 4 <= rows; r += 4) {
-        const float *w0 = w + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        const float *w0 = w + r * ldw;
         for (uint32_t t = 0; t < ntok; t++) {
-            const float *xt = x + t * ldx;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (uint32_t c = 0; c < full; c += 8) {
-                const __m256 xv = _mm256_loadu_ps(xt + c);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c), xv, a3);
-            }
-            if (rest) {
-                const __m256 xv = _mm256_maskload_ps(xt + full, tail);
-                a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + full, tail), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + full, tail), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + full, tail), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + full, tail), xv, a3);
-            }
-            float *yt = y + t * ldy + r;
-            yt[0] = hsum(a0);
-            yt[1] = hsum(a1);
-            yt[2] = hsum(a2);
-            yt[3] = hsum(a3);
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            fma4(w0, w0 + ldw, w0 + 2 * ldw, w0 + 3 * ldw, x + t * ldx, k, a);
+            for (uint32_t i = 0; i < 4; i++)
+                y[t * ldy + r + i] = hsum(a[i]);
         }
     }
     for (; r < rows; r++)
         for (uint32_t t = 0; t < ntok; t++)
             y[t * ldy + r] = dot8(w + r * ldw, x + t * ldx, full, rest, tail);
 }
+
+/* Half weights (host_gemm_h_body.h): rows widened with F16C into an fp32 panel,
+ * then fma4 over it. */
+#define GEMM_H gemm_h_avx2
+#define VEC __m256
+#define VEC_LANES 8u
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_SUM hsum
+#define VEC_WIDEN(p, h) _mm256_store_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h))))
+#include "host_gemm_h_body.h"
 
 /* 32 columns (four vectors) per pass over the rows. */
 static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
@@ -104,12 +125,13 @@ static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t row
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2};
+static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, gemm_h_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx2(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &k_avx2 : NULL;
+    const int ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return ok ? &k_avx2 : NULL;
 }
 
 #else

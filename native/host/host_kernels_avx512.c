@@ -1,7 +1,11 @@
 /* AVX-512F host kernels: 16 lanes, tails through masked loads (a masked-off
  * lane is never read, so no row needs padding). One accumulator per sum,
- * four rows at a time for independent FMA chains and memory streams. */
+ * four rows at a time for independent FMA chains and memory streams. Half
+ * weights are widened into an fp32 panel in L1 and run through the same FMA
+ * chain as fp32 weights. */
 #include "host_kernels.h"
+
+#include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
@@ -29,6 +33,32 @@ static float dot_avx512(const float *a, const float *b, uint32_t n)
     return dot16(a, b, n & ~15u, tail_mask(n & 15u));
 }
 
+/* Four rows' sums with one token over columns [0, n), carried in a[4]: full
+ * vectors in index order, then the masked tail. gemm and gemm_h both form every
+ * sum through this chain. */
+static inline void fma4(const float *w0, const float *w1, const float *w2, const float *w3, const float *xt,
+                        uint32_t n, __m512 a[4])
+{
+    const uint32_t full = n & ~15u;
+    __m512 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    for (uint32_t c = 0; c < full; c += 16) {
+        const __m512 xv = _mm512_loadu_ps(xt + c);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
+    }
+    if (n & 15u) {
+        const __mmask16 tail = tail_mask(n & 15u);
+        const __m512 xv = _mm512_maskz_loadu_ps(tail, xt + full);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + full), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + full), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + full), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + full), xv, a3);
+    }
+    a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+}
+
 static void gemm_avx512(const float *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
                         const float *x, size_t ldx, float *y, size_t ldy)
 {
@@ -36,36 +66,27 @@ static void gemm_avx512(const float *w, size_t ldw, uint32_t rows, uint32_t k, u
     const __mmask16 tail = tail_mask(k & 15u);
     uint32_t r = 0;
     for (; r + 4 <= rows; r += 4) {
-        const float *w0 = w + r * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        const float *w0 = w + r * ldw;
         for (uint32_t t = 0; t < ntok; t++) {
-            const float *xt = x + t * ldx;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-            for (uint32_t c = 0; c < full; c += 16) {
-                const __m512 xv = _mm512_loadu_ps(xt + c);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
-            }
-            if (tail) {
-                const __m512 xv = _mm512_maskz_loadu_ps(tail, xt + full);
-                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + full), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + full), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + full), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + full), xv, a3);
-            }
-            float *yt = y + t * ldy + r;
-            yt[0] = _mm512_reduce_add_ps(a0);
-            yt[1] = _mm512_reduce_add_ps(a1);
-            yt[2] = _mm512_reduce_add_ps(a2);
-            yt[3] = _mm512_reduce_add_ps(a3);
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            fma4(w0, w0 + ldw, w0 + 2 * ldw, w0 + 3 * ldw, x + t * ldx, k, a);
+            for (uint32_t i = 0; i < 4; i++)
+                y[t * ldy + r + i] = _mm512_reduce_add_ps(a[i]);
         }
     }
     for (; r < rows; r++)
         for (uint32_t t = 0; t < ntok; t++)
             y[t * ldy + r] = dot16(w + r * ldw, x + t * ldx, full, tail);
 }
+
+/* Half weights (host_gemm_h_body.h): rows widened into an fp32 panel, then fma4 over it. */
+#define GEMM_H gemm_h_avx512
+#define VEC __m512
+#define VEC_LANES 16u
+#define VEC_ZERO _mm512_setzero_ps
+#define VEC_SUM _mm512_reduce_add_ps
+#define VEC_WIDEN(p, h) _mm512_store_ps(p, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h))))
+#include "host_gemm_h_body.h"
 
 /* 64 columns (four vectors) per pass over the rows. */
 static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
@@ -93,7 +114,7 @@ static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t r
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512};
+static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512, gemm_h_avx512};
 
 const duck_host_kernels *duck_host_kernels_avx512(void)
 {

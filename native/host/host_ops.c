@@ -154,28 +154,40 @@ void duck_host_run_phases(duck_pool *pool, duck_host_phase *phases, uint32_t n_p
 /* Rows per item: about 64 KiB of weights, a multiple of the kernels' 4-row block. */
 #define GEMM_ITEM_BYTES 65536u
 
+static size_t wtype_bytes(uint32_t wtype) { return wtype == DUCK_HOST_F16 ? 2u : 4u; }
+
+void duck_host_gemm_rows(const duck_host_kernels *k, uint32_t wtype, const void *w, size_t ldw, uint32_t r0,
+                         uint32_t rows, uint32_t kdim, uint32_t ntok, const float *x, size_t ldx, float *y,
+                         size_t ldy)
+{
+    if (wtype == DUCK_HOST_F16)
+        k->gemm_h((const uint16_t *)w + (size_t)r0 * ldw, ldw, rows, kdim, ntok, x, ldx, y, ldy);
+    else
+        k->gemm((const float *)w + (size_t)r0 * ldw, ldw, rows, kdim, ntok, x, ldx, y, ldy);
+}
+
 static void gemm_item(void *ctx, uint32_t item, unsigned worker)
 {
     (void)worker;
     const duck_host_gemm_job *j = ctx;
     const uint32_t r0 = item * j->rows_per_item;
     const uint32_t n = j->rows - r0 < j->rows_per_item ? j->rows - r0 : j->rows_per_item;
-    j->k->gemm(j->w + (size_t)r0 * j->kdim, j->kdim, n, j->kdim, j->ntok, j->x, j->kdim, j->y + r0, j->rows);
+    duck_host_gemm_rows(j->k, j->wtype, j->w, j->kdim, r0, n, j->kdim, j->ntok, j->x, j->kdim, j->y + r0, j->rows);
 }
 
 void duck_host_gemm_phase(duck_host_gemm_job *job, duck_host_phase *phase)
 {
-    uint32_t per = GEMM_ITEM_BYTES / (4u * (job->kdim ? job->kdim : 1u));
+    uint32_t per = (uint32_t)(GEMM_ITEM_BYTES / (wtype_bytes(job->wtype) * (job->kdim ? job->kdim : 1u)));
     job->rows_per_item = per < 4 ? 4 : per & ~3u;
     phase->n = job->ntok ? (job->rows + job->rows_per_item - 1) / job->rows_per_item : 0;
     phase->body = gemm_item;
     phase->ctx = job;
 }
 
-void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, const float *w, uint32_t rows, uint32_t kdim,
-                    uint32_t ntok, const float *x, float *y)
+void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, uint32_t wtype, const void *w, uint32_t rows,
+                    uint32_t kdim, uint32_t ntok, const float *x, float *y)
 {
-    duck_host_gemm_job job = {k, w, x, y, rows, kdim, ntok, 0};
+    duck_host_gemm_job job = {k, w, x, y, rows, kdim, ntok, wtype, 0};
     duck_host_phase phase;
     duck_host_gemm_phase(&job, &phase);
     duck_host_run_phases(pool, &phase, 1);

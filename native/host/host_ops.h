@@ -1,7 +1,8 @@
 /* The host ops of a decode step (norms, rotary, cached attention, router,
  * pooled GEMM), written once over a kernel table (host_kernels.h): with
  * duck_host_kernels_ref() they are the reference, with the AVX2 or AVX-512
- * set the fast path. Everything is fp32, one sequence, like engine/layers.py. */
+ * set the fast path. Everything is fp32, like engine/layers.py, but for the
+ * GEMMs' weights, which may be half. */
 #ifndef DUCK_HOST_OPS_H
 #define DUCK_HOST_OPS_H
 
@@ -59,20 +60,32 @@ typedef struct duck_host_phase {
 /* pool NULL (or of one thread): every phase in order on the calling thread, worker 0. */
 void duck_host_run_phases(duck_pool *pool, duck_host_phase *phases, uint32_t n_phases);
 
+/* The weights of the host's GEMMs: the model's own fp32 tensors, or IEEE half
+ * copies of them (the projections and lm_head: half the bytes per token). */
+#define DUCK_HOST_F32 0u
+#define DUCK_HOST_F16 1u
+
+/* y[t * ldy + i] = row r0 + i of w [*, ldw] (wtype) . x[t], i < rows: the kernel
+ * set's gemm or gemm_h (y points at row r0's output). */
+void duck_host_gemm_rows(const duck_host_kernels *k, uint32_t wtype, const void *w, size_t ldw, uint32_t r0,
+                         uint32_t rows, uint32_t kdim, uint32_t ntok, const float *x, size_t ldx, float *y,
+                         size_t ldy);
+
 /* The items of a row-split GEMM job, for a phase: y[ntok, rows] = x W^T. */
 typedef struct duck_host_gemm_job {
     const duck_host_kernels *k;
-    const float *w, *x;
+    const void *w;            /* [rows, kdim] of wtype */
+    const float *x;
     float *y;
-    uint32_t rows, kdim, ntok, rows_per_item;
+    uint32_t rows, kdim, ntok, wtype, rows_per_item;
 } duck_host_gemm_job;
 /* Fills a phase with the job's items (about 64 KiB of weights each). */
 void duck_host_gemm_phase(duck_host_gemm_job *job, duck_host_phase *phase);
 
-/* y[ntok, rows] = x[ntok, kdim] W[rows, kdim]^T, rows split over the pool
- * (NULL: the calling thread); results do not depend on the split. */
-void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, const float *w, uint32_t rows, uint32_t kdim,
-                    uint32_t ntok, const float *x, float *y);
+/* y[ntok, rows] = x[ntok, kdim] W[rows, kdim]^T, W of wtype, rows split over the
+ * pool (NULL: the calling thread); results do not depend on the split. */
+void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, uint32_t wtype, const void *w, uint32_t rows,
+                    uint32_t kdim, uint32_t ntok, const float *x, float *y);
 
 #ifdef __cplusplus
 }

@@ -50,13 +50,16 @@ def _ptr(a: np.ndarray, kind: str = "float *"):
 
 
 def gemm(w, x, kernel_set: str = "best", pool=None) -> np.ndarray:
-    """y [T, N] = x [T, K] W [N, K]^T (pool: a native.kernels.Pool, or None for this thread)."""
-    w, x = _f32(w), _f32(x)
+    """y [T, N] = x [T, K] W [N, K]^T (pool: a native.kernels.Pool, or None for this thread).
+    W float16 runs the half-weight kernels (gemm_h), anything else fp32."""
+    half = getattr(w, "dtype", None) == np.float16
+    w, x = (np.ascontiguousarray(w) if half else _f32(w)), _f32(x)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {x.shape} and W {w.shape} do not share K")
     y = _poisoned((x.shape[0], w.shape[0]))
-    lib.duck_host_gemm(pool.ptr if pool is not None else ffi.NULL, host_kernels(kernel_set), _ptr(w), w.shape[0],
-                       w.shape[1], x.shape[0], _ptr(x), _ptr(y))
+    lib.duck_host_gemm(pool.ptr if pool is not None else ffi.NULL, host_kernels(kernel_set),
+                       lib.DUCK_HOST_F16 if half else lib.DUCK_HOST_F32, _ptr(w, "void *"), w.shape[0], w.shape[1],
+                       x.shape[0], _ptr(x), _ptr(y))
     return y
 
 

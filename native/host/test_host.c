@@ -24,6 +24,83 @@ static float *padded_random(uint32_t rows, uint32_t cols)
     return a;
 }
 
+/* f rounded to half (nearest even; |f| < 2^-14 to zero, which the tests' values avoid or accept) */
+static uint16_t to_half(float f)
+{
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    const uint32_t sign = (b >> 16) & 0x8000u, man = b & 0x7FFFFFu;
+    const int32_t exp = (int32_t)((b >> 23) & 0xFFu) - 127 + 15;
+    if (exp <= 0)
+        return (uint16_t)sign;
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1FFFu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+/* rows x (cols + PAD) halves of random values (the pad NaN), and the same widened to fp32 in *wide */
+static uint16_t *padded_random_half(uint32_t rows, uint32_t cols, float **wide)
+{
+    uint16_t *h = malloc(sizeof(uint16_t) * rows * (cols + PAD));
+    float *f = padded_random(rows, cols);
+    for (size_t i = 0; i < (size_t)rows * (cols + PAD); i++) {
+        h[i] = i % (cols + PAD) < cols ? to_half(f[i]) : 0x7E00u;
+        f[i] = i % (cols + PAD) < cols ? duck_half_to_float(h[i]) : NAN;
+    }
+    *wide = f;
+    return h;
+}
+
+/* Every half against its value computed in double: exact, subnormals, infinities and NaN included. */
+static void test_half_to_float(void)
+{
+    int bad = 0;
+    for (uint32_t h = 0; h < 0x10000u; h++) {
+        const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+        const double sign = h & 0x8000u ? -1.0 : 1.0;
+        const float got = duck_half_to_float((uint16_t)h);
+        if (exp == 0x1F) {
+            bad += man ? !isnan(got) : !(isinf(got) && (got < 0) == (sign < 0));
+            continue;
+        }
+        const double want = sign * (exp ? ldexp(1.0 + man / 1024.0, (int)exp - 15) : ldexp((double)man, -24));
+        bad += (double)got != want || !!signbit(got) != (sign < 0);
+    }
+    CHECK(bad == 0, "duck_half_to_float: %d of 65536 halves wrong", bad);
+}
+
+/* gemm_h on half weights gives exactly what gemm gives on them widened, in every
+ * set, over panel (1024 columns) and token-tile (32) boundaries; rows past the
+ * last are left alone. */
+static void test_gemm_h(const duck_host_kernels *k)
+{
+    static const uint32_t shapes[][3] = {{1, 1, 1}, {3, 17, 2}, {5, 33, 3}, {4, 64, 1}, {7, 65, 33},
+                                         {9, 576, 4}, {6, 1024, 2}, {5, 1100, 35}, {2, 2051, 1}};
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        const uint32_t rows = shapes[s][0], kd = shapes[s][1], ntok = shapes[s][2];
+        float *wide, *x = padded_random(ntok, kd);
+        uint16_t *w = padded_random_half(rows, kd, &wide);
+        float *y0 = padded_random(ntok, rows), *y1 = padded_random(ntok, rows);
+        k->gemm(wide, kd + PAD, rows, kd, ntok, x, kd + PAD, y0, rows + PAD);
+        k->gemm_h(w, kd + PAD, rows, kd, ntok, x, kd + PAD, y1, rows + PAD);
+        int same = 1, past = 0;
+        for (uint32_t t = 0; t < ntok; t++)
+            for (uint32_t r = 0; r < rows + PAD; r++) {
+                const float v0 = y0[t * (rows + PAD) + r], v1 = y1[t * (rows + PAD) + r];
+                if (r >= rows)
+                    past += !isnan(v1);
+                else
+                    same &= memcmp(&v0, &v1, sizeof v0) == 0;
+            }
+        CHECK(same, "%s gemm_h %ux%u x %u tokens differs from gemm on the widened weights", k->name, rows, kd,
+              ntok);
+        CHECK(!past, "%s gemm_h %ux%u wrote past row %u", k->name, rows, kd, rows);
+        free(wide), free(x), free(w), free(y0), free(y1);
+    }
+}
+
 static void test_kernels(const duck_host_kernels *fast)
 {
     static const uint32_t dims[] = {1, 3, 17, 33, 64, 65, 576};
@@ -121,6 +198,71 @@ static void decode(const duck_host_kernels *k, duck_pool *pool, const duck_host_
         free(layers[l].k_cache), free(layers[l].v_cache);
 }
 
+/* got's logits within 1e-5 of want's largest, and the router's same choices */
+static void check_close(const float *want, const float *got, size_t n, const int32_t *want_ids,
+                        const int32_t *got_ids, const char *what)
+{
+    float worst = 0.0f, top = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        worst = fmaxf(worst, fabsf(want[i] - got[i]));
+        top = fmaxf(top, fabsf(want[i]));
+    }
+    CHECK(worst <= 1e-5f * top, "%s vs ref: %g of %g", what, worst, top);
+    CHECK(memcmp(want_ids, got_ids, sizeof(int32_t) * 3 * TOPK) == 0, "%s: the router chose other experts", what);
+}
+
+/* The projections and lm_head as halves (wtype F16) give what the fp32 decoder
+ * gives on them widened: the same bits with the ref set, within 1e-5 with the
+ * best set on three threads. */
+static void test_decoder_half(const duck_host_model *src)
+{
+    duck_host_model wide = *src, half = *src;
+    duck_host_layer wl[LAYERS], hl[LAYERS];
+    memcpy(wl, src->layer, sizeof wl);
+    memcpy(hl, src->layer, sizeof hl);
+    void *owned[4 * LAYERS * 2 + 2];
+    size_t n_owned = 0;
+    for (int l = 0; l < LAYERS; l++) {
+        const void **w[] = {&wl[l].wq, &wl[l].wk, &wl[l].wv, &wl[l].wo};
+        const void **h[] = {&hl[l].wq, &hl[l].wk, &hl[l].wv, &hl[l].wo};
+        const size_t sizes[] = {HEADS * HD * HIDDEN, KV * HD * HIDDEN, KV * HD * HIDDEN, HIDDEN * HEADS * HD};
+        for (int i = 0; i < 4; i++) {
+            uint16_t *hv = malloc(sizeof(uint16_t) * sizes[i]);
+            float *fv = malloc(sizeof(float) * sizes[i]);
+            for (size_t j = 0; j < sizes[i]; j++)
+                hv[j] = to_half(((const float *)*w[i])[j]), fv[j] = duck_half_to_float(hv[j]);
+            *h[i] = hv, *w[i] = fv;
+            owned[n_owned++] = hv, owned[n_owned++] = fv;
+        }
+    }
+    uint16_t *lm_half = malloc(sizeof(uint16_t) * VOCAB * HIDDEN);
+    float *lm_wide = malloc(sizeof(float) * VOCAB * HIDDEN);
+    for (size_t j = 0; j < VOCAB * HIDDEN; j++)
+        lm_half[j] = to_half(((const float *)src->lm_head)[j]), lm_wide[j] = duck_half_to_float(lm_half[j]);
+    owned[n_owned++] = lm_half, owned[n_owned++] = lm_wide;
+    wide.layer = wl, wide.lm_head = lm_wide;
+    half.layer = hl, half.lm_head = lm_half, half.wtype = DUCK_HOST_F16;
+    static float want[3 * 3 * VOCAB], got[3 * 3 * VOCAB];
+    int32_t want_ids[3 * TOPK], got_ids[3 * TOPK];
+    decode(duck_host_kernels_ref(), NULL, &wide, want, want_ids);
+    decode(duck_host_kernels_ref(), NULL, &half, got, got_ids);
+    CHECK(memcmp(want, got, sizeof want) == 0, "ref decoder: half weights differ from them widened to fp32");
+    duck_pool *pool = duck_pool_create(3, 0, 0);
+    decode(duck_host_kernels_best(), pool, &half, got, got_ids);
+    duck_pool_destroy(pool);
+    check_close(want, got, sizeof want / sizeof *want, want_ids, got_ids, "half decoder, best set on 3 threads");
+    half.wtype = 7;
+    char err[256];
+    float ffn_in[HIDDEN];
+    int32_t ids[TOPK];
+    float weights[TOPK];
+    duck_host_io io = {ffn_in, ids, weights};
+    CHECK(!duck_host_decoder_create(&half, &io, duck_host_kernels_ref(), NULL, err, sizeof err) &&
+              strstr(err, "wtype"), "an unknown weight type is refused");
+    for (size_t i = 0; i < n_owned; i++)
+        free(owned[i]);
+}
+
 static void test_decoder(void)
 {
     duck_host_layer layers[LAYERS];
@@ -149,13 +291,8 @@ static void test_decoder(void)
     duck_pool *pool = duck_pool_create(3, 0, 0);
     decode(duck_host_kernels_best(), pool, &m, got, got_ids);
     duck_pool_destroy(pool);
-    float worst = 0.0f, top = 0.0f;
-    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
-        worst = fmaxf(worst, fabsf(want[i] - got[i]));
-        top = fmaxf(top, fabsf(want[i]));
-    }
-    CHECK(worst <= 1e-5f * top, "decoder best set on 3 threads vs ref: %g of %g", worst, top);
-    CHECK(memcmp(want_ids, got_ids, sizeof want_ids) == 0, "the router chose other experts");
+    check_close(want, got, sizeof want / sizeof *want, want_ids, got_ids, "decoder, best set on 3 threads");
+    test_decoder_half(&m);
     m.heads = 3;
     char err[256];
     float ffn_in[HIDDEN];
@@ -163,22 +300,25 @@ static void test_decoder(void)
     CHECK(!duck_host_decoder_create(&m, &io, duck_host_kernels_ref(), NULL, err, sizeof err) &&
               strstr(err, "multiple of kv_heads"), "bad head counts refused");
     for (int l = 0; l < LAYERS; l++) {
-        const float **w[] = {&layers[l].input_norm, &layers[l].post_norm, &layers[l].wq, &layers[l].wk,
-                             &layers[l].wv, &layers[l].wo, &layers[l].bq, &layers[l].bk, &layers[l].bv,
-                             &layers[l].bo, &layers[l].q_norm, &layers[l].k_norm, &layers[l].router};
+        const void *w[] = {layers[l].input_norm, layers[l].post_norm, layers[l].wq, layers[l].wk,
+                           layers[l].wv, layers[l].wo, layers[l].bq, layers[l].bk, layers[l].bv,
+                           layers[l].bo, layers[l].q_norm, layers[l].k_norm, layers[l].router};
         for (size_t i = 0; i < sizeof w / sizeof *w; i++)
-            free((void *)*w[i]);
+            free((void *)w[i]);
     }
     free(embed), free(final_norm);
 }
 
 int main(void)
 {
+    test_half_to_float();
+    test_gemm_h(duck_host_kernels_ref());
     const duck_host_kernels *sets[] = {duck_host_kernels_avx2(), duck_host_kernels_avx512()};
     for (size_t i = 0; i < 2; i++) {
-        if (sets[i])
+        if (sets[i]) {
             test_kernels(sets[i]);
-        else
+            test_gemm_h(sets[i]);
+        } else
             printf("skipped: this CPU lacks the %s host kernels' instructions\n", i ? "avx512" : "avx2");
     }
     test_decoder();

@@ -1,11 +1,16 @@
 """The native CPU decoder (engine.cpu) against the torch path of the same model:
-tiny random Llama / Qwen3 / Qwen3-MoE models with every kernel set, multi-token
-steps, biases and llama3 rope scaling, thread counts, generate() with and
-without it, the errors it gives, and SmolLM2's greedy answers."""
+tiny random Llama / Qwen3 / Qwen3-MoE models with every kernel set and both
+weight types (float16 projections against the torch path on the same weights
+rounded to float16), multi-token steps, biases and llama3 rope scaling, thread
+counts, generate() with and without it, the errors it gives, and SmolLM2's
+greedy answers."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.cpu.decode import CpuDecoder, NativeDecodeError, cpu_decoder
@@ -33,10 +38,27 @@ def _prompt(vocab: int, n: int = 11, seed: int = 1) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
+def _half_rounded(model):
+    """A copy of model whose projections and lm_head hold their float16 roundings (in
+    fp32 tensors; lm_head untied from the embedding): what a float16 decoder computes with."""
+    rounded = copy.deepcopy(model)
+    linears = [rounded.lm_head] + [getattr(layer.self_attn, name) for layer in rounded.model.layers
+                                   for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    for lin in linears:
+        lin.weight = nn.Parameter(lin.weight.detach().half().float(), requires_grad=False)
+    return rounded
+
+
 @torch.inference_mode()
-def _steps_both_ways(model, steps: int = STEPS, tokens: int = 1, **options) -> list[float]:
+def _steps_both_ways(model, steps: int = STEPS, tokens: int = 1, weights: str = "float32",
+                     **options) -> list[float]:
     """Prefill in torch into two caches, then `steps` steps of `tokens` tokens: torch on
-    one cache, native on the other. Returns each step's relative logits error."""
+    one cache, native on the other (with float16 weights, torch on them rounded).
+    Returns each step's relative logits error."""
+    if weights == "float16":
+        model, native_model = _half_rounded(model), model
+    else:
+        native_model = model
     vocab = model.config.vocab_size
     prompt = _prompt(vocab)
     n = len(prompt)
@@ -45,7 +67,8 @@ def _steps_both_ways(model, steps: int = STEPS, tokens: int = 1, **options) -> l
     ids, positions = torch.tensor(prompt), torch.arange(n)
     hidden = model(ids, positions, ref_cache)
     model(ids, positions, nat_cache)
-    decoder = CpuDecoder(model, nat_cache, **options)
+    decoder = CpuDecoder(native_model, nat_cache, weights=weights, **options)
+    assert decoder.weights == weights
     token, errors = int(model.compute_logits(hidden[-1:]).argmax()), []
     extra = torch.Generator().manual_seed(5)
     for s in range(steps):
@@ -74,11 +97,43 @@ def tiny(tiny_checkpoint):
 
 @pytest.mark.parametrize("kind", sorted(TINY))
 @pytest.mark.parametrize("name", SETS)
-def test_decode_steps_match_torch(kind, name, tiny, report):
-    errors = _steps_both_ways(tiny(kind).model, kernel_set=_kernel_set(name))
+@pytest.mark.parametrize("weights", ["float32", "float16"])
+def test_decode_steps_match_torch(kind, name, weights, tiny, report):
+    errors = _steps_both_ways(tiny(kind).model, kernel_set=_kernel_set(name), weights=weights)
     if name == "avx512" or not ops.available("avx512"):
-        report(f"tiny {kind}: native ({name}) vs torch decode logits, worst of {STEPS} steps {max(errors):.1e}")
+        report(f"tiny {kind}: native ({name}, {weights}) vs torch decode logits, worst of {STEPS} steps "
+               f"{max(errors):.1e}")
     assert max(errors) <= LOGITS_RTOL, errors
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_float16_weights_stay_close_to_the_models_own(kind, tiny):
+    """The rounding itself: float16 projections against the unrounded fp32 model."""
+    model = tiny(kind).model
+    half, full = _half_rounded(model), model
+    ids, positions = torch.tensor(_prompt(model.config.vocab_size)), torch.arange(11)
+    with torch.inference_mode():
+        a = half.compute_logits(half(ids, positions, half.make_cache(11)))
+        b = full.compute_logits(full(ids, positions, full.make_cache(11)))
+    assert ((a - b).abs().max() / b.abs().max()).item() < 5e-3
+
+
+def test_weights_beyond_float16_keep_float32(caplog):
+    model = _random_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[3, 2] = 1e6
+    decoder = CpuDecoder(model, model.make_cache(4), weights="float16")
+    assert decoder.weights == "float32"
+    assert "model.layers.1.self_attn.v_proj.weight holds values beyond float16's range" in caplog.text
+
+
+def test_a_bad_weight_type_is_named(tiny, monkeypatch):
+    model = tiny("llama").model
+    monkeypatch.setenv("DUCK_CPU_WEIGHTS", "int3")
+    with pytest.raises(ValueError, match="DUCK_CPU_WEIGHTS='int3': expected float16"):
+        CpuDecoder(model, model.make_cache(4))
+    monkeypatch.setenv("DUCK_CPU_WEIGHTS", "fp32")
+    assert CpuDecoder(model, model.make_cache(4)).weights == "float32"
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))
@@ -129,6 +184,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_generate_decodes_natively_with_the_torch_path_answers(tiny, monkeypatch):
+    monkeypatch.setenv("DUCK_CPU_WEIGHTS", "float32")   # a random tiny model has near-ties float16 may flip
     lm = tiny("llama")
     prompt, params = _prompt(TINY["llama"]["vocab_size"], seed=2), SamplingParams(max_tokens=24, ignore_eos=True)
     calls = []

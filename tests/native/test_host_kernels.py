@@ -1,5 +1,5 @@
-"""The native decoder's fp32 kernels (native/host/): AVX2 and AVX-512 against the
-scalar reference against float64, on odd sizes, with NaN-poisoned outputs and
+"""The native decoder's fp32 kernels (native/host/), with fp32 or float16
+weights: AVX2 and AVX-512 against the scalar reference against float64, on odd sizes, with NaN-poisoned outputs and
 NaN padding beside every row (a kernel writing past its output or reading past
 its input shows as NaN)."""
 import numpy as np
@@ -66,6 +66,20 @@ def test_fast_gemm_agrees_with_ref(name, k):
     fast, ref = ops.kernel_gemm(w, x, kernel_set(name)), ops.kernel_gemm(w, x, "ref")
     w64, x64 = np.abs(w.astype(np.float64)), np.abs(x.astype(np.float64))
     _check_rel(fast, ref, x64 @ w64.T, f"{name} vs ref", 2 * DOT_REL_TOL)
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("k, t", [(576, 1), (576, 40), (1500, 3)])
+def test_half_weights_give_exactly_the_widened_fp32_result(name, threads, k, t):
+    """gemm on float16 weights (the decoder's projections and lm_head) is gemm on
+    them widened to fp32, bit for bit, pooled or not, over the kernels' 1024-column
+    panels and 32-token tiles."""
+    w16, x = _data(1027, k, seed=k).astype(np.float16), _data(t, k, seed=t)
+    wide = ops.kernel_gemm(w16.astype(np.float32), x, kernel_set(name))
+    assert np.array_equal(ops.gemm(w16, x, name, Pool(threads, pin=False)), wide)
+    w64, x64 = w16.astype(np.float64), x.astype(np.float64)
+    _check_rel(wide, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, f"{name} gemm_h {t}x{k}")
 
 
 @pytest.mark.parametrize("name", SETS)
