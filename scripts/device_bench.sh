@@ -3,6 +3,8 @@
 # the named steps, logs and JSON into $OUT. Steps:
 #   gputests   tests/gpu (the CUDA path, the compiled Triton fp8 kernels)
 #   gpuquick   the host-contract graph path on the GPU (a subset of tests/gpu/test_cuda_path.py)
+#   hosttests  the CPU host decoder on this CPU's kernel sets (AVX-512 where the dev VM has only AVX2):
+#              native/host/test_host.c, tests/native/test_host_kernels.py, tests/engine/test_cpu_decode.py
 #   fp8tests   tests/gpu/test_fp8_cuda.py alone
 #   fp8        bench/gpu_fp8.py (Triton fp8 block-scale linear vs bf16 matmul)
 #   deepseek   bench e2e --synthetic deepseek-v32 (full widths, 4 layers: 1 dense + 3 MoE)
@@ -55,6 +57,13 @@ for step in "$@"; do
             -k "fp9_backend or host_backend_called or pair_graph or driven_from_c" >"$OUT/gpuquick.log" 2>&1
         rc=$?; tail -8 "$OUT/gpuquick.log"
         [ $rc -eq 0 ] || GRAPHS="--no-graphs" ;;
+    hosttests)
+        gcc -std=gnu11 -O2 -Wall $(python3 -c 'from native import sources as s; print(" ".join([f"-I{d}" for d in
+            s.INCLUDE_DIRS] + s.HOST + s.HOST_C_TESTS + ["native/kernels/pool.c"]))') -lpthread -lm -o /tmp/test_host \
+            && /tmp/test_host 2>&1 | tail -2
+        python3 -m pytest -q -p no:cacheprovider tests/native/test_host_kernels.py tests/engine/test_cpu_decode.py \
+            -k "not smollm2" >"$OUT/hosttests.log" 2>&1
+        tail -4 "$OUT/hosttests.log" ;;
     fp8tests)
         python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_cuda.py >"$OUT/fp8tests.log" 2>&1
         tail -8 "$OUT/fp8tests.log" ;;

@@ -6,17 +6,17 @@
  *   VEC           the set's fp32 vector type, of VEC_LANES floats; VEC_ZERO(), VEC_SUM(v)
  *                 its zero and horizontal sum; VEC_WIDEN(p, h) VEC_LANES halves at h
  *                 to floats at p (aligned)
- *   fma4          four rows' sums with one token over n columns, carried in VEC a[4]
- *                 (the chain the set's fp32 gemm forms every sum with)
+ *   fma4_tokens   four rows' sums with nt tokens (ldx apart) over n columns, carried in
+ *                 VEC a[nt][4] (the chains the set's fp32 gemm forms every sum with)
+ *   TOKEN_TILE    the most tokens whose sums are carried at once
  *
  * Four rows at a time: the rows are widened PANEL_K columns at a time, and
- * every token of a tile of TOKEN_TILE runs fma4 over the panel with its four
+ * the tokens of a tile of TOKEN_TILE run fma4_tokens over the panel with their
  * sums carried from one panel to the next; the sums of rows past the last
  * are dropped. The same FMAs in the same order as the set's gemm on the
  * widened weights, so the results are the same bits. */
 
 #define PANEL_K 1024u     /* 4 x 1024 floats: 16 KiB, in L1 */
-#define TOKEN_TILE 32u    /* tokens whose sums are carried between panels */
 
 /* Rows [0, live) of w, columns [0, n), widened into the panel: zero past n up
  * to a whole vector, and the rows past live all zero. */
@@ -52,9 +52,8 @@ static void GEMM_H(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uin
             for (uint32_t c0 = 0; c0 < k; c0 += PANEL_K) {
                 const uint32_t n = k - c0 < PANEL_K ? k - c0 : PANEL_K;
                 widen_panel(w + (size_t)r * ldw + c0, ldw, live, n, panel);
-                for (uint32_t t = 0; t < nt; t++)
-                    fma4(panel, panel + PANEL_K, panel + 2 * PANEL_K, panel + 3 * PANEL_K,
-                         x + (size_t)(t0 + t) * ldx + c0, n, acc[t]);
+                fma4_tokens(panel, panel + PANEL_K, panel + 2 * PANEL_K, panel + 3 * PANEL_K,
+                            x + (size_t)t0 * ldx + c0, ldx, nt, n, acc);
             }
             for (uint32_t t = 0; t < nt; t++)
                 for (uint32_t i = 0; i < live; i++)

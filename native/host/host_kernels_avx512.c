@@ -79,7 +79,19 @@ static void gemm_avx512(const float *w, size_t ldw, uint32_t rows, uint32_t k, u
             y[t * ldy + r] = dot16(w + r * ldw, x + t * ldx, full, tail);
 }
 
-/* Half weights (host_gemm_h_body.h): rows widened into an fp32 panel, then fma4 over it. */
+/* Four rows' sums with nt tokens (ldx apart), carried in a[nt][4], one token at
+ * a time (AVX-512's 32 registers would hold more tokens' chains: the AVX2 set's
+ * fma4x3 shows how). */
+static inline void fma4_tokens(const float *w0, const float *w1, const float *w2, const float *w3, const float *x,
+                               size_t ldx, uint32_t nt, uint32_t n, __m512 (*a)[4])
+{
+    for (uint32_t t = 0; t < nt; t++)
+        fma4(w0, w1, w2, w3, x + t * ldx, n, a[t]);
+}
+
+/* Half weights (host_gemm_h_body.h): rows widened into an fp32 panel, then
+ * fma4_tokens over it. */
+#define TOKEN_TILE 32u
 #define GEMM_H gemm_h_avx512
 #define VEC __m512
 #define VEC_LANES 16u

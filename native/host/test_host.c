@@ -72,8 +72,8 @@ static void test_half_to_float(void)
 }
 
 /* gemm_h on half weights gives exactly what gemm gives on them widened, in every
- * set, over panel (1024 columns) and token-tile (32) boundaries; rows past the
- * last are left alone. */
+ * set, over panel (1024 columns) and token-tile (32) boundaries, and gemm gives
+ * each token what it gives the token alone; rows past the last are left alone. */
 static void test_gemm_h(const duck_host_kernels *k)
 {
     static const uint32_t shapes[][3] = {{1, 1, 1}, {3, 17, 2}, {5, 33, 3}, {4, 64, 1}, {7, 65, 33},
@@ -97,6 +97,13 @@ static void test_gemm_h(const duck_host_kernels *k)
         CHECK(same, "%s gemm_h %ux%u x %u tokens differs from gemm on the widened weights", k->name, rows, kd,
               ntok);
         CHECK(!past, "%s gemm_h %ux%u wrote past row %u", k->name, rows, kd, rows);
+        int alone = 1;   /* each token alone: the same bits as within the step (the sums do not depend on ntok) */
+        for (uint32_t t = 0; t < ntok; t++) {
+            float one[16];
+            k->gemm(wide, kd + PAD, rows, kd, 1, x + (size_t)t * (kd + PAD), kd + PAD, one, 16);
+            alone &= memcmp(one, y0 + (size_t)t * (rows + PAD), sizeof(float) * rows) == 0;
+        }
+        CHECK(alone, "%s gemm %ux%u x %u tokens differs from one token at a time", k->name, rows, kd, ntok);
         free(wide), free(x), free(w), free(y0), free(y1);
     }
 }
