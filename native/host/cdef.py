@@ -31,8 +31,9 @@ void duck_host_add_rmsnorm(const duck_host_kernels *k, float *x, const float *ad
 void duck_host_rope_table(int64_t position, const float *inv_freq, uint32_t half, float *cos_out, float *sin_out);
 void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32_t head_dim, const float *cos,
                     const float *sin, const float *norm_w, float eps);
-void duck_host_attend(const duck_host_kernels *k, const float *q, const float *keys, const float *values,
-                      size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores, float *out);
+void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, const float *keys,
+                      const float *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
+                      float *out);
 void duck_host_topk_softmax(const float *logits, uint32_t n, uint32_t topk, int normalize, int32_t *ids,
                             float *weights);
 #define DUCK_HOST_F32 ...

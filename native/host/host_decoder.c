@@ -37,7 +37,8 @@ struct duck_host_decoder {
     float *kn, *vn;              /* the new keys / values [max_tokens, kv_heads * head_dim] */
     float *o;                    /* o_proj output [max_tokens, hidden] */
     float *router;               /* router logits [max_tokens, n_experts] */
-    float *scores;               /* attention scores, max_len per worker */
+    float *scores;               /* attention scores, max_len x (heads / kv_heads) per worker */
+    uint32_t attn_heads;         /* query heads per attention item: 1, or a kv head's (heads / kv_heads) */
     char err[256];
 };
 
@@ -109,7 +110,7 @@ duck_host_decoder *duck_host_decoder_create(const duck_host_model *m, const duck
     const size_t T = m->max_tokens, half = m->head_dim / 2, qd = (size_t)m->heads * m->head_dim;
     const size_t kvd = (size_t)m->kv_heads * m->head_dim, workers = pool ? duck_pool_size(pool) : 1;
     const size_t sizes[] = {T * half, T * half, T * m->hidden, T * m->hidden, T * qd, T * qd, T * kvd, T * kvd,
-                            T * m->hidden, T * m->n_experts, workers * m->max_len};
+                            T * m->hidden, T * m->n_experts, workers * m->max_len * (m->heads / m->kv_heads)};
     float **slots[] = {&d->cos, &d->sin, &d->x, &d->h, &d->q, &d->attn, &d->kn, &d->vn, &d->o, &d->router,
                        &d->scores};
     size_t total = 0;
@@ -215,16 +216,19 @@ static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
     }
 }
 
-/* Item i: token i / heads, query head i % heads, over positions 0..its own of its slot. */
+/* Item i: token i / units, the unit's query heads (attn_heads of them, one
+ * kv head's or one), over positions 0..its own of its slot. */
 static void attention_item(void *ctx, uint32_t i, unsigned worker)
 {
     duck_host_decoder *d = ctx;
     const duck_host_model *m = &d->m;
-    const uint32_t D = m->head_dim, t = i / m->heads, h = i % m->heads, kvh = h / (m->heads / m->kv_heads);
+    const uint32_t D = m->head_dim, nq = d->attn_heads, units = m->heads / nq, t = i / units;
+    const uint32_t h = (i % units) * nq, kvh = h / (m->heads / m->kv_heads);
     const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
-    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, d->cur->k_cache + d->slot_offset[t] + (size_t)kvh * D,
-                     d->cur->v_cache + d->slot_offset[t] + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D, d->scale,
-                     d->scores + (size_t)worker * m->max_len, d->attn + t * qd + (size_t)h * D);
+    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, nq, d->cur->k_cache + d->slot_offset[t] + (size_t)kvh * D,
+                     d->cur->v_cache + d->slot_offset[t] + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D,
+                     d->scale, d->scores + (size_t)worker * m->max_len * (m->heads / m->kv_heads),
+                     d->attn + t * qd + (size_t)h * D);
 }
 
 /* Item t: the residual add of the previous FFN's output, then the input norm. */
@@ -293,7 +297,11 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
     duck_host_phase *p = d->phases;
     p = add_phase(p, T, input_norm_item, d);
     p = add_phase(p, m->heads + 2 * m->kv_heads, qkv_unit, d);
-    p = add_phase(p, T * m->heads, attention_item, d);
+    /* a kv head's query heads together (its keys and values read once, their
+     * scores' FMA chains side by side) when that leaves every worker items enough */
+    const uint32_t groups = m->heads / m->kv_heads, workers = d->pool ? duck_pool_size(d->pool) : 1;
+    d->attn_heads = T * m->kv_heads >= 4 * workers ? groups : 1;
+    p = add_phase(p, T * (m->heads / d->attn_heads), attention_item, d);
     duck_host_gemm_phase(&d->gemm_o, p++);
     p = add_phase(p, T, post_norm_item, d);
     if (l->router) {

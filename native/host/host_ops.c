@@ -48,23 +48,27 @@ void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32
     }
 }
 
-void duck_host_attend(const duck_host_kernels *k, const float *q, const float *keys, const float *values,
-                      size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores, float *out)
+void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, const float *keys,
+                      const float *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
+                      float *out)
 {
-    k->gemm(keys, ld, n_ctx, head_dim, 1, q, head_dim, scores, n_ctx);
-    float top = -INFINITY;
-    for (uint32_t j = 0; j < n_ctx; j++) {
-        scores[j] *= scale;
-        top = scores[j] > top ? scores[j] : top;
+    k->gemm(keys, ld, n_ctx, head_dim, nq, q, head_dim, scores, n_ctx);   /* scores[h * n_ctx + j] */
+    for (uint32_t h = 0; h < nq; h++) {
+        float *s = scores + (size_t)h * n_ctx, *o = out + (size_t)h * head_dim;
+        float top = -INFINITY;
+        for (uint32_t j = 0; j < n_ctx; j++) {
+            s[j] *= scale;
+            top = s[j] > top ? s[j] : top;
+        }
+        float sum = 0.0f;
+        for (uint32_t j = 0; j < n_ctx; j++) {
+            s[j] = expf(s[j] - top);
+            sum += s[j];
+        }
+        k->gemv_t(s, values, ld, n_ctx, head_dim, o);
+        for (uint32_t i = 0; i < head_dim; i++)
+            o[i] /= sum;
     }
-    float sum = 0.0f;
-    for (uint32_t j = 0; j < n_ctx; j++) {
-        scores[j] = expf(scores[j] - top);
-        sum += scores[j];
-    }
-    k->gemv_t(scores, values, ld, n_ctx, head_dim, out);
-    for (uint32_t i = 0; i < head_dim; i++)
-        out[i] /= sum;
 }
 
 void duck_host_topk_softmax(const float *logits, uint32_t n, uint32_t topk, int normalize, int32_t *ids,

@@ -30,12 +30,16 @@ void duck_host_rope_table(int64_t position, const float *inv_freq, uint32_t half
 void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32_t head_dim, const float *cos,
                     const float *sin, const float *norm_w, float eps);
 
-/* One query head over cached positions [0, n_ctx): out[head_dim] =
- * softmax(scale * q K^T) V with the softmax in fp32. keys / values point at
- * this head's vector of position 0; ld floats lie between positions.
- * scores: n_ctx floats of scratch. */
-void duck_host_attend(const duck_host_kernels *k, const float *q, const float *keys, const float *values,
-                      size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores, float *out);
+/* nq query heads (q: nq consecutive vectors of head_dim; GQA: the heads of one
+ * kv head) over the same cached positions [0, n_ctx): out (nq consecutive
+ * vectors) = softmax(scale * q K^T) V per head, the softmax in fp32. keys /
+ * values point at this kv head's vector of position 0; ld floats lie between
+ * positions. scores: nq * n_ctx floats of scratch. The keys are read once for
+ * all nq heads, and each head's result is the one it gets alone (the kernels
+ * form each sum the same way whatever the number of heads). */
+void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, const float *keys,
+                      const float *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
+                      float *out);
 
 /* The softmax router of one token: probabilities of n logits, the topk largest
  * (ties: the lower id first) as ids and weights, renormalized to sum 1 when

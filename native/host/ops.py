@@ -132,7 +132,7 @@ def attend(q, keys, values, scale: float, kernel_set: str = "best", head: int = 
     if values.shape != keys.shape or q.shape != (d,) or not 0 <= head < kvh:
         raise ValueError(f"attend: q {q.shape}, keys {keys.shape}, values {values.shape}, head {head}")
     scores, out = _poisoned(s), _poisoned(d)
-    lib.duck_host_attend(host_kernels(kernel_set), _ptr(q), _ptr(keys) + head * d, _ptr(values) + head * d,
+    lib.duck_host_attend(host_kernels(kernel_set), _ptr(q), 1, _ptr(keys) + head * d, _ptr(values) + head * d,
                          kvh * d, s, d, scale, _ptr(scores), _ptr(out))
     return out
 
