@@ -79,3 +79,17 @@ def test_bf16_runs_close_to_fp32(kind, tiny_checkpoint):
     bf = forward_logits(load_model(folder, dtype="bfloat16").model, prompt).float()
     rel = ((bf - ref).abs().max() / ref.abs().max()).item()
     assert rel < 5e-2, f"bf16 logits relative error {rel:.2e}"
+
+
+def test_ffn_modules_are_found_once_and_follow_the_layers(tiny_checkpoint):
+    """model.ffn_modules() (what ffn_backend() reads every decode step) is the walk over every
+    module, kept until the decoder layers change (a checkpoint with fewer MTP layers trims them)."""
+    from engine.ffn import TorchFfn
+
+    model = load_model(tiny_checkpoint("qwen3_moe")[0]).model
+    walk = [m for m in model.modules() if hasattr(m, "ffn_layer") and m.layer_idx >= 0]
+    assert model.ffn_modules() == walk and model.ffn_modules() is not model.ffn_modules()
+    backend = model.set_ffn(TorchFfn())
+    assert model.ffn_backend() is backend and all(m.ffn is backend for m in walk)
+    model.model.layers = model.model.layers[:1]
+    assert model.ffn_modules() == [m for m in walk if m.layer_idx == 0]
