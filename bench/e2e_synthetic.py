@@ -165,17 +165,18 @@ class Runner:
 
 
     @torch.inference_mode()
-    def batched(self, sizes: list[int], prompt_len: int, steps: int) -> list[dict]:
+    def batched(self, sizes: list[int], prompt_len: int, steps: int, graphs: bool | None = None) -> list[dict]:
         """Continuous batching on the torch path (engine.batch_torch, a GPU host's with
         model.gpu_batching): for each B in sizes, B sequences of prompt_len random tokens,
         each prefilled into its own slot, then decode steps of one token per slot in one
-        forward (eager). Per B: the median step, aggregate tok/s, its ratio to B = 1,
-        the FFN call per layer and the fp9 bytes the ducks streamed per step."""
+        forward (from the batch-size buckets' CUDA graphs on CUDA unless graphs is False).
+        Per B: the median step, aggregate tok/s, its ratio to B = 1, the FFN call per layer
+        and the fp9 bytes the ducks streamed per step."""
         from engine.batch_torch import TorchSlotDecoder
         out = []
         for b in sizes:
             cache = self.model.make_slot_cache(b, prompt_len + steps + 1)
-            dec = TorchSlotDecoder(self.model, cache, max_tokens=max(b, prompt_len))
+            dec = TorchSlotDecoder(self.model, cache, max_tokens=max(b, prompt_len), graphs=graphs)
             for slot in range(b):
                 dec.layers(self._ids(prompt_len).cpu(), torch.arange(prompt_len), torch.full((prompt_len,), slot))
             walls, ffns, streamed0 = [], [], self.bytes_streamed
@@ -190,11 +191,14 @@ class Runner:
                 ffns.append(sum(c[1] for c in self.timed.calls))
             step = statistics.median(walls)
             out.append({"sequences": b, "prompt_len": prompt_len, "steps": steps, "step_ms": step * 1e3,
+                        "graphs": dec.graphs is not None, "graph_steps": dec.graph_steps,
                         "tok_s": b / step, "step_ms_all": [round(w * 1e3, 3) for w in walls],
                         "ffn_call_per_layer_ms": statistics.median(ffns) * 1e3 / self.n_layers,
                         "ffn_bytes_streamed_per_step": (self.bytes_streamed - streamed0) / steps or None})
+            if dec.graphs is not None:
+                dec.graphs.close()
             del dec, cache
-        one = next((r for r in out if r["sequences"] == 1), None)
+        one = next((r for r in out if r["sequences"] == 1), None)   # of the same mode (graphs or eager)
         for r in out:
             r["over_one_sequence"] = r["tok_s"] / one["tok_s"] if one else None
         return out
@@ -307,7 +311,8 @@ def run_config(args, kind: str, device, dtype) -> dict:
                 entry["decode_python_driver"] = runner.decode(cache, after, args.steps,  # state continues there only
                                                               python_driver=True)
         if args.batch:
-            out["batched"] = runner.batched(args.batch, args.prompts[0], args.steps)
+            modes = {"on": [None], "off": [False], "both": [False, None]}[args.batch_graphs]
+            out["batched"] = [row for g in modes for row in runner.batched(args.batch, args.prompts[0], args.steps, g)]
         out["decode_tok_s"] = out["prompts"][0]["decode"]["tok_s"]
         out["decode_tok_s_median"] = statistics.median(e["decode"]["tok_s"] for e in out["prompts"])
         out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, top_k)
@@ -359,6 +364,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="no CUDA-graph stage timing")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                     help="host dtype (default bf16 on the GPU, fp32 on the CPU)")
+    ap.add_argument("--batch-graphs", choices=("on", "off", "both"), default="on",
+                    help="--batch's decode steps from CUDA graphs per batch-size bucket (on CUDA; off: eager; "
+                         "both: eager, then graphs)")
     ap.add_argument("--batch", default="",
                     help="also decode B sequences at once on the torch batching path (model.gpu_batching), "
                          "e.g. 1,8,32: aggregate tok/s per B after the first prompt length")
@@ -458,11 +466,12 @@ def _table(r: dict) -> str:
                          f"overlap {m['overlap_ratio_batch']:.2f}), pair lanes {m['pair_lanes_ms']:.1f} "
                          f"({m['pair_over_single_lanes']:.2f}x, overlap {m['overlap_ratio_lanes']:.2f})")
         for b in k.get("batched", []):
-            lines.append(f"{kind:9s} batch of {b['sequences']:3d} after {b['prompt_len']}: {b['tok_s']:.2f} tok/s "
+            how = "graphs" if b.get("graphs") else "eager"
+            lines.append(f"{kind:9s} batch of {b['sequences']:3d} ({how}) after {b['prompt_len']}: {b['tok_s']:.2f} tok/s "
                          f"({b['over_one_sequence']:.2f}x one), step {b['step_ms']:.1f} ms, FFN call "
                          f"{b['ffn_call_per_layer_ms']:.3f} ms per layer"
                          if b["over_one_sequence"] is not None else
-                         f"{kind:9s} batch of {b['sequences']:3d}: {b['tok_s']:.2f} tok/s, step {b['step_ms']:.1f} ms")
+                         f"{kind:9s} batch of {b['sequences']:3d} ({how}): {b['tok_s']:.2f} tok/s, step {b['step_ms']:.1f} ms")
         g = k.get("graph_stage")
         if g:
             lines.append(f"{kind:9s} GPU stage per layer: eager {g['per_layer_eager_ms']:.3f} ms, "

@@ -61,7 +61,7 @@ class ModelConfig:
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
     step_tokens: int = 256             # tokens per batched step: every sequence's next token, then prompt chunks
-    gpu_batching: bool = False         # continuous batching on a GPU host too (eager torch steps, not yet measured)
+    gpu_batching: bool = False         # continuous batching on a GPU host too (CUDA graphs per batch-size bucket)
     prefill_chunk: int = 512           # prompt tokens per prefill forward (engine.prefill)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token

@@ -282,8 +282,7 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
     """A BatchDecoder where one applies, None otherwise (with why at info level): on the
     CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), else the torch path's (other
     families with slot_batching, or any with DUCK_CPU_NATIVE=0); on a GPU host the torch path's only when gpu is set (duckd's
-    model.gpu_batching: eager steps, not yet measured against one request at a time with
-    CUDA graphs). mtp: the batch drafts with the model's MTP layer (the torch path), or
+    model.gpu_batching; decode steps from CUDA graphs per batch-size bucket, engine.gpu.batch_graphs). mtp: the batch drafts with the model's MTP layer (the torch path), or
     without MTP where it cannot (says why)."""
     from engine.cpu.decode import native_mode
     from engine.cpu.host_model import UnsupportedModel

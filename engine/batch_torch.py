@@ -15,7 +15,12 @@ latent cache, engine.models.deepseek_v3.SlotMlaCache), Qwen3.5 dense and MoE
 (engine.models.qwen3_5.SlotHybridCache: a SlotKVCache over the full-attention layers, and
 per linear-attention layer and slot the DeltaNet conv and recurrent states, zeroed when a
 sequence starts in the slot; a decode step updates all slots' states in one batched call,
-engine.delta_rule.gated_delta_mixer_slots). Eager only: no CUDA graphs per batch size yet."""
+engine.delta_rule.gated_delta_mixer_slots).
+
+On CUDA, decode steps of the families with a SlotKVCache (Llama, Qwen3, Qwen3-MoE) replay
+CUDA graphs captured per batch-size bucket (engine.gpu.batch_graphs) unless
+DUCK_CUDA_GRAPHS=0; steps with prefill chunks or MTP pairs, and the other families, run
+eagerly."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +29,18 @@ import logging
 import torch
 
 from engine.cpu.host_model import UnsupportedModel
-from engine.layers import SlotBatch
+from engine.layers import SlotBatch, SlotKVCache
 
 log = logging.getLogger(__name__)
 
 
 class TorchSlotDecoder:
     """Steps of many sequences through the model's torch modules (see the module docstring):
-    layers(ids, positions, slots) -> the final hidden states [T, H]; logits(y, rows)."""
+    layers(ids, positions, slots) -> the final hidden states [T, H]; logits(y, rows).
+    graphs: decode steps from CUDA graphs per batch-size bucket (None: on CUDA unless
+    DUCK_CUDA_GRAPHS=0; ignored off CUDA and for caches other than a SlotKVCache)."""
 
-    def __init__(self, model, cache, max_tokens: int):
+    def __init__(self, model, cache, max_tokens: int, graphs: bool | None = None):
         if not getattr(type(model), "slot_batching", False):
             raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched torch "
                                    f"path (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3/V3.2 and Qwen3.5 have)")
@@ -45,7 +52,14 @@ class TorchSlotDecoder:
         self.model, self.cache, self.max_tokens = model, cache, max_tokens
         self.device = weight.device
         self._ntok = 0
-        self.last_batch: SlotBatch | None = None   # the last step's plan
+        self.last_batch: SlotBatch | None = None   # the last step's plan (None: a graph replay)
+        self.graphs = None                           # engine.gpu.batch_graphs.BatchGraphs on CUDA
+        if self.device.type == "cuda" and isinstance(cache, SlotKVCache) and graphs is not False:
+            from engine.gpu.batch_graphs import BatchGraphs
+            from engine.gpu.decode import graphs_enabled
+            if graphs or graphs_enabled():
+                self.graphs = BatchGraphs(model, cache, max_tokens)
+        self.graph_steps = 0                         # steps replayed from the graphs
         log.debug("torch slot decoder for %s on %s: %d slots of %d positions", type(model).__name__, self.device,
                   cache.slots, cache.max_model_len)
 
@@ -57,8 +71,14 @@ class TorchSlotDecoder:
                              f"{tuple(slots.shape)} must be one [T] each")
         if not 0 < ids.shape[0] <= self.max_tokens:
             raise ValueError(f"a step of {ids.shape[0]} tokens: this decoder takes 1..{self.max_tokens}")
-        batch = self.last_batch = SlotBatch.plan(self.cache, positions.tolist(), slots.tolist(), self.device)
         self._ntok = ids.shape[0]
+        if self.graphs is not None:
+            hidden = self.graphs.step(ids, positions, slots)
+            if hidden is not None:
+                self.last_batch = None
+                self.graph_steps += 1
+                return hidden
+        batch = self.last_batch = SlotBatch.plan(self.cache, positions.tolist(), slots.tolist(), self.device)
         return self.model(ids.to(self.device, torch.int64), batch.positions, batch)
 
     @torch.inference_mode()

@@ -152,6 +152,20 @@ class SlotBatch:
     runs: list[tuple[int, int, int]]
     ends: list[int]              # per run: its last position + 1 (the slots it reads)
     decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # all runs one token: (slots [B], mask [B,1,1,E])
+    slots: torch.Tensor | None = None   # static_decode (a CUDA graph's decode step, one token per slot): [T] int64
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cache.max_model_len
+
+    @classmethod
+    def static(cls, cache: SlotKVCache, tokens: int, device) -> "SlotBatch":
+        """A decode step of `tokens` sequences, one token each, in fixed buffers that a CUDA
+        graph reads (engine.gpu.batch_graphs fills positions, slots and flat before each replay):
+        under static_decode attention reads each row's slot over the whole cache, masked on
+        the device."""
+        zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+        return cls(cache, zeros.clone(), zeros.clone(), [], [], None, zeros.clone())
 
     @classmethod
     def plan(cls, cache: SlotKVCache, positions: list[int], slots: list[int], device) -> "SlotBatch":
@@ -192,6 +206,8 @@ def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tens
     ck, cv = cache.k[layer], cache.v[layer]                  # [slots, S, KVH, D]
     ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
     cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
+    if _mode.static:   # a graph's decode step (SlotBatch.static): each row over its slot, no host sync
+        return ops.decode_attention(q, ck, cv, batch.positions, scale, slots=batch.slots)
     if batch.decode_rows is not None:   # every run one token (a decode step): one masked call for all
         return _decode_rows_attention(batch, ck, cv, q, scale)
     outs = []

@@ -133,12 +133,31 @@ def decode_attention_ref(q, k_cache, v_cache, positions, scale, masked: bool = T
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
+def decode_attention_slots_ref(q, k_cache, v_cache, positions, slots, scale):
+    """q [T, H, D], one token per row, row t over slot slots[t] of a k/v cache [N, S, KVH, D]
+    at positions <= positions[t] -> [T, H * D]: the slots gathered [T, S, KVH, D], zeroed past
+    each row's position (a slot's cache is not cleared: a masked weight 0 times a NaN left
+    there would still be NaN), one masked SDPA call."""
+    s = k_cache.shape[1]
+    mask = positions[:, None] >= torch.arange(s, device=q.device)[None, :]           # [T, S]
+    past = ~mask[:, :, None, None]
+    keys = k_cache.index_select(0, slots).masked_fill_(past, 0).transpose(1, 2)     # [T, KVH, S, D]
+    values = v_cache.index_select(0, slots).masked_fill_(past, 0).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)               # [T, H, 1, D]
+    return out.reshape(q.shape[0], -1)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] over a k/v cache [S, KVH, D] (GQA: H a multiple of KVH), row t over the
-    slots <= positions[t] (within S) -> [T, H * D]. Fixed shapes, no host sync."""
+    slots <= positions[t] (within S) -> [T, H * D]. Fixed shapes, no host sync. With slots
+    [T] (int64) the cache is a slot cache [N, S, KVH, D] and row t reads slot slots[t]
+    (a batch's decode step, one token per sequence)."""
     if triton_runs_on(q):
-        return _kernels()[1].decode_attention(q, k_cache, v_cache, positions, scale)
+        return _kernels()[1].decode_attention(q, k_cache, v_cache, positions, scale, slots=slots)
+    if slots is not None:
+        return decode_attention_slots_ref(q, k_cache, v_cache, positions, slots, scale)
     return decode_attention_ref(q, k_cache, v_cache, positions, scale)
 
 

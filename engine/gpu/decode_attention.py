@@ -4,6 +4,8 @@ reference (SDPA over the whole cache under the causal mask).
 
     q [T, H, D], k/v cache [S, KVH, D] (one layer), positions [T] -> out [T, H * D]
     row t attends slots 0 ..= positions[t]; H = KVH * groups (GQA)
+    with slots [T]: a slot cache [N, S, KVH, D], row t over slot slots[t] (a batch's
+    decode step): a program then takes one token's rows (block_t 1)
 
 split    grid (token tiles x KVH, splits): a program takes the groups x BLOCK_T query
          rows that share one KV head ("rows" of one dot) over one range of split_len
@@ -37,12 +39,17 @@ LOG2E = 1.4426950408889634   # exp(x) = exp2(x * log2(e))
 
 if triton is not None:
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
-                      T, KVH, splits, qk_scale, stride_qt, stride_qh, stride_cs, stride_ch,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, o_ptr, m_ptr, l_ptr,
+                      T, KVH, splits, qk_scale, stride_qt, stride_qh, stride_cs, stride_ch, stride_slot,
                       GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SPLIT_TILES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+                      SPLIT_TILES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+                      SLOTS: tl.constexpr):
         kvh = tl.program_id(0) % KVH
         split = tl.program_id(1)
+        if SLOTS:   # one token per program (BLOCK_T 1): its slot's cache
+            slot_base = tl.load(slot_ptr + tl.program_id(0) // KVH).to(tl.int64) * stride_slot
+            k_ptr += slot_base
+            v_ptr += slot_base
         r = tl.arange(0, BLOCK_M)
         t = (tl.program_id(0) // KVH) * BLOCK_T + r // GROUPS
         h = kvh * GROUPS + r % GROUPS
@@ -124,10 +131,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan(t: int, h: int, kvh: int, d: int, s: int, split_tiles: int | None = None) -> dict:
-    """The launch shape for T tokens, H query / KVH kv heads of head_dim d over S slots."""
+def plan(t: int, h: int, kvh: int, d: int, s: int, split_tiles: int | None = None, one_token: bool = False) -> dict:
+    """The launch shape for T tokens, H query / KVH kv heads of head_dim d over S slots
+    (one_token: a program per token, each over a cache of its own)."""
     groups = h // kvh
-    block_t = max(1, min(_next_pow2(t), 64 // groups))
+    block_t = 1 if one_token else max(1, min(_next_pow2(t), 64 // groups))
     block_s = 64 if d <= 128 else 32
     tiles = _cdiv(s, block_s)
     if split_tiles is None:
@@ -140,10 +148,20 @@ def plan(t: int, h: int, kvh: int, d: int, s: int, split_tiles: int | None = Non
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float, split_tiles: int | None = None) -> torch.Tensor:
+                     scale: float, split_tiles: int | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] attends k/v cache [S, KVH, D] at slots <= positions[t]; -> [T, H * D] in q's dtype.
-    The caller guarantees 0 <= positions < S (as static decode's callers do)."""
+    With slots [T]: a slot cache [N, S, KVH, D], row t over slot slots[t]. The caller guarantees
+    0 <= positions < S and 0 <= slots < N (as static decode's callers do)."""
     t, h, d = q.shape
+    stride_slot = 0
+    if slots is not None:
+        if k_cache.dim() != 4 or slots.shape != (t,) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"decode_attention: slots [T] (int) over a slot cache [N, S, KVH, D]; got slots "
+                             f"{tuple(slots.shape)} {slots.dtype}, cache {tuple(k_cache.shape)}")
+        stride_slot = k_cache.stride(0)
+        if v_cache.stride(0) != stride_slot:
+            raise ValueError("decode_attention: the k and v slot caches have different slot strides")
+        k_cache, v_cache = k_cache[0], v_cache[0]   # the layout of one slot; the kernel adds slot * stride
     s, kvh = k_cache.shape[:2]
     if q.stride(-1) != 1 or k_cache.shape != (s, kvh, d) or v_cache.shape != k_cache.shape \
             or k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (d, 1) or h % kvh:
@@ -156,15 +174,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty((t, h * d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    p = plan(t, h, kvh, d, s, split_tiles)
+    p = plan(t, h, kvh, d, s, split_tiles, one_token=slots is not None)
     o = torch.empty((t, h, p["splits"], d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, t, h, p["splits"]), dtype=torch.float32, device=q.device)
     grid = (_cdiv(t, p["block_t"]) * kvh, p["splits"])
-    _split_kernel[grid](q, k_cache, v_cache, positions, o, ml[0], ml[1], t, kvh, p["splits"],
-                        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+    _split_kernel[grid](q, k_cache, v_cache, positions, positions if slots is None else slots, o, ml[0], ml[1], t,
+                        kvh, p["splits"], scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
+                        k_cache.stride(1), stride_slot,
                         GROUPS=p["groups"], BLOCK_T=p["block_t"], BLOCK_M=p["block_m"], BLOCK_S=p["block_s"],
                         SPLIT_TILES=p["split_len"] // p["block_s"], D=d, BLOCK_D=p["block_d"],
-                        DOT_FP32=q.dtype == torch.float32 or INTERPRETED,
+                        DOT_FP32=q.dtype == torch.float32 or INTERPRETED, SLOTS=slots is not None,
                         num_warps=4, num_stages=2)
     _combine_kernel[(t * h,)](o, ml[0], ml[1], positions, out, h, p["split_len"], out.stride(0),
                               SPLITS=p["splits"], D=d, BLOCK_D=p["block_d"], BLOCK_SPLITS=_next_pow2(p["splits"]),

@@ -197,6 +197,8 @@ class GraphLane:
     model's). A backend that computes on the host gets pinned host copies of x / ids /
     weights in the wire's types, made inside the graphs, and its result goes back the same way."""
 
+    one_sequence = True   # a step's tokens are consecutive positions of one sequence (SlotGraphLane: not)
+
     def __init__(self, model, cache, tokens: int = 1, *, name: str = "graph", backend=None,
                  warmup: int = WARMUP_FORWARDS, drive_from_c: bool = True):
         device = model.model.embed_tokens.weight.device
@@ -205,7 +207,7 @@ class GraphLane:
                              f"use engine.lanes.EagerLane (or make_lane) there")
         if tokens < 1:
             raise ValueError(f"a GraphLane runs at least 1 token per step, got {tokens}")
-        if cache.max_model_len < tokens:
+        if self.one_sequence and cache.max_model_len < tokens:
             raise ValueError(f"a cache of {cache.max_model_len} positions cannot hold a {tokens}-token step")
         self.model, self.cache, self.tokens, self.name, self.device = model, cache, tokens, name, device
         self.backend = model.ffn_backend() if backend is None else backend
@@ -222,8 +224,7 @@ class GraphLane:
         self.drive_from_c = drive_from_c  # False: run_lane drives every step from Python (comparisons)
         with torch.inference_mode():
             self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
-            # warm-up and capture positions: the last slots (the warm-up's writes are put back)
-            self.positions = torch.arange(cache.max_model_len - tokens, cache.max_model_len, device=device)
+            self.positions = self._capture_positions()
             self.segments, self._hidden = self._capture(warmup)
         log.info("%s: %d-token decode captured as %d CUDA graphs (%d FFN calls%s), cache of %d positions",
                  name, tokens, len(self.segments), len(self.segments) - 1,
@@ -236,9 +237,19 @@ class GraphLane:
         return FfnIO.allocate(self.tokens, config.hidden_size, max(1, config.num_experts_per_tok or 1), wire,
                               pinned=True)
 
+    def _capture_positions(self) -> torch.Tensor:
+        """The static positions buffer, set where the warm-up and the capture run: the cache's
+        last slots (what they write there is put back: _state_guard)."""
+        s = self.cache.max_model_len
+        return torch.arange(s - self.tokens, s, device=self.device)
+
+    def _state_guard(self):
+        """What restores the cache after the warm-up forwards (restore())."""
+        return _StateGuard(self.cache, self.positions)
+
     def _capture(self, warmup: int) -> tuple[list[_Segment], torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
-        guard = _StateGuard(self.cache, self.positions)
+        guard = self._state_guard()
         self.stream.wait_stream(current)
         inline = _InlineFfn(self.backend) if self.backend.captures_in_graph else None
         capture = _Capture(self.pool, inline, self.io)

@@ -170,6 +170,46 @@ def test_torch_batch_logits_match_one_sequence_alone(tiny_checkpoint):
         torch.testing.assert_close(row2, want2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_static_decode_step_of_a_graph_matches_the_eager_step(kind, tiny_checkpoint):
+    """What engine.gpu.batch_graphs captures, run on the CPU: a decode step under
+    static_decode over SlotBatch.static (each row's slot over the whole cache, masked on
+    the device; padding rows repeating row 0) against the eager step on a copy of the same
+    cache, whose unwritten positions are NaN: the same hidden states and cache writes (the
+    padding row writes at the last position of row 0's slot only)."""
+    from engine.batch_torch import TorchSlotDecoder
+    from engine.layers import SlotBatch, SlotKVCache, static_decode
+
+    folder, _ = tiny_checkpoint(kind)
+    lm = load_model(folder, device="cpu", backend="fp9")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, TINY[kind]["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 4)]
+    cache = SlotKVCache.allocate(lm.model.config, 4, 32, torch.float32)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    dec = TorchSlotDecoder(lm.model, cache, max_tokens=32)
+    for slot, p in zip((3, 0, 1), prompts):
+        dec.layers(torch.tensor(p), torch.arange(len(p)), torch.full((len(p),), slot))
+    ids, positions, slots = [7, 8, 9], [len(p) for p in prompts], [3, 0, 1]
+    eager_cache = SlotKVCache(cache.k.clone(), cache.v.clone())
+    want = TorchSlotDecoder(lm.model, eager_cache, max_tokens=32).layers(
+        torch.tensor(ids), torch.tensor(positions), torch.tensor(slots))
+    batch = SlotBatch.static(cache, 4, "cpu")   # a bucket of 4: the last row repeats row 0
+    batch.positions.copy_(torch.tensor(positions + positions[:1]))
+    batch.slots.copy_(torch.tensor(slots + slots[:1]))
+    last = cache.max_model_len - 1
+    batch.flat.copy_(batch.slots * cache.max_model_len + torch.tensor(positions + [last]))
+    with torch.inference_mode(), static_decode():
+        got = lm.model(torch.tensor(ids + ids[:1]), batch.positions, batch)
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[3], got[0], rtol=1e-5, atol=1e-5)
+    for s, p in zip(slots, positions):
+        torch.testing.assert_close(cache.k[:, s, p], eager_cache.k[:, s, p], rtol=1e-5, atol=1e-5)
+    assert not cache.k[:, slots[0], last].isnan().any(), "the padding row wrote at its slot's last position"
+    cache.k[:, slots[0], last] = float("nan")
+    assert torch.equal(cache.k.isnan(), eager_cache.k.isnan()), "the static step wrote where the eager one did not"
+
+
 def test_slot_batch_plans_refuse_what_would_corrupt_a_cache(tiny_checkpoint):
     from engine.layers import SlotBatch, SlotKVCache
 

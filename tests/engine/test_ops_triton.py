@@ -160,6 +160,43 @@ def check_decode_attention(t: int, h: int, kvh: int, d: int, s: int, positions: 
     assert_close_to_exact(got, exact.reshape(t, -1), "triton " + what)
 
 
+def check_slot_decode_attention(h: int, kvh: int, d: int, s: int, positions: list[int], slots: list[int],
+                                n_slots: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> None:
+    """A batch's decode step: row t over slot slots[t] of a slot cache [N, S, KVH, D] whose
+    positions past each row's are NaN (a slot's cache is never cleared), against each row
+    alone over its own slot's cache (ops.decode_attention_ref)."""
+    from engine.gpu import decode_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    t = len(positions)
+    q = torch.randn(t, h, d, generator=gen).to(dtype)
+    k_cache = (torch.randn(n_slots, s, kvh, d, generator=gen) * 2).to(dtype)
+    v_cache = torch.randn(n_slots, s, kvh, d, generator=gen).to(dtype)
+    for p, slot in zip(positions, slots):
+        k_cache[slot, p + 1:] = float("nan")
+        v_cache[slot, p + 1:] = float("nan")
+    pos, sl = torch.tensor(positions), torch.tensor(slots)
+    on = [x.to(device) for x in (q, k_cache, v_cache, pos, sl)]
+    scale = d ** -0.5
+    with poisoned_outputs():
+        got = decode_attention.decode_attention(*on[:4], scale, slots=on[4]).cpu()
+    slots_ref = ops.decode_attention_slots_ref(*on[:4], on[4], scale).cpu()
+    alone = torch.cat([ops.decode_attention_ref(q[i:i + 1], k_cache[sl[i], :p + 1], v_cache[sl[i], :p + 1],
+                                                pos[i:i + 1], scale) for i, p in enumerate(positions)])
+    what = f"slot decode_attention H={h} KVH={kvh} D={d} S={s} at {positions} in slots {slots} {dtype}"
+    assert got.shape == (t, h * d) and torch.isfinite(got).all(), what
+    tol = FP32_RTOL if dtype == torch.float32 and device == "cpu" else 2e-2
+    for name, y in (("triton", got), ("slots reference", slots_ref)):
+        err = ((y.float() - alone.float()).abs().max() / alone.float().abs().max()).item()
+        assert err <= tol, f"{name} {what}: {err:.2e} from each row alone"
+
+
+SLOT_ATTENTION_CASES = [  # H, KVH, D, S, positions, slots, slots in the cache, dtype
+    (4, 4, 64, 100, [0, 5, 99], [2, 0, 1], 3, torch.float32),
+    (8, 2, 128, 130, [70, 3, 129, 64, 0], [4, 1, 0, 3, 2], 6, torch.bfloat16),
+    (8, 1, 64, 40, [10, 10], [1, 0], 2, torch.float32),
+]
+
 ATTENTION_CASES = [  # T, H, KVH, D, S, positions, dtype, split_tiles (None: the default plan)
     (1, 4, 4, 64, 100, [0], torch.float32, None),                    # the first token: one slot
     (1, 8, 2, 128, 100, [70], torch.bfloat16, 1),                     # groups 4, several splits
@@ -327,6 +364,12 @@ def test_decode_attention_kernel(interpreted, case):
     interpreted(check_decode_attention, *case, ATTENTION_CASES.index(case))
 
 
+@pytest.mark.parametrize("case", SLOT_ATTENTION_CASES, ids=[f"T{len(c[4])}-G{c[0] // c[1]}-D{c[2]}-{str(c[7])[6:]}"
+                                                            for c in SLOT_ATTENTION_CASES])
+def test_slot_decode_attention_kernel(interpreted, case):
+    interpreted(check_slot_decode_attention, *case, SLOT_ATTENTION_CASES.index(case))
+
+
 @pytest.mark.parametrize("t,e,k,normalize,dtype", [(1, 7, 3, True, torch.float32), (2, 128, 8, True, torch.bfloat16),
                                                    (5, 60, 1, False, torch.bfloat16), (2, 33, 8, False, torch.float32)])
 def test_router_kernel(interpreted, t, e, k, normalize, dtype):
@@ -404,10 +447,12 @@ def test_kernels_compile_for_hopper_without_spills():
          dict(DTYPE=tl.bfloat16, HALF=64, BLOCK_HALF=64, NORM=True, CACHE=True), 1),
         (ops_triton._router_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i32", "weights_ptr": "*fp32"},
          dict(TOP_K=8, NORMALIZE=True, BLOCK_E=128, BLOCK_K=8), 1),
-        (decode_attention._split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "pos_ptr": "*i64",
-                                          "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "qk_scale": "fp32"},
-         dict(GROUPS=p["groups"], BLOCK_T=p["block_t"], BLOCK_M=p["block_m"], BLOCK_S=p["block_s"],
-              SPLIT_TILES=p["split_len"] // p["block_s"], D=128, BLOCK_D=p["block_d"], DOT_FP32=False), 4),
+        *((decode_attention._split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "pos_ptr": "*i64",
+                                            "slot_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                                            "qk_scale": "fp32", "stride_slot": "i64"},
+           dict(GROUPS=q["groups"], BLOCK_T=q["block_t"], BLOCK_M=q["block_m"], BLOCK_S=q["block_s"],
+                SPLIT_TILES=q["split_len"] // q["block_s"], D=128, BLOCK_D=q["block_d"], DOT_FP32=False, SLOTS=slots),
+           4) for q, slots in ((p, False), (decode_attention.plan(32, 32, 4, 128, 2048, one_token=True), True))),
         (decode_attention._combine_kernel, {"o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "pos_ptr": "*i64",
                                             "out_ptr": bf16},
          dict(SPLITS=32, D=128, BLOCK_D=128, BLOCK_SPLITS=32, CHUNK=8, DTYPE=tl.bfloat16), 1),

@@ -1,9 +1,12 @@
 """Continuous batching on a GPU host (engine.batch_torch, duckd's model.gpu_batching):
-tiny models on CUDA, the steps eager torch over a slot cache, the FFNs on the host-side
-fp9 kernels through the pinned host contract. fp32 (TF32 off): every request's tokens are
-those generate() gives it alone (CUDA graphs); bf16: the batch runs and each request gets
-max_tokens tokens. Skipped without CUDA."""
+tiny models on CUDA over a slot cache, decode steps from CUDA graphs per batch-size bucket
+(engine.gpu.batch_graphs) where the cache is a SlotKVCache, other steps eager, the FFNs on
+the host-side fp9 kernels through the pinned host contract. fp32 (TF32 off): every
+request's tokens are those generate() gives it alone (CUDA graphs) and those of the eager
+batch; bf16: the batch runs and each request gets max_tokens tokens. Skipped without CUDA."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,16 +21,24 @@ from tests.engine.test_deepseek_mtp import mtp_checkpoint  # noqa: F401 - the fi
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
+@contextmanager
+def _tiny_on_cuda(tmp_path, kind: str, dtype: str):
+    """A tiny random checkpoint of `kind` loaded on CUDA with the fp9 backend, TF32 off meanwhile."""
     folder = tmp_path / kind
     hf_model(kind).save_pretrained(folder)
     write_word_tokenizer(folder, TINY[kind]["vocab_size"])
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        lm = load_model(folder, device="cuda", dtype=dtype, backend="fp9")
+        yield load_model(folder, device="cuda", dtype=dtype, backend="fp9")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
+    with _tiny_on_cuda(tmp_path, kind, dtype) as lm:
         assert batch_decoder(lm.model, lm.tokenizer, 3, 64, 16) is None, "off unless model.gpu_batching"
         batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True)
         assert batch is not None and batch.path == "torch"
@@ -36,12 +47,30 @@ def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
                      SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True)) for i in range(5)]
         together = drain(batch, requests)
         assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
+        assert batch.decoder.graphs is not None and batch.decoder.graphs.buckets == [1, 2, 3]
+        assert batch.decoder.graph_steps > 0, "decode steps replay the bucket graphs"
         if dtype == "float32":
             alone = [generate(lm.model, lm.tokenizer, prompt, params, max_model_len=64).token_ids
                      for prompt, params in requests]
             assert together == alone
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+def test_gpu_batch_graphs_give_the_eager_batch_tokens(kind, tmp_path, monkeypatch):
+    """Six requests over four slots, fp32 (TF32 off): the tokens of the batch with its decode
+    steps from the bucket graphs (padded rows: 3 sequences in the bucket of 4) are those of
+    the batch run eagerly (DUCK_CUDA_GRAPHS=0)."""
+    with _tiny_on_cuda(tmp_path, kind, "float32") as lm:
+        g = torch.Generator().manual_seed(9)
+        requests = [(torch.randint(2, TINY[kind]["vocab_size"], (2 + 3 * i,), generator=g).tolist(),
+                     SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True)) for i in range(6)]
+        graphs = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16, gpu=True)
+        with_graphs = drain(graphs, requests)
+        assert graphs.decoder.graph_steps > 0
+        monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")
+        eager = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16, gpu=True)
+        assert eager.decoder.graphs is None
+        assert with_graphs == drain(eager, requests)
 
 
 def _ds_folder(tmp_path, kind: str):

@@ -22,8 +22,10 @@ from engine.loader import load_model
 from tests.engine.test_ops_triton import (
     ATTENTION_CASES,
     DELTA_CASES,
+    SLOT_ATTENTION_CASES,
     check_all_qk_norm_rope,
     check_decode_attention,
+    check_slot_decode_attention,
     check_gated_delta,
     check_model_matches_reference,
     check_rms_norm,
@@ -58,6 +60,13 @@ def test_qk_norm_rope_on_cuda():
 ])
 def test_decode_attention_on_cuda(case):
     check_decode_attention(*case, seed=7, device="cuda")
+
+
+@pytest.mark.parametrize("case", SLOT_ATTENTION_CASES + [
+    (32, 4, 128, 2048, list(range(50, 2048, 64))[:31] + [2047], list(range(32)), 33, torch.bfloat16),  # Qwen3 x 32
+])
+def test_slot_decode_attention_on_cuda(case):
+    check_slot_decode_attention(*case, seed=7, device="cuda")
 
 
 @pytest.mark.parametrize("case", DELTA_CASES + [
