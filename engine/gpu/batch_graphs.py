@@ -108,8 +108,6 @@ class BatchGraphs:
 
     def __init__(self, model, cache: SlotKVCache, max_tokens: int):
         self.model, self.cache = model, cache
-        model.ffn_backend()                            # one backend for every FFN module, or it raises
-        self._ffn_module = model.ffn_modules()[0]      # read per step: model.ffn_backend() walks every module
         top = min(cache.slots, max_tokens)
         self.buckets = [b for b in BUCKETS if b < top] + [top]
         self.lanes: dict[int, SlotGraphLane] = {}
@@ -120,14 +118,10 @@ class BatchGraphs:
         log.info("batch decode graphs for %s rows captured in %.1f s", ",".join(map(str, self.buckets)),
                  time.perf_counter() - t0)
 
-    def backend(self):
-        """The model's FFN backend now (set_ffn changes every module's, the first's included)."""
-        return self._ffn_module.ffn
-
     def lane(self, rows: int) -> SlotGraphLane:
         """The lane of a bucket, captured again when the model's FFN backend changed since."""
         lane = self.lanes.get(rows)
-        if lane is None or lane.closed or lane.backend is not self.backend():
+        if lane is None or lane.closed or lane.backend is not self.model.ffn_backend():
             if lane is not None:
                 lane.close()
             lane = self.lanes[rows] = SlotGraphLane(self.model, self.cache, rows, name=f"batch-{rows}")
