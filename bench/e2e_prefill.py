@@ -65,7 +65,8 @@ def measure_prefill(runner, prompt_len: int, chunk: int, room: int, overlap: boo
            "cache": cache}
     if session is not None and getattr(session, "last_requests", 0):
         out["requests_per_call"] = {"requests": session.last_requests, "tokens": session.last_request_tokens,
-                                    "in_flight": session.last_pipeline, "duck_max_tokens": session.duck_max_tokens}
+                                    "in_flight": session.last_pipeline, "per_kernel_pass": session.last_group,
+                                    "duck_max_tokens": session.duck_max_tokens}
     return out
 
 

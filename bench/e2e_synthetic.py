@@ -268,6 +268,9 @@ def run_config(args, kind: str, device, dtype) -> dict:
         if args.request_tokens:   # a chunk cut into requests in flight together: transfer beside compute
             backend.session.request_tokens = args.request_tokens
             out["request_tokens"] = args.request_tokens
+        if args.no_hold:          # each request of a cut chunk its own kernel pass (WIRE_FWD_HOLD unused)
+            backend.session.group_tokens = 0
+        out["held_passes"] = not args.no_hold
         out["ducks"], out["duck_threads"], out["duck_spin_us"] = args.ducks, args.duck_threads, args.duck_spin_us
     elif kind == "gpu":
         backend = install_random_torch_experts(model, device)
@@ -356,6 +359,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--request-tokens", type=int, default=0,
                     help="fleet: most tokens per request (0: as many as the ducks take); a chunk of more goes as "
                          "requests in flight together, one's transfer beside another's compute")
+    ap.add_argument("--no-hold", action="store_true",
+                    help="fleet: a chunk cut into requests runs a kernel pass per request, not one per group of "
+                         "requests held on the ducks (docs/wire.md, Long forwards)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per configuration")
     ap.add_argument("--backends", default="fleet,gpu,cpu-torch",
                     help="fleet, gpu (every FFN on the GPU), cpu-torch (naive offload); gpu is skipped without CUDA")

@@ -77,6 +77,7 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
 
 void core_free(duck_core *c)
 {
+    hold_free(&c->held);
     session_close(&c->session);
     msgs_free(&c->msgs);
     cache_close(c->cache);
@@ -241,6 +242,10 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
             core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
         return;
     }
+    if (rs.type == WIRE_T_FORWARD && hold_has(&c->held, &k)) {
+        hold_answer(c);   /* asked for a held forward's reply: the pass runs now (see datagram_checked) */
+        return;
+    }
     send_nack(c, from, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
 }
 
@@ -365,6 +370,14 @@ static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, in
             core_send_reply(c, done, NULL, 0);
         return;
     }
+    if (h.type == WIRE_T_FORWARD && hold_has(&c->held, &k)) {
+        /* a copy of a held forward: its host waits for it (the group's last request was
+         * lost or came first), so the held ones run now; the copy's other fragments
+         * then find the reply */
+        c->stats.duplicates++;
+        hold_answer(c);
+        return;
+    }
     int windowed = wire_mac_kind(h.type) == WIRE_MAC_LINK && (h.flags & WIRE_F_MAC);
     if (windowed && !run_window_ok(c, h.sequence)) {
         refuse(c, &c->stats.replayed, "a sequence already taken or below the replay window (a replay)", from, len);
@@ -376,6 +389,7 @@ static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, in
         return;
     }
     reply_slot *r;
+    c->from = *from;
     if (h.frag_count == 1) {
         if (windowed)
             run_window_take(c, h.sequence);
@@ -398,6 +412,8 @@ static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, in
         r = handle_request(c, &k, &h, s->buf, s->total_len);
         msgs_release(s);
     }
+    if (r == REPLY_HELD)
+        return;
     if (!r) {
         dlog(DLOG_ERROR, "no memory for the reply to %s seq %u", wire_type_str(h.type), h.sequence);
         return;

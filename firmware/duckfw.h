@@ -161,6 +161,45 @@ reasm_slot *msgs_add_fragment(duck_msgs *m, const msg_key *k, const wire_header 
                               const uint8_t *payload, int *evicted);
 void msgs_release(reasm_slot *s);
 
+/* --- forwards held for one kernel pass (hold.c) ------------------------- */
+/* A FORWARD with WIRE_FWD_HOLD is kept (its payload copied) until one of the
+ * same layer without the flag comes: then one duck_moe_forward runs over all
+ * their tokens and each is answered with its own rows. At most WIRE_HOLD_MAX
+ * forwards, DUCK_MAX_TOKENS tokens and HOLD_BUDGET payload bytes are held. */
+#define HOLD_BUDGET WIRE_MAX_MESSAGE
+
+typedef struct held_forward {
+    msg_key key;
+    duck_peer from;            /* where its reply goes */
+    wire_header h;
+    wire_forward f;
+    uint8_t *payload;          /* the whole FORWARD payload, copied */
+    uint32_t len;
+} held_forward;
+
+typedef struct duck_held {
+    uint32_t n, ntok;
+    uint64_t bytes;
+    held_forward f[WIRE_HOLD_MAX];
+    uint8_t *scratch;          /* the pass's ids, weights, x and y */
+    size_t scratch_cap;
+} duck_held;
+
+/* The held forwards dropped (a session or run change: their host is gone). */
+void hold_clear(duck_held *hd);
+void hold_free(duck_held *hd);
+/* Whether k is a held forward (a duplicate of it: its answer is on its way). */
+int hold_has(const duck_held *hd, const msg_key *k);
+/* Whether forward f (len payload bytes, of session s) may join the held ones
+ * in one pass: same session, layer and types, the tokens and bytes within bounds. */
+int hold_fits(const duck_held *hd, uint32_t session, const wire_forward *f, uint32_t len);
+/* Keeps forward k; -1 when out of memory (it is then run alone). */
+int hold_add(duck_held *hd, const msg_key *k, const duck_peer *from, const wire_header *h, const wire_forward *f,
+             const uint8_t *p, uint32_t len);
+/* The kernel's arguments over the held forwards and then f's payload p (NULL:
+ * the held ones alone), rows in that order, y in the scratch; -1: no memory. */
+int hold_gather(duck_held *hd, const wire_forward *f, const uint8_t *p, duck_moe_args *a);
+
 /* --- the core (core.c, handlers.c) -------------------------------------- */
 typedef void (*duck_send_fn)(void *ctx, const duck_peer *to, uint8_t *const *dgrams,
                              const size_t *lens, unsigned n);
@@ -191,6 +230,8 @@ typedef struct duck_core {
     uint8_t challenge[WIRE_NONCE_BYTES];
     uint32_t win_top;          /* the highest sequence taken */
     uint64_t win[WIRE_REPLAY_WINDOW / 64];   /* bit (seq % WINDOW): seq taken, for seq in (top - WINDOW, top] */
+    duck_held held;            /* forwards held for one kernel pass (WIRE_FWD_HOLD) */
+    duck_peer from;            /* the sender of the message in hand */
 } duck_core;
 
 int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *send_ctx);
@@ -226,5 +267,9 @@ void run_window_take(duck_core *c, uint32_t seq);
  * cache under k (handlers.c); NULL when out of memory. */
 reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
                            const uint8_t *payload, uint32_t len);
+/* The held forwards run in one pass and answered now (nothing held: nothing). */
+void hold_answer(duck_core *c);
+/* handle_request's answer to a forward it holds (WIRE_FWD_HOLD): nothing to send yet */
+extern reply_slot *const REPLY_HELD;
 
 #endif

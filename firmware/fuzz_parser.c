@@ -117,7 +117,7 @@ static void forward(const uint8_t *data, size_t size)
     f.topk = (uint8_t)(data[2] % 4);
     f.x_dtype = (uint8_t)(data[3] % 3);                           /* 2: unknown */
     f.y_dtype = (uint8_t)(data[4] % 3);
-    f.reserved = (uint8_t)((data[5] & 7) == 7);
+    f.flags = (uint8_t)((data[5] & 7) == 7 ? 2u : (data[5] & 7) >= 5 ? WIRE_FWD_HOLD : 0u);   /* 2: unknown */
     f.hidden = data[6] % 8 == 0 ? FUZZ_HIDDEN / 2 : FUZZ_HIDDEN;
     f.reply_mtu = (uint16_t)(data[7] < 8 ? data[7] * 200u : WIRE_MTU_MIN + (data[7] - 8u) * 260u);
     uint32_t slots = (uint32_t)f.ntok * f.topk, xs = f.x_dtype == WIRE_DT_BF16 ? 2 : 4;

@@ -108,6 +108,7 @@ static reply_slot *on_run_open(duck_core *c, reply_slot *r, const wire_header *h
                     "say hello again and open the run with the challenge it gives", ro.challenge[0],
                     ro.challenge[1], ro.challenge[2], ro.challenge[3]);
     }
+    hold_clear(&c->held);   /* held forwards of the host before belong to its run */
     run_open(c, ro.run, h->sequence);
     return r;
 }
@@ -197,6 +198,7 @@ static reply_slot *on_session_open(duck_core *c, reply_slot *r, const wire_heade
         return r;   /* reopened: keep the resident plans */
     if (c->session.id)
         dlog(DLOG_INFO, "session %08x closed (replaced)", c->session.id);
+    hold_clear(&c->held);
     session_close(&c->session);
     c->session.id = h->session;
     c->session.hidden = so.hidden;
@@ -234,6 +236,121 @@ static uint32_t wake_ns(duck_core *c)
     return dt > UINT32_MAX ? UINT32_MAX : (uint32_t)dt;
 }
 
+static reply_slot held_slot;
+reply_slot *const REPLY_HELD = &held_slot;
+
+/* Whether any of a forward's ntok * topk expert ids (in its payload p) is routed here. */
+static int routed(const wire_forward *f, const uint8_t *p)
+{
+    for (uint64_t i = 0; i < (uint64_t)f->ntok * f->topk; i++) {
+        int32_t id;
+        memcpy(&id, p + sizeof *f + 4 * i, 4);
+        if (id >= 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* The reply to forward k of one pass: its rows of the pass's y (none: R_ZERO), or
+ * the pass's error. NULL when out of memory. */
+static reply_slot *pass_reply(duck_core *c, const msg_key *k, const wire_header *h, const wire_forward *f,
+                              const uint8_t *p, const uint8_t *y, wire_forward_reply fr, int status, const char *err)
+{
+    uint64_t ybytes = (uint64_t)f->ntok * f->hidden * wire_dtype_bytes(f->y_dtype);
+    int any = !status && routed(f, p);
+    reply_slot *r = reply_new(c, k, h, (uint32_t)sizeof fr + (any ? (uint32_t)ybytes : 0));
+    if (!r)
+        return NULL;
+    r->mtu = wire_reply_mtu(f->reply_mtu, c->cfg.mtu);
+    if (status)
+        return fail(r, status, "forward layer %u (held for one pass): %s", f->layer, err);
+    wire_reply_head head = {WIRE_OK, any ? 0 : WIRE_R_ZERO};
+    fr.layer = f->layer;
+    fr.ntok = f->ntok;
+    fr.y_dtype = f->y_dtype;
+    fr.hidden = f->hidden;
+    memcpy(r->buf, &head, sizeof head);
+    memcpy(body(r), &fr, sizeof fr);
+    if (any)
+        memcpy(body(r) + sizeof fr, y, ybytes);
+    else
+        r->len = (uint32_t)(sizeof head + sizeof fr);
+    return r;
+}
+
+/* The held forwards and then forward k (payload p; NULL: none) in one kernel
+ * pass: each held one is answered here, the reply to k returned. */
+static reply_slot *answer_held(duck_core *c, const msg_key *k, const wire_header *h, const wire_forward *f,
+                               const uint8_t *p)
+{
+    duck_held *hd = &c->held;
+    const wire_forward *first = hd->n ? &hd->f[0].f : f;
+    const duck_layer *l = c->session.layers[first->layer];   /* a layer plan may have changed meanwhile */
+    duck_moe_args a;
+    wire_forward_reply fr = {0};
+    int status = 0;
+    const char *err = "";
+    char msg[96];
+    uint64_t t0 = now_ns(), bytes = 0;
+    if (!l || l->hidden != first->hidden) {
+        status = WIRE_E_UNKNOWN_LAYER, err = "the layer's plan is gone";
+    } else if (hold_gather(hd, f, p, &a) != 0) {
+        status = WIRE_E_NOMEM, err = "no memory for the pass";
+    } else {
+        a.experts = l->experts;
+        a.n_experts = l->n_experts;
+        fr.wake_ns = wake_ns(c);
+        int any = 0;
+        for (uint64_t i = 0; i < (uint64_t)a.ntok * a.topk && !any; i++)
+            any = a.expert_ids[i] >= 0;
+        int rc = any ? duck_moe_forward(c->pool, c->kernels, c->ws, &a, &bytes) : DUCK_FFN_OK;
+        if (rc != DUCK_FFN_OK) {
+            snprintf(msg, sizeof msg, "kernel error %d", rc);
+            status = rc == DUCK_FFN_ENOMEM ? WIRE_E_NOMEM : WIRE_E_RANGE, err = msg;
+        }
+    }
+    uint64_t dt = now_ns() - t0;
+    if (!status) {
+        c->stats.kernel_ns += dt;
+        c->stats.bytes_streamed += bytes;
+    }
+    fr.kernel_us = (uint32_t)(dt / 1000);
+    fr.group_ntok = hd->ntok + (p ? f->ntok : 0);
+    size_t yrow = (size_t)first->hidden * wire_dtype_bytes(first->y_dtype);
+    const uint8_t *y = status ? NULL : (const uint8_t *)a.y;
+    uint32_t row = 0;
+    for (uint32_t i = 0; i < hd->n; i++) {
+        const held_forward *o = &hd->f[i];
+        wire_forward_reply part = fr;
+        part.wake_ns = 0;
+        part.bytes_streamed = p || i + 1 < hd->n ? 0 : bytes;   /* the pass's bytes on its last request */
+        reply_slot *r = pass_reply(c, &o->key, &o->h, &o->f, o->payload, y ? y + row * yrow : NULL, part, status, err);
+        row += o->f.ntok;
+        if (!r) {
+            dlog(DLOG_ERROR, "no memory for the reply to held forward seq %u", o->key.sequence);
+            continue;
+        }
+        if (status)
+            c->stats.errors++;
+        r->to = o->from;
+        core_send_reply(c, r, NULL, 0);
+        r->sent_ns = now_ns();
+    }
+    reply_slot *r = NULL;
+    if (p) {
+        fr.bytes_streamed = bytes;
+        r = pass_reply(c, k, h, f, p, y ? y + row * yrow : NULL, fr, status, err);
+    }
+    hold_clear(hd);
+    return r;
+}
+
+void hold_answer(duck_core *c)
+{
+    if (c->held.n)
+        answer_held(c, NULL, NULL, NULL, NULL);
+}
+
 static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header *h, const uint8_t *p,
                               uint32_t len)
 {
@@ -246,7 +363,7 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
     uint32_t reply_mtu = wire_reply_mtu(f.reply_mtu, c->cfg.mtu);
     uint64_t reply_bytes = sizeof(wire_reply_head) + sizeof(wire_forward_reply) + ybytes;
     int ok_shape = len >= sizeof f && f.ntok <= WIRE_MAX_TOKENS && f.topk <= WIRE_MAX_TOPK && f.x_dtype <= 1 &&
-                   f.hidden <= (1u << 16) && f.y_dtype <= 1 && f.reserved == 0 && reply_mtu &&
+                   f.hidden <= (1u << 16) && f.y_dtype <= 1 && !(f.flags & ~WIRE_FWD_HOLD) && reply_mtu &&
                    len == sizeof f + 8 * slots + (uint64_t)f.ntok * f.hidden * xsize;
     /* the reply must be cut in at most WIRE_MAX_FRAGMENTS datagrams of the size the host takes */
     int ok_tokens = ok_shape && f.ntok <= DUCK_MAX_TOKENS;
@@ -256,8 +373,8 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
         return NULL;
     if (!ok_shape)
         return fail(r, WIRE_E_MALFORMED, "forward of %u bytes does not match ntok %u (at most %u), topk %u, "
-                    "hidden %u, dtype %u -> %u, reply datagrams %u (reserved %u)", len, f.ntok, WIRE_MAX_TOKENS,
-                    f.topk, f.hidden, f.x_dtype, f.y_dtype, f.reply_mtu, f.reserved);
+                    "hidden %u, dtype %u -> %u, reply datagrams %u (flags %u)", len, f.ntok, WIRE_MAX_TOKENS,
+                    f.topk, f.hidden, f.x_dtype, f.y_dtype, f.reply_mtu, f.flags);
     if (!ok_tokens)
         return fail(r, WIRE_E_RANGE, "forward of %u tokens: this duck takes at most %u per forward (its hello's "
                     "max_tokens); cut the forward into requests of at most that", f.ntok, DUCK_MAX_TOKENS);
@@ -283,9 +400,20 @@ static reply_slot *on_forward(duck_core *c, const msg_key *k, const wire_header 
                         l->n_experts);
         any |= id >= 0;
     }
-    wire_forward_reply fr = {f.layer, f.ntok, f.y_dtype, 0, f.hidden, 0, 0, 0, {0}};
-    wire_reply_head head = {WIRE_OK, 0};
     c->stats.forwards++;
+    duck_held *hd = &c->held;
+    if (hd->n && !hold_fits(hd, h->session, &f, len))
+        answer_held(c, NULL, NULL, NULL, NULL);   /* another layer (or no room): the held ones alone, answered now */
+    if ((f.flags & WIRE_FWD_HOLD) && hold_fits(hd, h->session, &f, len) && hold_add(hd, k, &c->from, h, &f, p, len) == 0) {
+        r->used = 0;   /* no reply until the pass */
+        return REPLY_HELD;
+    }
+    if (hd->n) {
+        r->used = 0;
+        return answer_held(c, k, h, &f, p);
+    }
+    wire_forward_reply fr = {f.layer, f.ntok, f.y_dtype, 0, f.hidden, 0, 0, 0, f.ntok, {0}};
+    wire_reply_head head = {WIRE_OK, 0};
     if (!any || f.ntok == 0) {
         head.flags = WIRE_R_ZERO;   /* nothing routed here: no bytes to send back */
         r->len = (uint32_t)(sizeof head + sizeof fr);
@@ -327,7 +455,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     c->stats.requests++;
     if (h->type == WIRE_T_FORWARD) {
         reply_slot *r = on_forward(c, k, h, payload, len);
-        if (r && ((const wire_reply_head *)r->buf)->status != WIRE_OK)
+        if (r && r != REPLY_HELD && ((const wire_reply_head *)r->buf)->status != WIRE_OK)
             c->stats.errors++;
         return r;
     }
@@ -357,6 +485,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     case WIRE_T_SESSION_CLOSE:
         if (c->session.id && h->session == c->session.id) {
             dlog(DLOG_INFO, "session %08x closed", c->session.id);
+            hold_clear(&c->held);
             session_close(&c->session);
         }
         break;

@@ -11,6 +11,7 @@ WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM W
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
+WIRE_FWD_HOLD WIRE_HOLD_MAX
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 """.split()
@@ -54,11 +55,11 @@ typedef struct wire_session_open { uint32_t hidden; uint32_t flags; ...; } wire_
 typedef struct wire_layer_plan { uint32_t layer; uint32_t n_experts; uint32_t hidden; ...; } wire_layer_plan;
 typedef struct wire_forward {
     uint32_t layer; uint16_t ntok; uint8_t topk; uint8_t x_dtype; uint32_t hidden; uint8_t y_dtype;
-    uint16_t reply_mtu; ...;
+    uint8_t flags; uint16_t reply_mtu; ...;
 } wire_forward;
 typedef struct wire_forward_reply {
     uint32_t layer; uint16_t ntok; uint8_t y_dtype; uint32_t hidden; uint32_t kernel_us; uint64_t bytes_streamed;
-    uint32_t wake_ns; ...;
+    uint32_t wake_ns; uint32_t group_ntok; ...;
 } wire_forward_reply;
 typedef struct wire_key { uint8_t bytes[...]; uint32_t len; uint32_t has_link; uint8_t run[...]; ...; } wire_key;
 typedef struct wire_run_open { uint8_t run[...]; uint8_t challenge[...]; ...; } wire_run_open;
@@ -115,12 +116,13 @@ void duck_transport_key(const duck_transport *t, uint32_t duck, wire_key *out);
 uint32_t duck_transport_take_sequence(duck_transport *t);
 typedef struct duck_forward_args {
     uint32_t session, layer, ntok, topk, hidden; const int32_t *expert_ids; const float *expert_weights;
-    const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; uint32_t request_tokens; uint32_t pipeline; ...;
+    const void *x; uint32_t x_dtype; uint32_t y_dtype; void *y; uint32_t request_tokens; uint32_t pipeline; uint32_t group_tokens;
+    ...;
 } duck_forward_args;
 typedef struct duck_forward_result {
     int32_t failed_duck; int32_t result; int32_t duck_status; uint32_t kernel_us_max; uint64_t bytes_streamed;
     uint32_t retransmits; uint32_t wake_ns_max; uint32_t mtu_fallbacks; uint32_t requests; uint32_t request_tokens;
-    uint32_t pipeline; uint64_t kernel_us_sum; int32_t rcvbuf_short; uint32_t lost_new; uint64_t host_ns;
+    uint32_t pipeline; uint32_t group; uint64_t kernel_us_sum; int32_t rcvbuf_short; uint32_t lost_new; uint64_t host_ns;
     uint32_t host_slices; uint32_t replica_slices; char message[...]; ...;
 } duck_forward_result;
 int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_forward_result *res);

@@ -53,16 +53,17 @@ def _routing_view(a, np_dtype, torch_name: str, ctype: str):
 
 
 def forward_plan(fleet, ntok: int, hidden: int, topk: int = 1, x_dtype: int = F32, y_dtype: int = F32,
-                 request_tokens: int = 0, pipeline: int = 0) -> dict:
+                 request_tokens: int = 0, pipeline: int = 0, group_tokens: int = 0) -> dict:
     """How a forward of ntok tokens would be cut (nothing is sent): requests,
-    request_tokens, pipeline (in flight per duck) and rcvbuf_short."""
+    request_tokens, pipeline (in flight per duck), group (requests per kernel
+    pass on the ducks) and rcvbuf_short."""
     a, res = ffi.new("duck_forward_args *"), ffi.new("duck_forward_result *")
     a.ntok, a.hidden, a.topk, a.x_dtype, a.y_dtype = ntok, hidden, topk, x_dtype, y_dtype
-    a.request_tokens, a.pipeline = request_tokens, pipeline
+    a.request_tokens, a.pipeline, a.group_tokens = request_tokens, pipeline, group_tokens
     with fleet._lock:
         lib.duck_transport_plan(fleet._open(), a, res)
     return {"requests": res.requests, "request_tokens": res.request_tokens, "pipeline": res.pipeline,
-            "rcvbuf_short": bool(res.rcvbuf_short)}
+            "group": res.group, "rcvbuf_short": bool(res.rcvbuf_short)}
 
 
 class Session:
@@ -70,7 +71,9 @@ class Session:
 
     request_tokens: most tokens per request (0: as many as every duck takes, its
     hello's max_tokens); pipeline: requests in flight per duck when a forward
-    takes several (0: the transport's default, DUCK_PIPELINE_DEFAULT)."""
+    takes several (0: the transport's default, DUCK_PIPELINE_DEFAULT);
+    group_tokens: most tokens a duck runs in one kernel pass over requests it
+    holds (WIRE_FWD_HOLD; None: its hello's max_tokens, 0: each request its own)."""
 
     def __init__(self, fleet: Fleet, session_id: int, hidden: int, layers: set[int], request_tokens: int = 0,
                  pipeline: int = 0):
@@ -82,6 +85,7 @@ class Session:
         self.duck_max_tokens = min((i.max_tokens for i in fleet.infos), default=MAX_TOKENS) or MAX_TOKENS
         self.request_tokens = request_tokens
         self.pipeline = pipeline
+        self.group_tokens = None
         self.bytes_streamed = 0
         self.kernel_us_max = 0
         self.kernel_us_total = 0   # the slowest duck's kernel time, summed over requests
@@ -90,6 +94,7 @@ class Session:
         self.last_requests = 0     # the last call's requests (each to every duck), their tokens, in flight
         self.last_request_tokens = 0
         self.last_pipeline = 0
+        self.last_group = 0
         self._warned_rcvbuf = False
         self.host_ns_total = 0     # time this host spent computing lost ducks' slices (native/transport/cover.py)
         self.host_forwards = 0     # forwards with a slice computed here
@@ -137,6 +142,8 @@ class Session:
         a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
         a.request_tokens = min(self.request_tokens or self.duck_max_tokens, self.duck_max_tokens)
         a.pipeline = self.pipeline
+        a.group_tokens = self.duck_max_tokens if self.group_tokens is None else min(self.group_tokens,
+                                                                                    self.duck_max_tokens)
         with fleet._lock:
             rc = lib.duck_transport_forward(fleet._open(), a, res)
             rcvbuf = lib.duck_transport_rcvbuf(fleet._t) if res.rcvbuf_short else 0
@@ -161,8 +168,8 @@ class Session:
         self.kernel_us_max = max(self.kernel_us_max, res.kernel_us_max)
         self.kernel_us_total += res.kernel_us_sum
         self.wake_ns_max = res.wake_ns_max
-        self.last_requests, self.last_request_tokens, self.last_pipeline = (res.requests, res.request_tokens,
-                                                                            res.pipeline)
+        self.last_requests, self.last_request_tokens, self.last_pipeline, self.last_group = (
+            res.requests, res.request_tokens, res.pipeline, res.group)
         del keep_i, keep_w
         return out
 

@@ -135,6 +135,10 @@ typedef struct duck_forward_args {
     uint32_t request_tokens;     /* most tokens per request (the ducks' HELLO max_tokens); 0:
                                     WIRE_TOKENS_DEFAULT */
     uint32_t pipeline;           /* requests in flight per duck; 0: DUCK_PIPELINE_DEFAULT */
+    uint32_t group_tokens;       /* most tokens a duck runs in one kernel pass (its HELLO max_tokens): the
+                                    requests of a cut forward go in groups of up to this many tokens, all
+                                    but the last of each held by the ducks (WIRE_FWD_HOLD) and run with it
+                                    in one pass; 0: each request its own pass */
 } duck_forward_args;
 
 /* Requests in flight per duck when a forward takes several: the next one
@@ -157,7 +161,9 @@ typedef struct duck_forward_result {
     uint32_t requests;           /* requests the tokens went in, each to every duck */
     uint32_t request_tokens;     /* tokens per request (the last may have fewer) */
     uint32_t pipeline;           /* requests in flight per duck */
-    uint64_t kernel_us_sum;      /* the slowest duck's kernel time, summed over the requests */
+    uint32_t group;              /* requests per kernel pass on the ducks (1: none held) */
+    uint64_t kernel_us_sum;      /* the slowest duck's kernel time, summed over the requests (a pass's
+                                    time shared out over its requests by their tokens) */
     int32_t rcvbuf_short;        /* the receive buffer holds less than one request's replies of all ducks twice */
     uint32_t lost_new;           /* ducks found lost in this call (their slices then went elsewhere) */
     uint64_t host_ns;            /* time this host spent computing lost ducks' slices */

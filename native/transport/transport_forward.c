@@ -94,8 +94,11 @@ static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t r
     size_t slots = (size_t)ntok * a->topk, xrow = (size_t)a->hidden * wire_dtype_bytes(a->x_dtype);
     uint8_t *p = t->fwd[slot].payload;
     /* reply_mtu is written per duck when the request is sealed */
+    /* a group's requests but its last are held by the ducks, then run with it in one pass */
+    uint32_t g = run->res->group, first = req - req % g, last = first + g < run->nreq ? first + g - 1 : run->nreq - 1;
+    uint32_t group_end = (last + 1) * n < a->ntok ? (last + 1) * n : a->ntok;
     wire_forward f = {a->layer, (uint16_t)ntok, (uint8_t)a->topk, (uint8_t)a->x_dtype, a->hidden,
-                      (uint8_t)a->y_dtype, 0, 0};
+                      (uint8_t)a->y_dtype, req < last ? WIRE_FWD_HOLD : 0, 0};
     memcpy(p, &f, sizeof f);
     if (slots) {
         memcpy(p + sizeof f, a->expert_ids + (size_t)t0 * a->topk, 4 * slots);
@@ -134,7 +137,7 @@ static void fill_slot(duck_transport *t, fwd_run *run, uint32_t slot, uint32_t r
             c->payload = rp;
             run->res->replica_slices++;
         }
-        c->work_ns = tr_work_ns(t, c->duck, ntok);
+        c->work_ns = tr_work_ns(t, c->duck, group_end - first * n);   /* its pass's tokens */
     }
 }
 
@@ -228,10 +231,12 @@ static void finish_request(duck_transport *t, fwd_run *run, uint32_t slot)
         memcpy(&fr, (const uint8_t *)c->reply + sizeof(wire_reply_head), sizeof fr);
         res->bytes_streamed += fr.bytes_streamed;
         res->retransmits += c->retransmits;
-        kernel_us = fr.kernel_us > kernel_us ? fr.kernel_us : kernel_us;
+        res->kernel_us_max = fr.kernel_us > res->kernel_us_max ? fr.kernel_us : res->kernel_us_max;
+        uint32_t share = fr.group_ntok > fr.ntok ? (uint32_t)((uint64_t)fr.kernel_us * fr.ntok / fr.group_ntok)
+                                                 : fr.kernel_us;   /* of a pass over held requests: by tokens */
+        kernel_us = share > kernel_us ? share : kernel_us;
         res->wake_ns_max = fr.wake_ns > res->wake_ns_max ? fr.wake_ns : res->wake_ns_max;
     }
-    res->kernel_us_max = kernel_us > res->kernel_us_max ? kernel_us : res->kernel_us_max;
     res->kernel_us_sum += kernel_us;
     sum->complete = 1;
     run->done_reqs++;

@@ -7,7 +7,8 @@
  * bound at its datagram size and at the fallback size (both ways), then the receive buffer, which must
  * hold every duck's reply twice over (the kernel's bookkeeping); then the
  * requests in flight that the buffer holds at that size. Requests are made
- * even: 100 tokens at 64 go as 50 + 50. */
+ * even: 100 tokens at 64 go as 50 + 50. Then the requests per kernel pass:
+ * as many as group_tokens holds, all in flight together. */
 void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, duck_forward_result *res)
 {
     uint32_t nd = t->cfg.n_ducks, n = a->request_tokens ? a->request_tokens : WIRE_TOKENS_DEFAULT;
@@ -39,7 +40,12 @@ void duck_transport_plan(const duck_transport *t, const duck_forward_args *a, du
     w = w > nreq ? nreq : w;
     while (w > 1 && w * nd * tr_reply_bytes(a, n) > room)
         w--;
+    /* groups of requests run in one pass on the ducks: all of a group in flight at once */
+    uint32_t g = a->group_tokens && nreq > 1 ? a->group_tokens / n : 1;
+    g = g > w ? w : g;
+    g = g > WIRE_HOLD_MAX ? WIRE_HOLD_MAX : g;
     res->request_tokens = n;
     res->requests = nreq;
     res->pipeline = w;
+    res->group = g ? g : 1;
 }

@@ -73,7 +73,7 @@ static void rate_sample(duck_link *l, const duck_call *c)
     memcpy(&fr, (const uint8_t *)c->reply + sizeof(wire_reply_head), sizeof fr);
     if (!fr.ntok)
         return;
-    uint64_t per = kernel / fr.ntok;
+    uint64_t per = kernel / (fr.group_ntok > fr.ntok ? fr.group_ntok : fr.ntok);   /* a pass over held requests */
     if (!l->ns_per_token) {
         l->ns_per_token = per;
         l->ns_per_token_var = per / 2;

@@ -35,11 +35,12 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 5                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+#define WIRE_ABI 6                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
                                           size agreed per duck, partial dtype, wake-up time; 4: messages of
                                           up to 64 MiB, the duck's tokens per forward in HELLO; 5: RUN_OPEN,
                                           link-keyed Poly1305 MACs, replay window, hello's challenge and run,
-                                          the drop counters bad_mac, replayed, no_run) */
+                                          the drop counters bad_mac, replayed, no_run; 6: FORWARD's HOLD flag
+                                          and the reply's group_ntok) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
@@ -295,10 +296,18 @@ typedef struct wire_forward {
     uint8_t x_dtype;         /* WIRE_DT_F32 | WIRE_DT_BF16 */
     uint32_t hidden;
     uint8_t y_dtype;         /* the partial's type in the reply: WIRE_DT_F32 | WIRE_DT_BF16 */
-    uint8_t reserved;        /* 0 */
+    uint8_t flags;           /* WIRE_FWD_*; other bits 0 */
     uint16_t reply_mtu;      /* largest reply datagram the host takes from this duck; 0: WIRE_MTU_DEFAULT */
 } wire_forward;
 WIRE_STATIC_ASSERT(sizeof(wire_forward) == 16, "wire_forward must be 16 bytes");
+
+/* More requests of the same forward follow at once: the duck holds this one
+ * (no reply yet) and runs it in one kernel pass with those that follow, up to
+ * the first without the flag; then every one of them is answered, each with
+ * its own tokens' partials. One pass streams each expert slice once for all
+ * their tokens (a forward cut by the message size: docs/wire.md, Long forwards). */
+#define WIRE_FWD_HOLD 1u
+#define WIRE_HOLD_MAX 8              /* forwards a duck holds for one pass; a ninth runs the group first */
 
 /* After the wire_reply_head; then y[ntok*hidden] in y_dtype unless WIRE_R_ZERO. */
 typedef struct wire_forward_reply {
@@ -311,7 +320,10 @@ typedef struct wire_forward_reply {
     uint64_t bytes_streamed;
     uint32_t wake_ns;        /* the request's arrival at the duck (kernel timestamp of its last datagram)
                                 to the start of the kernel; 0 when the platform has no timestamp */
-    uint32_t reserved2[7];   /* 0; with the reply head, y starts 64 bytes in: cache-line aligned */
+    uint32_t group_ntok;     /* the tokens of the kernel pass that computed this request: ntok, or more
+                                when it ran with held ones (WIRE_FWD_HOLD); kernel_us is that pass's,
+                                bytes_streamed too on the last request of the pass and 0 on the others */
+    uint32_t reserved2[6];   /* 0; with the reply head, y starts 64 bytes in: cache-line aligned */
 } wire_forward_reply;
 WIRE_STATIC_ASSERT(sizeof(wire_forward_reply) == 56, "wire_forward_reply must be 56 bytes");
 WIRE_STATIC_ASSERT((sizeof(wire_reply_head) + sizeof(wire_forward_reply)) % 64 == 0, "y must start aligned");

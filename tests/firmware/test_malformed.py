@@ -1,7 +1,7 @@
 """Hostile datagrams to the ASan/UBSan build of duckfw: truncated, oversized,
 garbage, forged (wrong key, missing MAC), replies and broken fragments, and
 bad values in the fields of wire ABI 3 (partial dtype, reply datagram size,
-ping sizes). Wire ABI 4 (messages of up to WIRE_MAX_MESSAGE, each duck's
+ping sizes), and ABI 6's forwards held for one pass (WIRE_FWD_HOLD). Wire ABI 4 (messages of up to WIRE_MAX_MESSAGE, each duck's
 tokens per forward in HELLO): a forward of more tokens than the duck announced,
 or than the wire allows, gets an error that says so, and so does a malformed
 multi-megabyte forward; a large message that is not a forward of the open
@@ -119,11 +119,11 @@ def ping(size: int, reply_mtu: int) -> bytes:
     return head + os.urandom(max(0, size - len(head)))
 
 
-def forward_payload(hidden=64, ntok=1, x_dtype=0, y_dtype=0, reserved=0, reply_mtu=0) -> bytes:
+def forward_payload(hidden=64, ntok=1, x_dtype=0, y_dtype=0, flags=0, reply_mtu=0, layer=0) -> bytes:
     f = ffi.new("wire_forward *")
-    f.layer, f.ntok, f.topk, f.x_dtype, f.hidden, f.y_dtype, f.reply_mtu = 0, ntok, 1, x_dtype, hidden, y_dtype, reply_mtu
+    f.layer, f.ntok, f.topk, f.x_dtype, f.hidden, f.y_dtype, f.reply_mtu = layer, ntok, 1, x_dtype, hidden, y_dtype, reply_mtu
+    f.flags = flags
     head = bytearray(ffi.buffer(f))
-    head[ffi.offsetof("wire_forward", "reply_mtu") - 1] = reserved
     xsize = 2 if x_dtype == 1 else 4
     return bytes(head) + (-1).to_bytes(4, "little", signed=True) * ntok + bytes(4 * ntok) + bytes(xsize * ntok * hidden)
 
@@ -136,7 +136,7 @@ def test_new_fields_are_checked_and_replies_keep_to_the_stated_size(asan_duck):
     lk = fleet.link_key(0)   # forwards carry the link MAC, each under a sequence of its own
     errors = fleet.stats()[0]["errors"]
     for payload, text in [(forward_payload(y_dtype=2), "dtype 0 -> 2"),
-                          (forward_payload(reserved=1), "reserved 1"),
+                          (forward_payload(flags=2), "flags 2"),
                           (forward_payload(reply_mtu=100), "reply datagrams 100"),
                           (forward_payload(x_dtype=3), "dtype 3 -> 0")]:
         status, body, _ = exchange(duck.port, seal(payload, lk, mtype=lib.WIRE_T_FORWARD, session=session.id,
@@ -176,6 +176,62 @@ def fragments(payload: bytes, key, mtype: int, session: int, sequence: int, tota
     size = -(-total // count)
     return [seal(payload[i * size:(i + 1) * size], key, mtype=mtype, frag_index=i, frag_count=count, total=total,
                  session=session, sequence=sequence) for i in (only or range(count))]
+
+
+def replies(s: socket.socket, key, wait: float) -> dict[int, tuple[int, bytes]]:
+    """Every one-datagram reply that reaches s within wait seconds: {sequence: (status, body)}."""
+    out, s_timeout = {}, s.gettimeout()
+    s.settimeout(wait)
+    try:
+        while True:
+            data = s.recv(65535)
+            h, p = ffi.new("wire_header *"), ffi.new("const uint8_t **")
+            assert lib.wire_check(data, len(data), wire_key(key), 0, h, p) == lib.WIRE_CHECK_OK
+            assert h.frag_count == 1
+            body = data[32:32 + h.payload_len]
+            out[h.sequence] = (int.from_bytes(body[:4], "little", signed=True), body[8:])
+    except TimeoutError:
+        return out
+    finally:
+        s.settimeout(s_timeout)
+
+
+def test_held_forwards_are_answered_with_their_pass(asan_duck):
+    """ABI 6: a forward flagged HOLD gets no reply until one of its layer without the flag
+    comes; then both are answered (each its own sequence) from one pass. A copy of a held
+    forward (its host still waits: the group's last request was lost or came first) runs
+    what is held at once; so does a forward of another layer. A flag the ABI does not
+    know is malformed (test above)."""
+    fleet, duck = asan_duck.fleet, asan_duck[0]
+    session = fleet.open_session({0: [[]], 1: [[]]}, 64)
+    lk = fleet.link_key(0)
+    before = fleet.stats()[0]
+
+    def send(s, payload, seq=None):
+        seq = seq or fleet.take_sequence()
+        s.sendto(seal(payload, lk, mtype=lib.WIRE_T_FORWARD, session=session.id, sequence=seq),
+                 ("127.0.0.1", duck.port))
+        return seq
+
+    def groups(got):
+        assert all(status == 0 for status, _ in got.values()), got
+        return {seq: tuple(getattr(ffi.cast("wire_forward_reply *", ffi.from_buffer(body)), n)
+                           for n in ("layer", "ntok", "group_ntok")) for seq, (_, body) in got.items()}
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        held = send(s, forward_payload(ntok=2, flags=lib.WIRE_FWD_HOLD))
+        assert replies(s, lk, 0.3) == {}                                   # held: no answer yet
+        last = send(s, forward_payload(ntok=3))
+        assert groups(replies(s, lk, 1.0)) == {held: (0, 2, 5), last: (0, 3, 5)}   # one pass over 5 tokens
+        lone = send(s, forward_payload(ntok=2, flags=lib.WIRE_FWD_HOLD))
+        assert replies(s, lk, 0.3) == {}
+        send(s, forward_payload(ntok=2, flags=lib.WIRE_FWD_HOLD), seq=lone)   # its copy: the pass runs now
+        assert groups(replies(s, lk, 1.0)) == {lone: (0, 2, 2)}
+        other = send(s, forward_payload(ntok=1, flags=lib.WIRE_FWD_HOLD))   # layer 0, held
+        layer1 = send(s, forward_payload(ntok=4, layer=1))                  # another layer: the held one alone first
+        assert groups(replies(s, lk, 1.0)) == {other: (0, 1, 1), layer1: (1, 4, 4)}
+    after = fleet.stats()[0]
+    assert after["duplicates"] - before["duplicates"] >= 1 and after["forwards"] - before["forwards"] == 5
 
 
 def test_hello_announces_the_kernels_limit_and_more_tokens_are_refused(asan_duck):

@@ -205,19 +205,26 @@ def test_the_sum_has_the_same_bits_whatever_the_arrival_order(tmp_path, delays_m
     assert np.array_equal(bits, in_order)
 
 
-@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
-def test_many_requests_in_flight_give_the_bits_of_one_at_a_time(tmp_path, out_dtype):
-    """A forward of 200 tokens cut into requests of 16 (13 of them, the last 8): with 1, 2
-    and 4 in flight per duck the sum has the same bits (each token's partials are added in
-    duck order), equal to the local reference; each request streams each expert once."""
+def _cut_case():
+    """A layer of 6 experts over 3 ducks (hidden 128) and 200 tokens routed top-2 to it."""
     rng = np.random.default_rng(5)
     hidden, n, n_experts = 128, 3, 6
     per_duck = split_experts(make_layer(rng, n_experts, 64 * n, hidden), tp=n)
     x = (rng.standard_normal((200, hidden)) * 0.5).astype(np.float32)
     ids, w = routing(rng, 200, 2, n_experts)
+    return hidden, n, per_duck, x, ids, w
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_many_requests_in_flight_give_the_bits_of_one_at_a_time(tmp_path, out_dtype):
+    """A forward of 200 tokens cut into requests of 16 (13 of them, the last 8): with 1, 2
+    and 4 in flight per duck the sum has the same bits (each token's partials are added in
+    duck order), equal to the local reference; each request streams each expert once."""
+    hidden, n, per_duck, x, ids, w = _cut_case()
     with Ducks(n, tmp_path) as ducks:
         ducks.fleet.upload(flat(per_duck))
         session = ducks.fleet.open_session({0: per_duck}, hidden, request_tokens=16)
+        session.group_tokens = 0                                     # each request its own kernel pass
         outs = {}
         for pipeline in (1, 2, 4):
             session.pipeline = pipeline
@@ -236,6 +243,39 @@ def test_many_requests_in_flight_give_the_bits_of_one_at_a_time(tmp_path, out_dt
     if out_dtype == np.float32:   # another cut groups other tokens in a kernel call: not the same bits
         assert_close(whole, outs[1], SUMMATION_ORDER_RTOL, "the ducks' own cut vs requests of 16")
         assert_close(outs[1], local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, "pipelined")
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
+def test_a_cut_forward_runs_each_group_of_requests_in_one_kernel_pass(tmp_path, out_dtype):
+    """The same 200 tokens in requests of 16 with 4 in flight, now held on the ducks in
+    groups of 4 (WIRE_FWD_HOLD): 13 requests, 4 kernel passes (4 + 4 + 4 + 1). Each pass
+    streams the experts its tokens use once, so the bytes streamed are those of the passes'
+    expert sets, not the requests'; the sum is the local reference's, the same bits on
+    every run, and each duck answered every request."""
+    hidden, n, per_duck, x, ids, w = _cut_case()
+    with Ducks(n, tmp_path) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden, request_tokens=16, pipeline=4)
+        runs, streamed = [], []
+        for group_tokens in (0, None, None):                          # one pass per request, then held groups
+            session.group_tokens = group_tokens
+            before = session.bytes_streamed
+            runs.append(session.forward(0, x, ids, w, out=np.empty((200, hidden), out_dtype)))
+            streamed.append(session.bytes_streamed - before)
+            assert (session.last_requests, session.last_request_tokens, session.last_pipeline) == (13, 16, 4)
+        assert session.last_group == 4
+        stats = ducks.fleet.stats()
+        retransmitted = ducks.fleet.transport_stats()["retransmits"] > 0
+        assert all(s["forwards"] == 3 * 13 or (retransmitted and s["forwards"] > 39) for s in stats), stats
+    distinct = lambda rows: len({int(e) for e in ids[rows].ravel() if e >= 0})   # noqa: E731
+    per_request = sum(distinct(slice(t, t + 16)) for t in range(0, 200, 16))
+    per_pass = sum(distinct(slice(t, t + 64)) for t in range(0, 200, 64))
+    assert per_pass < per_request
+    assert streamed[1] * per_request == streamed[0] * per_pass and streamed[2] == streamed[1]
+    assert np.array_equal(runs[1], runs[2])
+    if out_dtype == np.float32:   # a pass over other tokens orders its sums otherwise: not the same bits
+        assert_close(runs[1], runs[0], SUMMATION_ORDER_RTOL, "held groups vs a pass per request")
+        assert_close(runs[1], local_reference(per_duck, hidden, x, ids, w), SUMMATION_ORDER_RTOL, "held groups")
 
 
 def test_a_forward_longer_than_the_deadline_is_neither_resent_nor_failed(tmp_path):
