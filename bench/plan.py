@@ -123,7 +123,7 @@ class Fleet:
     broadcast: bool = False            # one activation per subnet (broadcast) instead of one per duck
     mtp_acceptance: float = 0.0        # MTP1 (0: off)
     dual_lane: bool = True             # MTP1's two lanes overlap host and ducks (else one batched forward)
-    prefill_chunk: int = 512
+    prefill_chunk: int = 1024
     prefill_host_ms: float = 0.0       # the host stage of one chunk per layer (0: host_ms, an underestimate)
     colocated_cores: int = 0           # the ducks share this many CPUs with the host (emulation): 0 = own boxes
     colocated_cpu_us_per_duck: float = 0.0   # CPU one duck's call costs such a machine (bench transport)

@@ -62,7 +62,7 @@ class ModelConfig:
     max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
     step_tokens: int = 256             # tokens per batched step: every sequence's next token, then prompt chunks
     gpu_batching: bool = False         # continuous batching on a GPU host too (CUDA graphs per batch-size bucket)
-    prefill_chunk: int = 512           # prompt tokens per prefill forward (engine.prefill)
+    prefill_chunk: int = 1024          # prompt tokens per prefill forward (engine.prefill)
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)

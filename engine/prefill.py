@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-DEFAULT_CHUNK = 512
+DEFAULT_CHUNK = 1024   # one pass of each duck's experts per 1024 tokens (on the H200 host 1024 beat 512 for
+                       # DeepSeek-V3.2, Qwen3 and Qwen3.5 alike: bench/results, twelfth session)
 MAX_CHUNK = 1 << 16
 
 

@@ -41,7 +41,7 @@ def test_bad_values_are_named(fleet, text):
 @pytest.mark.parametrize("chunk", [0, 65537, 8.0])
 def test_prefill_chunk_is_checked(chunk):
     from duckd.config import ModelConfig
-    assert ModelConfig().prefill_chunk == 512
+    assert ModelConfig().prefill_chunk == 1024
     with pytest.raises(ConfigError, match=f"model.prefill_chunk = {chunk!r}: expected 1..65536"):
         ModelConfig(prefill_chunk=chunk)
 
