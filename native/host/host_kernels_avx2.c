@@ -105,15 +105,53 @@ static inline void fma4x3(const float *w0, const float *w1, const float *w2, con
     a[2][0] = a20, a[2][1] = a21, a[2][2] = a22, a[2][3] = a23;
 }
 
+/* fma4 for two tokens at once: eight chains, enough to keep both FMA units
+ * busy; each sum's chain is fma4's. */
+static inline void fma4x2(const float *w0, const float *w1, const float *w2, const float *w3, const float *x0,
+                          const float *x1, uint32_t n, __m256 a[2][4])
+{
+    const uint32_t full = n & ~7u;
+    __m256 a00 = a[0][0], a01 = a[0][1], a02 = a[0][2], a03 = a[0][3];
+    __m256 a10 = a[1][0], a11 = a[1][1], a12 = a[1][2], a13 = a[1][3];
+#define FMA4X2_STEP(LOAD_X, LOAD_W, c)                                                \
+    do {                                                                              \
+        const __m256 v0 = LOAD_X(x0 + (c)), v1 = LOAD_X(x1 + (c));                    \
+        __m256 w = LOAD_W(w0 + (c));                                                  \
+        a00 = _mm256_fmadd_ps(w, v0, a00), a10 = _mm256_fmadd_ps(w, v1, a10);         \
+        w = LOAD_W(w1 + (c));                                                         \
+        a01 = _mm256_fmadd_ps(w, v0, a01), a11 = _mm256_fmadd_ps(w, v1, a11);         \
+        w = LOAD_W(w2 + (c));                                                         \
+        a02 = _mm256_fmadd_ps(w, v0, a02), a12 = _mm256_fmadd_ps(w, v1, a12);         \
+        w = LOAD_W(w3 + (c));                                                         \
+        a03 = _mm256_fmadd_ps(w, v0, a03), a13 = _mm256_fmadd_ps(w, v1, a13);         \
+    } while (0)
+    for (uint32_t c = 0; c < full; c += 8)
+        FMA4X2_STEP(_mm256_loadu_ps, _mm256_loadu_ps, c);
+    if (n & 7u) {
+        const __m256i tail = tail_mask(n & 7u);
+#define MASKED(p) _mm256_maskload_ps(p, tail)
+        FMA4X2_STEP(MASKED, MASKED, full);
+#undef MASKED
+    }
+#undef FMA4X2_STEP
+    a[0][0] = a00, a[0][1] = a01, a[0][2] = a02, a[0][3] = a03;
+    a[1][0] = a10, a[1][1] = a11, a[1][2] = a12, a[1][3] = a13;
+}
+
 /* Four rows' sums with nt tokens (rows ldx apart), carried in a[nt][4]: three
- * tokens at a time, the rest one by one. */
+ * tokens at a time, and what is left over in pairs (a count of 3k + 1 ends
+ * with two pairs instead of a lone token, whose four chains wait on the FMA
+ * latency); one token alone only when nt is 1. */
 static inline void fma4_tokens(const float *w0, const float *w1, const float *w2, const float *w3, const float *x,
                                size_t ldx, uint32_t nt, uint32_t n, __m256 (*a)[4])
 {
+    const uint32_t triples = nt % 3 == 1 && nt >= 4 ? nt / 3 - 1 : nt / 3;
     uint32_t t = 0;
-    for (; t + 3 <= nt; t += 3)
+    for (; t < 3 * triples; t += 3)
         fma4x3(w0, w1, w2, w3, x + t * ldx, x + (t + 1) * ldx, x + (t + 2) * ldx, n, a + t);
-    for (; t < nt; t++)
+    for (; t + 2 <= nt; t += 2)
+        fma4x2(w0, w1, w2, w3, x + t * ldx, x + (t + 1) * ldx, n, a + t);
+    if (t < nt)
         fma4(w0, w1, w2, w3, x + t * ldx, n, a[t]);
 }
 
