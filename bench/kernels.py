@@ -83,7 +83,7 @@ def _int8_matrix(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 
 # What one duck holds of a layer: (name, experts, hidden, slice width S, tokens)
-MOE_SHAPES = (("deepseek-v3", None, 7168, 64, 1),       # 256 experts of 2048 over tp 32
+MOE_SHAPES = (("deepseek-v3", None, 7168, None, 1),     # 256 experts of 2048 over tp 32 (--moe-width 64)
               ("qwen3-30b-a3b", 128, 2048, 192, 1),     # 128 experts of 768 over 4 ducks
               ("qwen3-30b-a3b", 128, 2048, 192, 2))     # an MTP pair
 
@@ -181,7 +181,7 @@ GEMM_LAYERS = {"qwen3-30b-a3b": (128, 2048, 192), "deepseek-v3": (32, 7168, 512)
 
 
 def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_experts: int,
-                read_buf: np.ndarray, shared: dict, sets: list[str], gemm: dict) -> list[Case]:
+                read_buf: np.ndarray, shared: dict, sets: list[str], gemm: dict, moe_width: int = 64) -> list[Case]:
     pool = Pool(threads)
     ws = Workspace()
     cases = [Case("read", lambda: lib.duck_bench_read(pool.ptr, ffi.from_buffer(read_buf), read_buf.size),
@@ -190,7 +190,7 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
         for rows, cols in ((2048, 7168), (7168, 2048)):
             cases += _gemv_cases(pool, ws, rows, cols, threads, sets, shared, rng, cold_bytes)
         for model, n_experts, hidden, width, ntok in MOE_SHAPES:
-            layer = _moe_layer(model, n_experts or moe_experts, hidden, width, rng, shared)
+            layer = _moe_layer(model, n_experts or moe_experts, hidden, width or moe_width, rng, shared)
             cases.append(_moe_case(layer, model, ntok, pool, ws, threads, rng))
     cases += kernels_gemm.fma_peak_cases(pool, threads, sets)
     cases += kernels_gemm.amx_peak_cases(pool, threads, sets)
@@ -219,7 +219,7 @@ def pool_wake(threads: int, runs: int = 200, gap_us: int = 300, spin_us: int = 1
 
 
 def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int, cold_mib: int,
-        moe_experts: int, sets: list[str] | None = None, gemm: dict | None = None) -> dict:
+        moe_experts: int, sets: list[str] | None = None, gemm: dict | None = None, moe_width: int = 64) -> dict:
     """gemm: the prefill GEMM's cases: models (GEMM_LAYERS' names), tokens per expert,
     parts (the amx GEMM's parts timed too), only (no GEMV and MoE cases)."""
     gemm = {"models": ["qwen3-30b-a3b"], "tokens": kernels_gemm.GEMM_TOKENS, "parts": False, "only": False,
@@ -230,7 +230,8 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
     read_buf = _aligned_bytes(read_mib * MiB)
     read_buf[:] = 1
     shared: dict = {}
-    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared, sets, gemm) for t in threads_list}
+    by_threads = {t: build_cases(t, rng, cold_mib * MiB, moe_experts, read_buf, shared, sets, gemm, moe_width)
+                  for t in threads_list}
     for r in range(rounds):
         log.info("round %d/%d", r + 1, rounds)
         for t in threads_list:
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-mib", type=int, default=1024)
     ap.add_argument("--cold-mib", type=int, default=512, help="working set per GEMV shape")
     ap.add_argument("--moe-experts", type=int, default=256, help="experts of the DeepSeek-V3 slice")
+    ap.add_argument("--moe-width", type=int, default=64,
+                    help="the DeepSeek-V3 slice's width per expert (2048 / tp: 64 for 32 ducks, 256 for 8, 512 for 4)")
     ap.add_argument("--kernels", default=None,
                     help="comma-separated fp9 kernel sets to compare (default: the best and every fast set "
                          f"this CPU runs; known: {', '.join(KERNEL_SETS[1:])})")
@@ -379,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     if not tokens or any(t < 1 or t > 1024 for t in tokens):
         ap.error(f"--gemm-tokens {args.gemm_tokens}: comma-separated token counts from 1 to 1024")
     gemm = {"models": models, "tokens": tokens, "parts": args.amx_parts, "only": args.gemm_only}
-    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets, gemm)
+    if args.moe_width < 64 or args.moe_width % 64 or args.moe_width > 2048:
+        ap.error(f"--moe-width {args.moe_width}: a multiple of 64 from 64 to 2048")
+    result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets, gemm,
+                 args.moe_width)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
 
