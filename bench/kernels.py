@@ -196,8 +196,10 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
     cases += kernels_gemm.amx_peak_cases(pool, threads, sets)
     for model in gemm["models"]:
         n_experts, hidden, width = GEMM_LAYERS[model]
-        cases += kernels_gemm.gemm_cases(_moe_layer(model, n_experts, hidden, width, rng, shared), model, pool,
-                                         threads, sets, rng, gemm["tokens"], gemm["parts"])
+        layer = _moe_layer(model, n_experts, hidden, width, rng, shared)
+        cases += kernels_gemm.gemm_cases(layer, model, pool, threads, sets, rng, gemm["tokens"], gemm["parts"])
+        cases += kernels_gemm.moe_prefill_cases(layer, model, pool, ws, threads, sets, rng, gemm["tokens"],
+                                                gemm["parts"])
     return cases
 
 
@@ -247,10 +249,12 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
         read = gbps_of[("read", "None", None, None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
         compute = kernels_gemm.entries(by_threads[t], med, t)
+        if gemm["parts"]:
+            result["cases"] += kernels_gemm.moe_profiles(by_threads[t], t)
         for c in by_threads[t]:
             if c.name == "read":
                 continue
-            if c.name in ("fma_peak", "amx_peak", "amx_part"):
+            if c.name in ("fma_peak", "amx_peak", "amx_part", "moe_part"):
                 result["cases"].append(compute[c.key])
                 continue
             gbps = gbps_of[c.key]

@@ -2,7 +2,9 @@
 set (and where the amx set runs, the AMX tile rate: alone, with the GEMM's tile
 loads, with its A tiles freshly stored) and the prefill GEMM (fp9_gemm) at 8, 32 and 128 tokens per expert, in
 GFLOP/s and as a share of that peak, both measured in the run of
-bench/kernels.py, round by round beside its other cases."""
+bench/kernels.py, round by round beside its other cases; and the duck's whole
+forward of a prefill chunk at those tokens per expert (moe_prefill), whose
+time over the GEMMs' alone is what the forward adds to them."""
 from __future__ import annotations
 
 import statistics
@@ -106,6 +108,79 @@ def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str],
     return cases
 
 
+def moe_prefill_cases(layer: MoeSlice, model: str, pool, ws, threads: int, sets: list[str], rng,
+                      tokens: tuple[int, ...] = GEMM_TOKENS, parts: bool = False) -> list[Case]:
+    """A duck's forward of one prefill chunk (duck_moe_forward, what a FORWARD
+    runs): bf16 activations in and out, as a GPU host sends and takes them, each
+    token routed top-8 to distinct experts of the layer, so that an expert gets
+    the given tokens per expert on average (the chunk n_experts * tokens / 8
+    tokens, at most DUCK_MAX_TOKENS). Its flops are the GEMMs'; what it adds to
+    them (sorting the routes, the activations' conversions, SiLU, the weighted
+    sum per token) shows as its rate under fp9_gemm's at the same tokens. With
+    parts, the amx set's forward is timed with each part of its GEMMs left out
+    too (moe_part), as fp9_gemm's are (amx_part)."""
+    hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
+    cases = []
+    for per_expert in tokens:
+        ntok = n * per_expert // 8
+        if not 1 <= ntok <= lib.DUCK_MAX_TOKENS:
+            continue
+        ids = np.stack([rng.choice(n, size=8, replace=False) for _ in range(ntok)]).astype(np.int32)
+        w = np.full((ntok, 8), 0.125, dtype=np.float32)
+        x = (rng.standard_normal((ntok, hidden)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        y = np.empty((ntok, hidden), dtype=np.uint16)
+        for name in sets:
+            k = kernels(name)
+            args = ffi.new("duck_moe_args *")
+            args.experts, args.n_experts, args.hidden, args.ntok, args.topk = layer._table, n, hidden, ntok, 8
+            args.expert_ids = ffi.cast("const int32_t *", ffi.from_buffer(ids))
+            args.expert_weights = ffi.cast("const float *", ffi.from_buffer(w))
+            args.x, args.x_dtype = ffi.from_buffer(x), lib.DUCK_DT_BF16
+            args.y, args.y_dtype = ffi.from_buffer(y, require_writable=True), lib.DUCK_DT_BF16
+
+            def call(args=args, k=k):
+                rc = lib.duck_moe_forward(pool.ptr, k, ws.ptr, args, ffi.NULL)
+                if rc != 0:
+                    raise RuntimeError(f"moe forward of {ntok} tokens failed: {rc}")
+            per_call = n * layer.experts[0].weight_bytes
+            case = Case("moe_prefill", call, per_call, n * 3 * width * hidden,
+                        flops=2 * ntok * 8 * 3 * width * hidden, model=model, shape=[n, 3, width, hidden],
+                        tokens=per_expert, chunk=ntok, threads=threads, kernels=name)
+            case.keep = (args, ids, w, x, y)
+            cases.append(case)
+            if parts and name in ("amx", "amx-emu"):
+                cases += [Case("moe_part", _with_parts(call, mask), per_call, 0, flops=case.flops, model=model,
+                               shape=case.info["shape"], tokens=per_expert, threads=threads, kernels=name, part=label)
+                          for label, mask in AMX_PARTS.items()]
+    return cases
+
+
+PHASES = ("setup", "gate_up", "silu", "down_wait", "down", "reduce")   # duck_ffn_profile's, then the run's wall
+
+
+def moe_profiles(cases: list[Case], threads: int, calls: int = 10) -> list[dict]:
+    """Where each moe_prefill case's time goes (duck_ffn_profile): thread-ms per
+    call and phase, the pool run's wall ms, and what of threads x that wall no
+    phase holds (workers idle or between pieces)."""
+    out = []
+    for c in cases:
+        if c.name != "moe_prefill":
+            continue
+        ns = ffi.new(f"uint64_t[{lib.DUCK_FFN_PHASES}]")
+        lib.duck_ffn_profile(1, ffi.NULL)
+        try:
+            for _ in range(calls):
+                c.fn()
+        finally:
+            lib.duck_ffn_profile(0, ns)
+        ms = [ns[i] / calls / 1e6 for i in range(lib.DUCK_FFN_PHASES)]
+        phases = dict(zip(PHASES, (round(v, 3) for v in ms)))
+        run_ms = ms[len(PHASES)]
+        out.append({"name": "moe_profile", **c.info, "thread_ms": phases, "run_wall_ms": round(run_ms, 3),
+                    "unaccounted_thread_ms": round(threads * run_ms - sum(ms[1:len(PHASES)]), 3)})
+    return out
+
+
 def entries(cases: list[Case], med: dict, threads: int) -> dict:
     """The result entries of the FMA peaks and of the GEMMs (with their share
     of the peak of their own instruction set), by case key."""
@@ -115,11 +190,20 @@ def entries(cases: list[Case], med: dict, threads: int) -> dict:
         if c.name in ("fma_peak", "amx_peak"):
             out[c.key] = {"name": c.name, **c.info, "gflops": round(gflops, 2),
                           "gflops_per_core": round(gflops / threads, 2)}
-        elif c.name == "amx_part":   # its time over the whole GEMM's, round by round
-            whole = next(p for p in cases if p.name == "fp9_gemm" and p.info["kernels"] == c.info["kernels"]
+        elif c.name in ("amx_part", "moe_part"):   # its time over the whole GEMM's (forward's), round by round
+            of = "fp9_gemm" if c.name == "amx_part" else "moe_prefill"
+            whole = next(p for p in cases if p.name == of and p.info["kernels"] == c.info["kernels"]
                          and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"])
             out[c.key] = {"name": c.name, **c.info, "seconds": round(med[c.key], 6), "time_ratio": round(
                 statistics.median([s / w for s, w in zip(c.seconds, whole.seconds)]), 3)}
+        elif c.name == "moe_prefill":   # and its rate over the GEMMs' alone, round by round
+            gemm = next((p for p in cases if p.name == "fp9_gemm" and p.info["kernels"] == c.info["kernels"]
+                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"]), None)
+            out[c.key] = {"gflops": round(gflops, 2), "gflops_per_core": round(gflops / threads, 2),
+                          "seconds": round(med[c.key], 6)}
+            if gemm is not None:
+                out[c.key]["ratio_to_gemm"] = round(statistics.median(
+                    [(c.flops / s) / (gemm.flops / g) for s, g in zip(c.seconds, gemm.seconds)]), 3)
         elif c.name == "fp9_gemm":
             isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
             peak = next(p for p in cases if p.name == "fma_peak" and p.info["isa"] == isa)
@@ -140,10 +224,20 @@ def format_line(c: dict) -> str | None:
     if c["name"] in ("fma_peak", "amx_peak"):
         return (f"{c['name']:10s} {'':22s} {c.get('isa') or c['mode']:28s} threads {c['threads']:2d}  "
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)")
-    if c["name"] == "amx_part":
+    if c["name"] == "moe_profile":
+        phases = " ".join(f"{k} {v:.2f}" for k, v in c["thread_ms"].items())
+        return (f"{c['name']:10s} {str(c['shape']):22s} {c['model'] + ' T' + str(c['tokens']) + ' ' + c['kernels']:28s} "
+                f"threads {c['threads']:2d}  thread-ms {phases}; run {c['run_wall_ms']:.2f} ms wall, "
+                f"{c['unaccounted_thread_ms']:.2f} thread-ms in none")
+    if c["name"] in ("amx_part", "moe_part"):
         return (f"{c['name']:10s} {str(c['shape']):22s} {c['model'] + ' T' + str(c['tokens']) + ' ' + c['part']:28s} "
                 f"threads {c['threads']:2d}  {c['seconds'] * 1e3:8.3f} ms  time_ratio {c['time_ratio']:.3f} "
-                f"(of the whole amx GEMM)")
+                f"(of the whole amx {'GEMM' if c['name'] == 'amx_part' else 'forward'})")
+    if c["name"] == "moe_prefill":
+        label = f"{c['model']} T{c['tokens']} {c['kernels']} chunk {c['chunk']}"
+        return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "
+                f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  {c['seconds'] * 1e3:8.3f} ms"
+                + (f"  ratio_to_gemm {c['ratio_to_gemm']:.3f}" if "ratio_to_gemm" in c else ""))
     if c["name"] == "fp9_gemm":
         label = f"{c['model']} T{c['tokens']} {c['kernels']}"
         return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "

@@ -102,6 +102,10 @@ uint64_t duck_kernels_amx_probe(duck_pool *pool, int mode, uint64_t rounds);
 #define DUCK_AMX_PART_NO_PREFETCH ...
 #define DUCK_AMX_PART_SERIAL ...
 void duck_kernels_amx_parts(int parts);
+#define DUCK_FFN_PHASES ...
+void duck_ffn_act(const float *gu, uint32_t pb, uint32_t pe, float scale, int bf16, float *out);
+void duck_ffn_act_ref(const float *gu, uint32_t pb, uint32_t pe, float scale, int bf16, float *out);
+void duck_ffn_profile(int on, uint64_t *ns);
 void duck_bench_gemm(duck_pool *pool, const duck_kernels *k, const duck_expert_slice *experts, uint32_t n,
                      uint32_t ntok, const float *const *x, const float *const *h, float *const *gu, float *const *y);
 int duck_bench_int8_gemv(duck_pool *pool, int isa, const int8_t *w, uint32_t n, uint32_t k,

@@ -17,7 +17,7 @@ INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport
 FP9 = ["native/fp9/fp9_codec.c", "native/fp9/fp9_synth.c"]
 KERNELS = ["native/kernels/kernels_ref.c", "native/kernels/kernels_avx2.c", "native/kernels/kernels_avx512.c",
            "native/kernels/kernels_amx.c", "native/kernels/kernels.c",
-           "native/kernels/pool.c", "native/kernels/ffn.c"]
+           "native/kernels/pool.c", "native/kernels/ffn.c", "native/kernels/act.c"]
 KERNEL_PROBES = ["native/kernels/bench.c"]
 WIRE = ["native/wire/wire.c", "native/wire/poly1305.c", "native/wire/poly1305_avx2.c"]
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",

@@ -2,18 +2,19 @@
 #define _POSIX_C_SOURCE 200809L
 #include "ffn.h"
 
-#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-/* Down pieces are whole groups of the narrow kernels' row pairs. */
-#define DUCK_FFN_DOWN_ALIGN 8
-/* Partials (assignments x hidden floats) from which a call's reduction is cut
- * into at least one block of rows per thread: a prefill chunk's sum (512 tokens
- * x top-8 x 2048: 33 MB of partials) took one thread while the others waited. */
-#define DUCK_FFN_REDUCE_SPLIT (1u << 20)
+/* Down blocks are whole micro-panels of the amx GEMM (32 rows), and so whole
+ * groups of the narrow kernels' row pairs. */
+#define DUCK_FFN_DOWN_ALIGN 16
+/* Down blocks per thread (each streams its rows of every expert), and the most
+ * bytes of one job's outputs of a block (a worker's buffer: within its L2). */
+#define DUCK_FFN_DOWN_BLOCKS 2
+#define DUCK_FFN_PARTS_BYTES (256u << 10)
 
 /* All (token, slot) assignments that route to one expert. */
 typedef struct moe_job {
@@ -66,8 +67,43 @@ int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden)
     return DUCK_FFN_OK;
 }
 
-/* A piece of work: gate/up row pairs [pb, pe) of one job, or down row
- * pairs [pb, pe) (block `block`) of one job into its partial outputs. */
+/* The bench's phase profile (duck_ffn_profile): off, one relaxed load per piece. */
+enum { PH_SETUP, PH_GATE_UP, PH_SILU, PH_WAIT, PH_DOWN, PH_REDUCE, PH_RUN };
+static atomic_int prof_on;
+static atomic_ullong prof_ns[DUCK_FFN_PHASES];
+
+static uint64_t prof_now(void)
+{
+    if (!atomic_load_explicit(&prof_on, memory_order_relaxed))
+        return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The time since *t0 to phase ph, *t0 moved to now (nothing while off). */
+static void prof_add(int ph, uint64_t *t0)
+{
+    if (!*t0)
+        return;
+    uint64_t t = prof_now();
+    atomic_fetch_add_explicit(&prof_ns[ph], t - *t0, memory_order_relaxed);
+    *t0 = t;
+}
+
+void duck_ffn_profile(int on, uint64_t *ns)
+{
+    if (on)
+        for (int i = 0; i < DUCK_FFN_PHASES; i++)
+            atomic_store(&prof_ns[i], 0);
+    atomic_store(&prof_on, on);
+    if (ns)
+        for (int i = 0; i < DUCK_FFN_PHASES; i++)
+            ns[i] = atomic_load(&prof_ns[i]);
+}
+
+/* A piece of work: gate/up row pairs [pb, pe) of one job, or down row pairs
+ * [pb, pe) (block `block`) of every job, summed into y. */
 #define UP_PIECE UINT32_MAX
 
 typedef struct moe_piece {
@@ -80,115 +116,107 @@ typedef struct moe_task {
     duck_pool *pool;
     const moe_job *jobs;
     uint32_t njobs;
-    const moe_piece *pieces;        /* gate/up pieces in job order, then down pieces */
+    const moe_piece *pieces;        /* gate/up pieces in job order, then the down blocks */
     uint32_t npieces;
-    uint32_t block_pairs;           /* down row pairs per block */
     const uint32_t *up_pieces;      /* per job: its gate/up pieces */
     atomic_uint *up_done;           /* per job: those finished */
-    atomic_uint *block_done;        /* per block: jobs whose down rows of it are finished */
-    const uint32_t *tok_start;      /* [ntok + 1]: token t's assignments are */
-    const uint32_t *tok_list;       /*   tok_list[tok_start[t] .. tok_start[t + 1]), ascending */
+    const uint32_t *tokens;         /* per assignment: its token */
     const float *const *xrows;      /* per assignment: its token's prepared x */
     float *const *gurows;           /* per assignment: gate/up output, 2S floats */
     float *const *actrows;          /* per assignment: prepared activation, padded */
-    float *const *partrows;         /* per assignment: its expert's weighted output, hidden floats */
     const float *weights;           /* per assignment: routing weight */
+    float *parts;                   /* per worker: a job's outputs of one down block */
+    size_t parts_stride;            /*   floats per worker (hidden of lead, then max job x block rows) */
+    float **prows;                  /* per worker: max job row pointers into its parts */
+    uint32_t max_count;             /* the most assignments of one job */
     float *y32;                     /* [ntok][hidden] fp32 sums (a->y itself when y is fp32) */
     int h_bf16;                     /* bf16 activations: the intermediate is rounded to bf16 */
     _Alignas(64) atomic_uint next;
 } moe_task;
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
-/* v rounded to the nearest bf16 (even on ties), as duck_f32_to_bf16 rounds. */
-static inline float round_bf16(float v)
-{
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
-        return v;
-    u = (u + 0x7FFFu + ((u >> 16) & 1)) & 0xFFFF0000u;
-    memcpy(&v, &u, 4);
-    return v;
-}
-
-/* The intermediate h = silu(gate) * up. On fp32 activations it is kept in fp32,
- * times the routing weight (folded into the down kernel's input). On bf16
- * activations (a bf16 model: what a GPU host sends) it is rounded to bf16, as
- * the model's own FFN in bf16 rounds it, and the routing weight multiplies the
- * expert's output instead (reduce_block): the down projection then takes bf16
- * values too, so the sets with a bf16 GEMM (amx, avx512-bf16) run it. */
+/* The intermediate h = silu(gate) * up (act.c). On fp32 activations it is kept
+ * in fp32, times the routing weight (folded into the down kernel's input). On
+ * bf16 activations (a bf16 model: what a GPU host sends) it is rounded to bf16,
+ * as the model's own FFN in bf16 rounds it, and the routing weight multiplies
+ * the expert's output instead (down_block): the down projection then takes
+ * bf16 values too, so the sets with a bf16 GEMM (amx, avx512-bf16) run it. */
 static void gate_up_piece(const moe_task *t, const moe_piece *pc)
 {
     const moe_job *job = &t->jobs[pc->job];
     const duck_expert_slice *e = &t->a->experts[job->expert];
     uint32_t first = job->first, n = job->count;
+    uint64_t t0 = prof_now();
     t->k->gemm(&e->gate_up, pc->pb, pc->pe, n, t->xrows + first, t->gurows + first, 0);
-    for (uint32_t i = first; i < first + n; i++) {
-        const float *gu = t->gurows[i];
-        if (t->h_bf16) {
-            for (uint32_t p = pc->pb; p < pc->pe; p++)   /* prepared for the down kernel: x 2^64, exact */
-                t->actrows[i][p] = round_bf16(silu(gu[2 * p]) * gu[2 * p + 1]) * 0x1p64f;
-            continue;
-        }
-        float scale = t->weights[i] * 0x1p64f;   /* prepared for the down kernel */
-        for (uint32_t p = pc->pb; p < pc->pe; p++)
-            t->actrows[i][p] = silu(gu[2 * p]) * gu[2 * p + 1] * scale;
-    }
+    prof_add(PH_GATE_UP, &t0);
+    for (uint32_t i = first; i < first + n; i++)   /* prepared for the down kernel: x 2^64 (exact) */
+        duck_ffn_act(t->gurows[i], pc->pb, pc->pe, t->h_bf16 ? 0x1p64f : t->weights[i] * 0x1p64f, t->h_bf16,
+                     t->actrows[i]);
+    prof_add(PH_SILU, &t0);
 }
 
-/* y rows of a block once every job's partials of it are in: summed per
- * token in expert order, from 0 (the order and the bits of accumulating
- * job by job), then rounded to bf16 if so asked. */
-static void reduce_block(const moe_task *t, uint32_t block)
+/* Rows [2 pb, 2 pe) of y, from 0: every job in expert order, each waiting for
+ * its gate/up, its down rows of the block computed into worker w's parts (a
+ * job's tokens x the block's rows: in L2, where a buffer of every assignment's
+ * whole output was tens of MB written and read back once), then added onto its
+ * tokens' rows (times the routing weight on bf16 activations). So each token's
+ * sum runs in expert order from 0 whatever the threads do; then rounded to
+ * bf16 if so asked. */
+static void down_block(const moe_task *t, const moe_piece *pc, unsigned w)
 {
     const duck_moe_args *a = t->a;
-    uint32_t r0 = 2 * block * t->block_pairs;
-    uint32_t r1 = r0 + 2 * t->block_pairs < a->hidden ? r0 + 2 * t->block_pairs : a->hidden;
-    for (uint32_t tok = 0; tok < a->ntok; tok++) {
-        float *y = t->y32 + (size_t)tok * a->hidden;
-        memset(y + r0, 0, (r1 - r0) * sizeof(float));
-        for (uint32_t k = t->tok_start[tok]; k < t->tok_start[tok + 1]; k++) {
-            const float *part = t->partrows[t->tok_list[k]];
+    const uint32_t r0 = 2 * pc->pb, r1 = 2 * pc->pe < a->hidden ? 2 * pc->pe : a->hidden, nr = r1 - r0;
+    /* row i of the parts at lead + i * nr; the kernel writes row r of it at [r]: a pointer
+     * r0 floats before (the lead of hidden floats keeps it inside the buffer) */
+    float *parts = t->parts + (size_t)w * t->parts_stride + a->hidden;
+    float **prow = t->prows + (size_t)w * t->max_count;
+    uint64_t t0 = prof_now();
+    for (uint32_t tok = 0; tok < a->ntok; tok++)
+        memset(t->y32 + (size_t)tok * a->hidden + r0, 0, nr * sizeof(float));
+    prof_add(PH_REDUCE, &t0);
+    for (uint32_t j = 0; j < t->njobs; j++) {
+        const moe_job *job = &t->jobs[j];
+        duck_pool_latch_wait(t->pool, &t->up_done[j], t->up_pieces[j]);
+        prof_add(PH_WAIT, &t0);
+        for (uint32_t i = 0; i < job->count; i++)
+            prow[i] = parts + (size_t)i * nr - r0;
+        t->k->gemm(&a->experts[job->expert].down, pc->pb, pc->pe, job->count,
+                   (const float *const *)(t->actrows + job->first), prow, 0);
+        prof_add(PH_DOWN, &t0);
+        for (uint32_t i = 0; i < job->count; i++) {
+            float *y = t->y32 + (size_t)t->tokens[job->first + i] * a->hidden;
+            const float *part = prow[i];
             if (t->h_bf16) {
-                const float w = t->weights[t->tok_list[k]];
+                const float wt = t->weights[job->first + i];
                 for (uint32_t r = r0; r < r1; r++)
-                    y[r] += w * part[r];
+                    y[r] += wt * part[r];
             } else {
                 for (uint32_t r = r0; r < r1; r++)
                     y[r] += part[r];
             }
         }
-        if (a->y_dtype == DUCK_DT_BF16)
-            duck_f32_to_bf16(y + r0, r1 - r0, (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
+        prof_add(PH_REDUCE, &t0);
     }
-}
-
-static void down_piece(const moe_task *t, const moe_piece *pc)
-{
-    duck_pool_latch_wait(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
-    const moe_job *job = &t->jobs[pc->job];
-    t->k->gemm(&t->a->experts[job->expert].down, pc->pb, pc->pe, job->count,
-               (const float *const *)(t->actrows + job->first), t->partrows + job->first, 0);
-    if (atomic_fetch_add(&t->block_done[pc->block], 1) + 1 == t->njobs)
-        reduce_block(t, pc->block);   /* the last job to finish this block sums it */
+    if (a->y_dtype == DUCK_DT_BF16)
+        for (uint32_t tok = 0; tok < a->ntok; tok++)
+            duck_f32_to_bf16(t->y32 + (size_t)tok * a->hidden + r0, nr,
+                             (uint16_t *)a->y + (size_t)tok * a->hidden + r0);
+    prof_add(PH_REDUCE, &t0);
 }
 
 /* Run by every thread that joins: claim pieces in order until none is
- * left. A down piece waits only for its own job's gate/up pieces (claimed
- * long before, normally done), so there is no barrier between the phases
- * and every down piece streams one expert's rows. */
+ * left. A down block waits for each job's gate/up pieces in turn (claimed
+ * long before, normally done), so there is no barrier between the phases. */
 static void moe_run(void *arg, unsigned w, unsigned nw)
 {
     moe_task *t = arg;
-    (void)w, (void)nw;
+    (void)nw;
     for (unsigned c; (c = atomic_fetch_add(&t->next, 1)) < t->npieces;) {
         const moe_piece *pc = &t->pieces[c];
         if (pc->block == UP_PIECE) {
             gate_up_piece(t, pc);
             duck_pool_latch_add(t->pool, &t->up_done[pc->job], t->up_pieces[pc->job]);
         } else {
-            down_piece(t, pc);
+            down_block(t, pc, w);
         }
     }
 }
@@ -197,14 +225,6 @@ typedef struct assignment {
     uint32_t expert, token;
     float weight;
 } assignment;
-
-static int by_expert(const void *pa, const void *pb)
-{
-    const assignment *x = pa, *y = pb;
-    if (x->expert != y->expert)
-        return x->expert < y->expert ? -1 : 1;
-    return x->token < y->token ? -1 : (x->token > y->token);
-}
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
@@ -228,6 +248,22 @@ static size_t piece_bytes(size_t total, unsigned nthreads)
     return b > DUCK_FFN_MIN_PIECE_BYTES ? b : DUCK_FFN_MIN_PIECE_BYTES;
 }
 
+/* Row pairs per down block: DUCK_FFN_DOWN_BLOCKS per thread where the down
+ * weights make pieces of at least DUCK_FFN_MIN_PIECE_BYTES, and small enough
+ * that a job's outputs of a block stay within DUCK_FFN_PARTS_BYTES. */
+static uint32_t down_block_pairs(uint32_t hidden, size_t down_bytes, unsigned nthreads, uint32_t max_count)
+{
+    const uint32_t pairs = (hidden + 1) / 2;
+    size_t blocks = (size_t)nthreads * DUCK_FFN_DOWN_BLOCKS;
+    size_t by_bytes = down_bytes / DUCK_FFN_MIN_PIECE_BYTES;
+    blocks = nthreads <= 1 ? 1 : blocks < by_bytes ? blocks : by_bytes ? by_bytes : 1;
+    size_t by_parts = ((size_t)max_count * hidden * sizeof(float) + DUCK_FFN_PARTS_BYTES - 1) / DUCK_FFN_PARTS_BYTES;
+    blocks = blocks > by_parts ? blocks : by_parts;
+    size_t per = (pairs + blocks - 1) / blocks;
+    per = (per + DUCK_FFN_DOWN_ALIGN - 1) / DUCK_FFN_DOWN_ALIGN * DUCK_FFN_DOWN_ALIGN;
+    return (uint32_t)(per < pairs ? per : (pairs + DUCK_FFN_DOWN_ALIGN - 1) / DUCK_FFN_DOWN_ALIGN * DUCK_FFN_DOWN_ALIGN);
+}
+
 static void zero_output(const duck_moe_args *a)
 {
     memset(a->y, 0, (size_t)a->ntok * a->hidden * (a->y_dtype == DUCK_DT_BF16 ? 2 : 4));
@@ -241,9 +277,15 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         (a->ntok && (!a->x || !a->y || (a->topk && (!a->expert_ids || !a->expert_weights || !a->experts)))))
         return DUCK_FFN_EINVAL;
     uint32_t hp = (a->hidden + FP9_GROUP - 1) / FP9_GROUP * FP9_GROUP;
-    assignment *list = ws_reserve(&ws->routes, ((size_t)a->ntok * a->topk + 1) * sizeof(assignment));
-    if (!list)
+    uint64_t t0 = prof_now();
+    /* the assignments in token order, then sorted by expert (a counting sort: stable, so each
+     * expert's tokens ascend), and a count per expert */
+    size_t slots = (size_t)a->ntok * a->topk + 1;
+    uint8_t *routes = ws_reserve(&ws->routes, 2 * slots * sizeof(assignment) + ((size_t)a->n_experts + 1) * 4);
+    if (!routes)
         return DUCK_FFN_ENOMEM;
+    assignment *in = (assignment *)routes, *list = in + slots;
+    uint32_t *per_expert = (uint32_t *)(list + slots);
     uint32_t nassign = 0, max_gu = 0, max_act = 0;
     for (uint32_t t = 0; t < a->ntok; t++) {
         for (uint32_t s = 0; s < a->topk; s++) {
@@ -259,7 +301,7 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
                 max_gu = e->gate_up.rows;
             if (e->down.groups * FP9_GROUP > max_act)
                 max_act = e->down.groups * FP9_GROUP;
-            list[nassign++] = (assignment){(uint32_t)id, t, a->expert_weights[t * a->topk + s]};
+            in[nassign++] = (assignment){(uint32_t)id, t, a->expert_weights[t * a->topk + s]};
         }
     }
     if (nassign == 0) {
@@ -268,30 +310,32 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
             *bytes_streamed = 0;
         return DUCK_FFN_OK;
     }
-    qsort(list, nassign, sizeof list[0], by_expert);
+    memset(per_expert, 0, ((size_t)a->n_experts + 1) * 4);
+    for (uint32_t i = 0; i < nassign; i++)
+        per_expert[in[i].expert + 1]++;
+    uint32_t njobs = 0, max_count = 0;
+    for (uint32_t e = 0; e < a->n_experts; e++) {
+        njobs += per_expert[e + 1] != 0;
+        max_count = per_expert[e + 1] > max_count ? per_expert[e + 1] : max_count;
+        per_expert[e + 1] += per_expert[e];
+    }
+    for (uint32_t i = 0; i < nassign; i++)
+        list[per_expert[in[i].expert]++] = in[i];
 
     /* pieces: a few per thread and phase (whole jobs on one thread) */
-    uint32_t njobs = 0;
-    size_t gate_up_bytes = 0, down_bytes = 0, down_pair_bytes = 0;
+    size_t gate_up_bytes = 0, down_bytes = 0;
     for (uint32_t i = 0; i < nassign; i++)
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
-            size_t pair = (size_t)e->down.groups * sizeof(fp9_block);
-            njobs++;
             gate_up_bytes += (size_t)e->gate_up.row_pairs * e->gate_up.groups * sizeof(fp9_block);
-            down_bytes += pair * e->down.row_pairs;
-            down_pair_bytes = pair > down_pair_bytes ? pair : down_pair_bytes;
+            down_bytes += (size_t)e->down.groups * sizeof(fp9_block) * e->down.row_pairs;
         }
     unsigned nthreads = pool ? duck_pool_size(pool) : 1;
     size_t up_piece = piece_bytes(gate_up_bytes, nthreads);
-    uint32_t block_pairs = piece_pairs(down_pair_bytes, DUCK_FFN_DOWN_ALIGN, piece_bytes(down_bytes, nthreads));
-    if (nthreads > 1 && (size_t)nassign * a->hidden >= DUCK_FFN_REDUCE_SPLIT) {
-        uint32_t per = ((a->hidden + 1) / 2 + nthreads - 1) / nthreads;
-        per = (per + DUCK_FFN_DOWN_ALIGN - 1) / DUCK_FFN_DOWN_ALIGN * DUCK_FFN_DOWN_ALIGN;
-        block_pairs = per < block_pairs ? per : block_pairs;
-    }
-    uint32_t nblocks = ((a->hidden + 1) / 2 + block_pairs - 1) / block_pairs;
-    uint32_t npieces = njobs * nblocks;
+    uint32_t block_pairs = down_block_pairs(a->hidden, down_bytes, nthreads, max_count);
+    uint32_t pairs = (a->hidden + 1) / 2, nblocks = (pairs + block_pairs - 1) / block_pairs;
+    uint32_t block_rows = 2 * block_pairs < a->hidden ? 2 * block_pairs : a->hidden;
+    uint32_t npieces = nblocks;
     for (uint32_t i = 0; i < nassign; i++)
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const fp9_matrix *gu = &a->experts[list[i].expert].gate_up;
@@ -299,34 +343,36 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
             npieces += (gu->row_pairs + per - 1) / per;
         }
 
-    /* workspace: prepared x, fp32 y (for a bf16 y), per-assignment buffers and row pointers,
-     * jobs, pieces, counters, the tokens' assignment lists */
+    /* workspace: prepared x, fp32 y (for a bf16 y), per-assignment buffers, row pointers,
+     * tokens and weights, each worker's block outputs and their row pointers, jobs, pieces,
+     * counters */
     size_t x_bytes = align64((size_t)a->ntok * hp * sizeof(float));
     size_t y32_bytes = a->y_dtype == DUCK_DT_BF16 ? align64((size_t)a->ntok * a->hidden * sizeof(float)) : 0;
     size_t gu_stride = align64((size_t)(max_gu + 1) * sizeof(float)) / sizeof(float);
     size_t act_stride = align64((size_t)max_act * sizeof(float)) / sizeof(float);
-    size_t part_stride = align64((size_t)a->hidden * sizeof(float)) / sizeof(float);
-    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride + part_stride) * sizeof(float) +
-                  align64(5 * nassign * sizeof(void *)) + align64(njobs * sizeof(moe_job)) +
-                  align64(npieces * sizeof(moe_piece)) + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)) +
-                  align64((njobs + a->ntok + 1 + (size_t)nassign) * sizeof(uint32_t));
+    size_t parts_stride = align64(((size_t)a->hidden + (size_t)max_count * block_rows) * sizeof(float)) / sizeof(float);
+    size_t need = x_bytes + y32_bytes + nassign * (gu_stride + act_stride) * sizeof(float) +
+                  nthreads * parts_stride * sizeof(float) + align64(3 * nassign * sizeof(void *)) +
+                  align64((size_t)nthreads * max_count * sizeof(float *)) + align64(2 * (size_t)nassign * 4) +
+                  align64(njobs * sizeof(moe_job)) + align64(npieces * sizeof(moe_piece)) +
+                  align64((size_t)njobs * sizeof(atomic_uint)) + align64(njobs * sizeof(uint32_t));
     uint8_t *mem = ws_reserve(&ws->main, need);
     if (!mem)
         return DUCK_FFN_ENOMEM;
     float *xp = (float *)mem;
     float *y32 = y32_bytes ? (float *)(mem + x_bytes) : (float *)a->y;
     float *gu = (float *)(mem + x_bytes + y32_bytes);
-    float *act = gu + nassign * gu_stride, *part = act + nassign * act_stride;
-    void **ptrs = (void **)(part + nassign * part_stride);
+    float *act = gu + nassign * gu_stride, *parts = act + nassign * act_stride;
+    void **ptrs = (void **)(parts + nthreads * parts_stride);
     const float **xrows = (const float **)ptrs;
-    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign, **partrows = actrows + nassign;
-    float *weights = (float *)(partrows + nassign);
-    moe_job *jobs = (moe_job *)((uint8_t *)ptrs + align64(5 * nassign * sizeof(void *)));
+    float **gurows = (float **)(ptrs + nassign), **actrows = gurows + nassign;
+    float **prows = (float **)((uint8_t *)ptrs + align64(3 * nassign * sizeof(void *)));
+    uint32_t *tokens = (uint32_t *)((uint8_t *)prows + align64((size_t)nthreads * max_count * sizeof(float *)));
+    float *weights = (float *)(tokens + nassign);
+    moe_job *jobs = (moe_job *)((uint8_t *)tokens + align64(2 * (size_t)nassign * 4));
     moe_piece *pieces = (moe_piece *)((uint8_t *)jobs + align64(njobs * sizeof(moe_job)));
     atomic_uint *up_done = (atomic_uint *)((uint8_t *)pieces + align64(npieces * sizeof(moe_piece)));
-    atomic_uint *block_done = up_done + njobs;
-    uint32_t *up_pieces = (uint32_t *)((uint8_t *)up_done + align64(((size_t)njobs + nblocks) * sizeof(atomic_uint)));
-    uint32_t *tok_start = up_pieces + njobs, *tok_list = tok_start + a->ntok + 1;
+    uint32_t *up_pieces = (uint32_t *)((uint8_t *)up_done + align64((size_t)njobs * sizeof(atomic_uint)));
 
     for (uint32_t t = 0; t < a->ntok; t++) {
         if (a->x_dtype == DUCK_DT_BF16)
@@ -336,15 +382,13 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
     }
     uint32_t nj = 0, np = 0;
     uint64_t bytes = 0;
-    memset(tok_start, 0, (a->ntok + 1) * sizeof(uint32_t));
     for (uint32_t i = 0; i < nassign; i++) {
         xrows[i] = xp + (size_t)list[i].token * hp;
         gurows[i] = gu + i * gu_stride;
         actrows[i] = act + i * act_stride;
         memset(actrows[i], 0, act_stride * sizeof(float));   /* zero padding columns */
-        partrows[i] = part + i * part_stride;
+        tokens[i] = list[i].token;
         weights[i] = list[i].weight;
-        tok_start[list[i].token + 1]++;
         if (i == 0 || list[i].expert != list[i - 1].expert) {
             const duck_expert_slice *e = &a->experts[list[i].expert];
             uint32_t per = piece_pairs((size_t)e->gate_up.groups * sizeof(fp9_block), DUCK_ROW_PAIR_ALIGN, up_piece);
@@ -359,33 +403,21 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
         }
         jobs[nj - 1].count++;
     }
-    for (uint32_t t = 0; t < a->ntok; t++)
-        tok_start[t + 1] += tok_start[t];
-    /* a counting sort, ascending per token: tok_start[t] serves as token t's
-     * cursor (ending at the start of t + 1), then moves back one token */
-    for (uint32_t i = 0; i < nassign; i++)
-        tok_list[tok_start[list[i].token]++] = i;
-    for (uint32_t t = a->ntok; t > 0; t--)
-        tok_start[t] = tok_start[t - 1];
-    tok_start[0] = 0;
-    uint32_t pairs = (a->hidden + 1) / 2;
-    for (uint32_t j = 0; j < njobs; j++)
-        for (uint32_t b = 0; b < nblocks; b++)
-            pieces[np++] = (moe_piece){j, b * block_pairs, (b + 1) * block_pairs < pairs ? (b + 1) * block_pairs : pairs,
-                                       b};
     for (uint32_t b = 0; b < nblocks; b++)
-        atomic_init(&block_done[b], 0);
+        pieces[np++] = (moe_piece){0, b * block_pairs, (b + 1) * block_pairs < pairs ? (b + 1) * block_pairs : pairs, b};
 
     moe_task task = {.a = a, .k = k, .pool = pool, .jobs = jobs, .njobs = njobs, .pieces = pieces,
-                     .npieces = npieces, .block_pairs = block_pairs, .up_pieces = up_pieces, .up_done = up_done,
-                     .block_done = block_done, .tok_start = tok_start, .tok_list = tok_list, .xrows = xrows,
-                     .gurows = gurows, .actrows = actrows, .partrows = partrows, .weights = weights, .y32 = y32,
+                     .npieces = npieces, .up_pieces = up_pieces, .up_done = up_done, .tokens = tokens,
+                     .xrows = xrows, .gurows = gurows, .actrows = actrows, .weights = weights, .parts = parts,
+                     .parts_stride = parts_stride, .prows = prows, .max_count = max_count, .y32 = y32,
                      .h_bf16 = a->x_dtype == DUCK_DT_BF16};
     atomic_init(&task.next, 0);
+    prof_add(PH_SETUP, &t0);
     if (pool)
         duck_pool_run_shared(pool, moe_run, &task);
     else
         moe_run(&task, 0, 1);
+    prof_add(PH_RUN, &t0);
     if (bytes_streamed)
         *bytes_streamed = bytes;
     return DUCK_FFN_OK;

@@ -75,6 +75,19 @@ int duck_moe_forward(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace 
 int duck_fp9_matmul(duck_pool *pool, const duck_kernels *k, duck_ffn_workspace *ws,
                     const fp9_matrix *m, uint32_t ntok, const float *x, float *y);
 
+/* out[p] = silu(gu[2p]) * gu[2p + 1] (rounded to bf16 where bf16), times scale,
+ * for p in [pb, pe): the expert FFN's intermediate from its gate/up rows
+ * (act.c). _ref is the scalar reference; the other its AVX2 form where the CPU
+ * has it, the same bits. */
+void duck_ffn_act(const float *gu, uint32_t pb, uint32_t pe, float scale, int bf16, float *out);
+void duck_ffn_act_ref(const float *gu, uint32_t pb, uint32_t pe, float scale, int bf16, float *out);
+
+/* Bench only: where duck_moe_forward's time goes, summed over its threads
+ * (nanoseconds of thread time per phase) while on. duck_ffn_profile(1, NULL)
+ * zeroes and starts it, (0, ns) stops it and gives ns[DUCK_FFN_PHASES]. */
+#define DUCK_FFN_PHASES 7   /* setup (one thread), gate_up GEMM, SiLU, down wait, down GEMM, reduce, the pool run (wall) */
+void duck_ffn_profile(int on, uint64_t *ns);
+
 /* Checks one expert slice against the hidden size (also used on upload). */
 int duck_expert_slice_check(const duck_expert_slice *e, uint32_t hidden);
 

@@ -87,7 +87,9 @@ def test_the_amx_peak_modes_are_three_cases():
 def test_bench_kernels_gemm_only_on_a_named_slice(capsys):
     """--gemm-only: the read, the peaks and the prefill GEMM alone, on the layer slices and token counts
     asked for (DeepSeek's slice, 16 tokens per expert: its prefill at 512 tokens); --amx-parts adds the
-    amx GEMM with each part left out where the amx program runs (the tiles, or amx-emu)."""
+    amx GEMM with each part left out where the amx program runs (the tiles, or amx-emu). Beside the GEMM,
+    the duck's whole forward of a chunk with that many tokens per expert (moe_prefill: 32 experts x 16 / 8
+    = 64 tokens) and, with --amx-parts, where its time goes (moe_profile: thread-ms per phase)."""
     sets = [k for k in ("amx-emu", "avx2-blend", "avx2-xor") if k in kernels_available()][:1]
     args = ["bench", "kernels", "--threads", "1", "--json", "--gemm-only", "--gemm-models", "deepseek-v3",
             "--gemm-tokens", "16", "--amx-parts", "--kernels", sets[0]] + TINY
@@ -98,6 +100,13 @@ def test_bench_kernels_gemm_only_on_a_named_slice(capsys):
     (gemm,) = [c for c in r["cases"] if c["name"] == "fp9_gemm"]
     assert gemm["model"] == "deepseek-v3" and gemm["tokens"] == 16 and gemm["shape"] == [32, 3, 512, 7168]
     assert gemm["gflops"] > 0 and gemm["ratio_to_fma_peak"] > 0
+    (moe,) = [c for c in r["cases"] if c["name"] == "moe_prefill"]
+    assert (moe["chunk"], moe["tokens"], moe["kernels"]) == (64, 16, sets[0])
+    assert moe["gflops"] > 0 and moe["seconds"] > 0 and moe["ratio_to_gemm"] > 0
+    (prof,) = [c for c in r["cases"] if c["name"] == "moe_profile"]
+    assert set(prof["thread_ms"]) == {"setup", "gate_up", "silu", "down_wait", "down", "reduce"}
+    assert prof["thread_ms"]["gate_up"] > 0 and prof["thread_ms"]["down"] > 0 and prof["run_wall_ms"] > 0
+    assert prof["run_wall_ms"] >= prof["thread_ms"]["gate_up"] + prof["thread_ms"]["down"] - 1e-3   # one thread
     parts = {c["part"]: c for c in r["cases"] if c["name"] == "amx_part"}
     if sets[0] == "amx-emu":
         assert set(parts) == {"serial", "no_decode", "no_tiles", "no_out", "no_prefetch", "decode_only"}

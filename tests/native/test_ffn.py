@@ -289,3 +289,38 @@ def test_forward_releases_the_gil():
     during = [t for t in ticks if t0 < t < t1]
     # with the GIL held through each call the ticker could not run in between
     assert t1 - t0 > 0.05 and len(during) >= 10, (t1 - t0, len(during))
+
+
+@pytest.mark.parametrize("bf16", [0, 1])
+def test_the_intermediate_has_the_references_bits_and_expfs_precision(bf16):
+    """duck_ffn_act (AVX2 where the CPU has it) gives duck_ffn_act_ref's bits for every
+    value, the edges of its exp's clamp, zeros, infinities and NaN included (any length:
+    the vector loop and its scalar tail); and it is silu(g) * u within 2 ulp (rounded to
+    bf16 when asked, then times the scale), against float64."""
+    from native._native import ffi
+    rng = np.random.default_rng(11)
+    edges = np.array([0.0, -0.0, 1e-30, -1e-30, 85.9, -85.9, 86, -86, 87, -87, 88, -88, 89, -89, 100, -100,
+                      1e30, -1e30, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45], dtype=np.float32)
+    g = np.concatenate([(rng.standard_normal(3000) * 8).astype(np.float32), edges, edges[::-1]])
+    u = rng.standard_normal(g.size).astype(np.float32)
+    gu = np.stack([g, u], axis=1).ravel()
+    ptr = lambda a: ffi.cast("float *", ffi.from_buffer(a))                   # noqa: E731
+    for n in (1, 7, g.size):
+        for scale in (1.0, 2.0 ** 64, 0.37):
+            fast, ref = np.full(g.size, 5.0, np.float32), np.full(g.size, 5.0, np.float32)
+            lib.duck_ffn_act(ptr(gu), 0, n, scale, bf16, ptr(fast))
+            lib.duck_ffn_act_ref(ptr(gu), 0, n, scale, bf16, ptr(ref))
+            same = (fast.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(fast) & np.isnan(ref))
+            assert same.all(), f"n {n}, scale {scale}: {np.flatnonzero(~same)[:5]}"
+            assert np.all(fast[n:] == 5.0)                                    # nothing past pe written
+    assert np.all(np.isnan(ref[np.isnan(g)]))                                 # NaN in, NaN out
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    with np.errstate(all="ignore"):
+        h = g64 / (1.0 + np.exp(-g64)) * u64
+    want = (torch.from_numpy(h).float().to(torch.bfloat16).double().numpy() if bf16 else h) * 0.37
+    ok = np.isfinite(want) & (np.abs(g) < 80) & (np.abs(want) > 1e-30)
+    if bf16:   # rounding to bf16 may take a value 2 ulp off to the other bf16 neighbour: within one bf16 step
+        assert np.all(np.abs(ref[ok] - want[ok]) <= np.abs(want[ok]) * 2.0 ** -7)
+    else:
+        assert np.all(np.abs(ref[ok] - want[ok]) <= np.abs(want[ok]) * 2.5 * 2.0 ** -23)
+    assert ref[3006] == pytest.approx(86 * u[3006] * 0.37, rel=2.0 ** -7 if bf16 else 1e-6)   # silu(86) = 86
