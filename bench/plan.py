@@ -106,6 +106,8 @@ class Fleet:
     cores: int = 4                     # worker threads per duck
     kernel_gparams_per_core: float = 5.4   # fp9 GEMV, one core (bench kernels: fp9_gemv, 1 thread)
     read_gbps: float = 20.0            # per duck, all cores (bench kernels: read_gbps)
+    kernel_read_ratio: float = 1.0     # the decode kernel on the model's slice / the read at the duck's threads
+                                       # (bench kernels: moe_slice's ratio_to_read at the slice width; 1: read-bound)
     gemm_gparams_per_core: float = 5.4     # prefill: param x token products per second per core
     mem_gb: float = 32.0               # per duck
     duck_link_gbit: float = 2.5
@@ -136,7 +138,7 @@ class Fleet:
             if not isinstance(v, int) or v <= 0:
                 raise PlanError(f"{name} = {v!r}: expected a positive integer")
         for name in ("kernel_gparams_per_core", "read_gbps", "gemm_gparams_per_core", "mem_gb", "duck_link_gbit",
-                     "port_gbit"):
+                     "port_gbit", "kernel_read_ratio"):
             if not getattr(self, name) > 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         for name in ("latency_us", "call_us", "kernel_call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
@@ -144,6 +146,9 @@ class Fleet:
                      "colocated_cores", "emulated_link_mtu"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
+        if self.kernel_read_ratio > 1.5:
+            raise PlanError(f"kernel_read_ratio = {self.kernel_read_ratio!r}: expected the kernel's rate over the "
+                            f"read probe's, 0 < ratio <= 1.5")
         if not 0 <= self.mtp_acceptance <= 1:
             raise PlanError(f"mtp_acceptance = {self.mtp_acceptance!r}: expected a fraction 0..1 (0: no MTP)")
         if self.multiple_of % 32:
@@ -151,8 +156,9 @@ class Fleet:
 
     @property
     def duck_gparams(self) -> float:
-        """Params a duck streams per second: its cores' kernels or its memory, whichever is less."""
-        return min(self.cores * self.kernel_gparams_per_core, self.read_gbps / FP9_BYTES)
+        """Params a duck streams per second: its cores' kernels, or its memory at the rate its decode
+        kernel reads the model's slice (kernel_read_ratio), whichever is less."""
+        return min(self.cores * self.kernel_gparams_per_core, self.read_gbps * self.kernel_read_ratio / FP9_BYTES)
 
 
 def slice_width(intermediate: int, tp: int, multiple_of: int) -> int:
@@ -271,7 +277,8 @@ def bottleneck(m: ModelShape, f: Fleet, dec: dict, mem: dict) -> str:
         exact = (m.moe_intermediate or m.dense_intermediate) / f.ducks
         pad = "" if w <= exact * 1.01 else f" (slices padded {exact:g} -> {w} columns" + (
             ": more ducks no longer help)" if w == f.multiple_of else ")")
-        what = "memory bandwidth" if f.read_gbps / FP9_BYTES < f.cores * f.kernel_gparams_per_core else "kernel compute"
+        what = "memory bandwidth" if f.read_gbps * f.kernel_read_ratio / FP9_BYTES < f.cores * f.kernel_gparams_per_core \
+            else "kernel compute"
         return f"duck {what}: {ms:.3f} ms of {sum(pl.values()):.3f} per layer{pad}"
     if part == "transport":
         parts = {"fixed call cost": t["call_us"], "wire": t["wire_us"], "host per-duck work": t["host_per_duck_us"],

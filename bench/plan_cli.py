@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.plan import Fleet, ModelShape, PlanError, load_model, plan, transport_us
+from bench.plan import Fleet, ModelShape, PlanError, load_model, plan, slice_width, transport_us
 
 log = logging.getLogger("duck.plan")
 
@@ -34,19 +34,38 @@ def _read(path: str) -> dict:
         raise PlanError(f"{path}: cannot read a benchmark JSON: {e}") from None
 
 
-def from_kernels(d: dict, cores: int) -> dict:
-    """`bench kernels --json`: the fp9 GEMV per core (one thread), the read bandwidth at `cores` threads
-    and the pool's run of one job on blocked workers (the per-call cost of a duck's kernel)."""
-    gemv = [c for c in d.get("cases", []) if c.get("name") == "fp9_gemv" and c.get("threads") == 1]
+def slice_read_ratio(d: dict, m: ModelShape, ducks: int, cores: int, multiple_of: int = 64) -> float | None:
+    """`bench kernels --json`: the decode kernel (moe_slice, one token) on the slice of m that each of
+    `ducks` ducks holds (experts x 3 x width x hidden, `bench kernels --moe-width`), over the read
+    probe at the same threads; None where the file has no such case at `cores` threads."""
+    width = slice_width(m.moe_intermediate, ducks, multiple_of) if m.experts else 0
+    for c in d.get("cases", []):
+        if (c.get("name") == "moe_slice" and c.get("tokens") == 1 and c.get("threads") == cores
+                and c.get("shape") == [m.experts, 3, width, m.hidden] and c.get("ratio_to_read")):
+            return c["ratio_to_read"]
+    return None
+
+
+def from_kernels(d: dict, cores: int, model: ModelShape | None = None, ducks: int = 0) -> dict:
+    """`bench kernels --json`: the fp9 GEMV per core (at the fewest threads measured), the read bandwidth at `cores` threads,
+    the pool's run of one job on blocked workers (the per-call cost of a duck's kernel) and, given the
+    model and the fleet's size, the decode kernel's rate on its slice over the read (kernel_read_ratio)."""
+    gemv = [c for c in d.get("cases", []) if c.get("name") == "fp9_gemv" and c.get("threads")]
     reads = {int(k): v for k, v in (d.get("read_gbps") or {}).items()}
     if not gemv or not reads:
-        raise PlanError("kernels file: no fp9_gemv case on one thread or no read_gbps (is it `bench kernels --json`?)")
+        raise PlanError("kernels file: no fp9_gemv case or no read_gbps (is it `bench kernels --json`?)")
+    fewest = min(c["threads"] for c in gemv)   # one thread where measured: the rate of a core alone
     near = min(reads, key=lambda t: (abs(t - cores), -t))
-    out = {"kernel_gparams_per_core": max(c["gparams"] for c in gemv), "read_gbps": reads[near]}
+    out = {"kernel_gparams_per_core": max(c["gparams"] for c in gemv if c["threads"] == fewest) / fewest,
+           "read_gbps": reads[near]}
     gemm = [c for c in d.get("cases", []) if c.get("name") == "fp9_gemm" and c.get("threads") == 1]
     if gemm:   # prefill: param x token products per second = FLOP/s / 2, at the most tokens per expert
         most = max(c["tokens"] for c in gemm)
         out["gemm_gparams_per_core"] = max(c["gflops_per_core"] for c in gemm if c["tokens"] == most) / 2
+    if model is not None and ducks:
+        ratio = slice_read_ratio(d, model, ducks, cores)
+        if ratio is not None:
+            out["kernel_read_ratio"] = ratio
     wakes = [w for w in d.get("pool_wake") or [] if w.get("blocked")]
     if wakes:   # the ducks block between layers by default: one FFN call's pool job on woken workers
         w = min(wakes, key=lambda w: (abs(w["threads"] - cores), -w["threads"]))
@@ -62,6 +81,15 @@ H200_GPARAMS_PER_CORE = {"2026-11-30": 14.87 / 4, "2026-12-01": 30.68 / 4}
 # (the ducks' default, --idle block) and spinning ones (bench/results/2026-12-02-kernels-h200-amx.json,
 # pool_wake run_us). A decode layer's kernel is a few hundred us, so this is 10-15 % of Qwen3's.
 H200_POOL_RUN_US = {"blocked": 42.96, "spinning": 2.76}
+
+
+# e2e runs with `bench kernels` taken on the same machine in the same lease (moe_slice at the run's slice
+# width and duck threads): their kernel_read_ratio is measured, not assumed 1 (docs/plan.md, Known misses)
+SAME_LEASE_KERNELS = {
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-kernels.json": "2026-12-04-kernels-h200-w256.json",
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-kernels.json": "2026-12-04-kernels-h200-w512.json",
+    "2026-12-04-e2e-synthetic-qwen3-30b-a3b-h200-kernels.json": "2026-12-04-kernels-h200-w512.json",
+}
 
 
 def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[dict, ModelShape, float]:
@@ -86,8 +114,14 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     # ducks spinning between layers (a decode layer's gap is ~0.1 ms) pay no wake-up; files made before
     # the e2e JSON recorded duck_spin_us say so in their name (bench/results/README.md: duckspin300)
     spin = fl.get("duck_spin_us", 300 if "duckspin" in name_of_file else 0)
+    # the decode kernel's rate on this run's slice over the read, from `bench kernels` in the same lease
+    ratio = None
+    if name_of_file in SAME_LEASE_KERNELS:
+        ratio = slice_read_ratio(_read(str(RESULTS / SAME_LEASE_KERNELS[name_of_file])), m, ducks, cores)
+        if ratio is None:
+            raise PlanError(f"{SAME_LEASE_KERNELS[name_of_file]}: no moe_slice case for {name_of_file}'s slice")
     fleet = {"ducks": ducks, "subnets": 1, "cores": cores, "read_gbps": sum(reads) / len(reads) / ducks,
-             "kernel_gparams_per_core": per_core,
+             "kernel_gparams_per_core": per_core, "kernel_read_ratio": ratio or 1.0,
              "kernel_call_us": H200_POOL_RUN_US["spinning" if spin else "blocked"],
              "host_ms": pl["host"], "head_ms": dec.get("head_ms", 0.5), "call_us": pl["transport"] * 1e3,
              "duck_link_gbit": 1e4, "port_gbit": 1e4, "latency_us": 0.0, "mtp_acceptance": 0.0}
@@ -215,7 +249,8 @@ def make_fleet(args) -> tuple[Fleet, list[str]]:
         values.update({k: e2e[k] for k in ("host_ms", "head_ms")})
         notes.append(f"host stage and head from {args.e2e}")
     if args.kernels:
-        values.update(from_kernels(_read(args.kernels), args.cores or Fleet().cores))
+        values.update(from_kernels(_read(args.kernels), args.cores or Fleet().cores,
+                                   load_model(args.model) if args.model else None, args.ducks or Fleet().ducks))
         notes.append(f"kernels (GEMV, GEMM where measured) and read bandwidth from {args.kernels}")
     if args.transport:
         d = _read(args.transport)
