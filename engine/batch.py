@@ -188,6 +188,7 @@ class BatchDecoder:
         rows = [r for _, first, n in wants for r in range(first, first + n)]
         logits = self.decoder.logits(y, rows) if rows else None
         self.steps += 1
+        greedy = _greedy_tokens(wants, logits)
         now = time.perf_counter()
         at, ended = 0, []
         for seq, first, n in wants:
@@ -195,7 +196,7 @@ class BatchDecoder:
             if n == 2:
                 done = self._verify(seq, logits[at], logits[at + 1], y, first)
             else:
-                done = seq.out.push(logits[at])
+                done = seq.out.add(greedy[at]) if at in greedy else seq.out.push(logits[at])
                 if seq.speculate and decoded:
                     self._unread(seq, y[first:first + 1], positions[first], seq.out.out_ids[-1:])
             at += n
@@ -275,6 +276,20 @@ class BatchDecoder:
         for seq in ended:
             self._end(seq, "error")
         return ended
+
+
+def _greedy_tokens(wants, logits) -> dict[int, int]:
+    """{logits row: its argmax} for the one-row sequences whose next token is just that
+    (TokenStream.plain_greedy): one argmax over all their rows, not one call per sequence
+    (torch.argmax takes the first of equal maxima either way, so the tokens are push()'s)."""
+    rows, at = [], 0
+    for seq, _, n in wants:
+        if n == 1 and seq.out.plain_greedy:
+            rows.append(at)
+        at += n
+    if not rows:
+        return {}
+    return dict(zip(rows, logits[rows].argmax(dim=-1).tolist()))
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,

@@ -132,6 +132,13 @@ class TokenStream:
         self.keep_logits = keep_logits
         self.text, self.emitted, self.finish = "", 0, "length"
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the logits and nothing else (greedy, no penalty, no logits
+        kept): a caller with many such streams may take the argmax of all their rows at once and add() it."""
+        p = self.params
+        return p.temperature == 0.0 and p.repetition_penalty == 1.0 and not self.keep_logits
+
     def push(self, logits: torch.Tensor) -> bool:
         """logits [V] of the next token -> whether the request is done (eos, stop or max_tokens);
         self.out_ids[-1] is the token."""
