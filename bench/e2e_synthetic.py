@@ -228,6 +228,28 @@ def _measure_read(ducks: int, threads: int) -> float:
     return measure_read_gbps(ducks * threads, mib=512, seconds=0.5)
 
 
+def _duck_cpus(args) -> list[list[int]] | None:
+    """Each duck's CPUs with --pin-ducks (None: unpinned)."""
+    if not args.pin_ducks:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = [allowed[i * args.duck_threads:(i + 1) * args.duck_threads] for i in range(args.ducks)]
+    if any(len(c) < args.duck_threads for c in cpus):
+        raise ValueError(f"--pin-ducks: {args.ducks} ducks x {args.duck_threads} threads need "
+                         f"{args.ducks * args.duck_threads} CPUs, this host allows {len(allowed)}")
+    return cpus
+
+
+def _measure_kernel(args, config) -> dict:
+    """Every duck's decode kernel at once on its MoE slice (bench/kernel_probe.py): the planner's
+    kernel_read_ratio for this run beside the read probe's share."""
+    from bench.kernel_probe import measure_fleet_kernel
+    from native.transport import slice_width
+    width = slice_width(config.moe_intermediate_size, args.ducks, args.multiple_of)
+    return measure_fleet_kernel(args.ducks, args.duck_threads, config.num_experts, config.hidden_size, width,
+                                cpus=_duck_cpus(args))
+
+
 # Ducks on CPUs of their own (--pin-ducks) spin-then-block for this long, as duckd's network-booted
 # ducks do (fleet.spin_us): a decode layer then finds the duck's workers awake (docs/duckd-config.md).
 PINNED_DUCK_SPIN_US = 1000
@@ -251,13 +273,8 @@ def run_config(args, kind: str, device, dtype) -> dict:
         from engine.fleet import FleetFfn, LocalDucks
 
         per_duck = sum(_duck_share(n, h, i, args.ducks, args.multiple_of) for _, n, h, i in ffn_shapes(model))
-        cpus = None
-        if args.pin_ducks:
-            allowed = sorted(os.sched_getaffinity(0))
-            cpus = [allowed[i * args.duck_threads:(i + 1) * args.duck_threads] for i in range(args.ducks)]
-            if any(len(c) < args.duck_threads for c in cpus):
-                raise ValueError(f"--pin-ducks: {args.ducks} ducks x {args.duck_threads} threads need "
-                                 f"{args.ducks * args.duck_threads} CPUs, this host allows {len(allowed)}")
+        cpus = _duck_cpus(args)
+        if cpus:
             out["duck_cpus"] = cpus
         args.duck_spin_us = duck_spin_us(args)
         local = LocalDucks(args.ducks, threads=args.duck_threads, cpus=cpus, spin_us=args.duck_spin_us,
@@ -412,6 +429,8 @@ def main(argv: list[str]) -> int:
               "argv": argv}
     if "fleet" in kinds:
         result["fleet_read_gbps"] = _measure_read(args.ducks, args.duck_threads)
+        if config.num_experts:
+            result["fleet_kernel"] = _measure_kernel(args, config)
     for kind in kinds:
         log.info("measuring %s", kind)
         result[kind] = run_config(args, kind, device, dtype)
@@ -446,6 +465,10 @@ def _table(r: dict) -> str:
     if "fleet_read_gbps" in r:
         lines.append(f"fleet read bandwidth (all ducks at once): {r['fleet_read_gbps']:.1f} GB/s"
                      + (f" before the runs, {r['fleet_read_gbps_end']:.1f} after" if "fleet_read_gbps_end" in r else ""))
+    if "fleet_kernel" in r:
+        k = r["fleet_kernel"]
+        lines.append(f"fleet decode kernel (all ducks at once, {k['kernels']}): {k['gbps_per_duck']:.2f} GB/s per duck "
+                     f"(slowest {k['gbps_slowest_duck']:.2f}) on slices of {'x'.join(map(str, k['shape']))}")
     for kind in ("fleet", "gpu", "cpu-torch"):
         if kind not in r:
             continue

@@ -89,13 +89,17 @@ SAME_LEASE_KERNELS = {
     "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-kernels.json": "2026-12-04-kernels-h200-w256.json",
     "2026-12-04-e2e-synthetic-deepseek-v32-h200-kernels.json": "2026-12-04-kernels-h200-w512.json",
     "2026-12-04-e2e-synthetic-qwen3-30b-a3b-h200-kernels.json": "2026-12-04-kernels-h200-w512.json",
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-16x1-kernels.json": "2026-12-04-kernels-h200-w128.json",
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-kernels-run2.json": "2026-12-04-kernels-h200-w256-run2.json",
 }
 
 
 def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[dict, ModelShape, float]:
     """`bench e2e --synthetic --json`: the fleet and host of the run, its model, its measured decode tok/s.
     The host stage, head and transport are the run's own per-layer measurements (inputs of the plan);
-    the kernel is predicted from the read bandwidth measured at the run's start and end."""
+    the kernel is predicted from the read bandwidth measured at the run's start and end, at the rate
+    the ducks' kernel reads their slice (kernel_read_ratio: the run's probe of every duck at once,
+    its slowest duck, for a layer waits for it; else `bench kernels` in the same lease; else 1)."""
     from bench.shapes import SHAPES
     fl, shape = d["fleet"], d["shape"]
     dec = fl["prompts"][0]["decode"]
@@ -114,9 +118,13 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     # ducks spinning between layers (a decode layer's gap is ~0.1 ms) pay no wake-up; files made before
     # the e2e JSON recorded duck_spin_us say so in their name (bench/results/README.md: duckspin300)
     spin = fl.get("duck_spin_us", 300 if "duckspin" in name_of_file else 0)
-    # the decode kernel's rate on this run's slice over the read, from `bench kernels` in the same lease
+    # the decode kernel's rate on this run's slice over the read: the run's own probe of every duck's
+    # kernel at once (bench/kernel_probe.py), else `bench kernels` of one duck in the same lease
     ratio = None
-    if name_of_file in SAME_LEASE_KERNELS:
+    probe = d.get("fleet_kernel")
+    if probe and reads:
+        ratio = probe["gbps_slowest_duck"] / (sum(reads) / len(reads) / ducks)
+    elif name_of_file in SAME_LEASE_KERNELS:
         ratio = slice_read_ratio(_read(str(RESULTS / SAME_LEASE_KERNELS[name_of_file])), m, ducks, cores)
         if ratio is None:
             raise PlanError(f"{SAME_LEASE_KERNELS[name_of_file]}: no moe_slice case for {name_of_file}'s slice")

@@ -35,6 +35,10 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     fleet, cpu = r["fleet"], r["cpu-torch"]
     assert fleet["duck_spin_us"] == 0          # unpinned ducks share the cores: they block
     assert r["fleet_read_gbps"] > 0 and fleet["roofline_tok_s"] > 0
+    # every duck's decode kernel at once on its own slice of the 16 experts (width 768 / 2 ducks = 384)
+    k = r["fleet_kernel"]
+    assert k["shape"] == [16, 3, 384, 2048] and k["ducks"] == 2 and len(k["calls"]) == 2 and min(k["calls"]) > 0
+    assert 0 < k["gbps_slowest_duck"] <= k["gbps_per_duck"]
     assert [p["prompt_len"] for p in fleet["prompts"]] == [5, 12]
     for p in fleet["prompts"] + cpu["prompts"]:
         assert p["ttft_s"] > 0 and p["prefill_tok_s"] > 0 and p["decode"]["tok_s"] > 0
@@ -95,3 +99,11 @@ def test_pinned_ducks_spin_unless_told():
     assert duck_spin_us(Namespace(duck_spin_us=None, pin_ducks=False)) == 0
     assert duck_spin_us(Namespace(duck_spin_us=0, pin_ducks=True)) == 0
     assert duck_spin_us(Namespace(duck_spin_us=300, pin_ducks=False)) == 300
+
+
+def test_the_kernel_probe_names_what_it_cannot_measure():
+    from bench.kernel_probe import measure_fleet_kernel
+    with pytest.raises(ValueError, match="experts >= 8"):
+        measure_fleet_kernel(ducks=2, threads=1, experts=4, hidden=256, width=64)
+    with pytest.raises(ValueError, match="ducks, threads >= 1"):
+        measure_fleet_kernel(ducks=0, threads=1, experts=8, hidden=256, width=64)

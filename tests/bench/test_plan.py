@@ -42,6 +42,15 @@ KNOWN_MISSES = {
     # same day, on a machine reading 105-114 GB/s, have one and are within 5 %)
     "2026-12-04-e2e-synthetic-qwen3-30b-a3b-h200-held1024.json": (0.15, 0.32),
     "2026-12-04-e2e-synthetic-deepseek-v32-h200-held1024.json": (0.15, 0.25),
+    # at 16 x 1 and 8 x 2 on a machine reading 120-139 GB/s, with `bench kernels` of one duck alone
+    # (its ratio 0.82 / 0.77): when all ducks run at once they do not share the memory evenly (the next
+    # lease's probe: 222 to 386 calls a second among 16 ducks) and each layer waits for the slowest,
+    # which a one-duck ratio does not see; the -probe runs measure it (bench/kernel_probe.py)
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-16x1-kernels.json": (0.15, 0.20),
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-kernels-run2.json": (0.15, 0.22),
+    # its two decodes 47.53 and 35.60 tok/s (duck kernel 4.40 and 5.96 ms per layer on the same
+    # slices): the first is +7 % of the prediction, the median (the measured figure) +23 %
+    "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-probe.json": (0.15, 0.26),
 }
 
 
@@ -49,9 +58,10 @@ def test_the_h200_runs_of_the_current_code_within_15_percent(rows):
     """Files of 2026-12-01 on (the C step, pinned or blocking ducks): decode tok/s from the run's host
     stage, transport and read bandwidth; the kernel is the planner's, with the duck's pool run per call
     (docs/plan.md: without it Qwen3's small slices came out +14 to +18 %). The noisy-host files are not
-    gated. 36 of 39 within 15 % on 2026-12-02, at 4, 8 and 16 ducks, 45 of 50 on 2026-12-04 (the three
-    -kernels runs take the kernel's rate on their slice from `bench kernels` of the same lease); the known
-    misses above over-predicted by as much as their bounds say."""
+    gated. 36 of 39 within 15 % on 2026-12-02, at 4, 8 and 16 ducks, 48 of 56 on 2026-12-04 (a run's
+    kernel_read_ratio from its own probe of every duck's kernel at once, the slowest duck, or else from
+    `bench kernels` of one duck in the same lease); the known misses above over-predicted by as much as
+    their bounds say."""
     gated = [r for r in rows if r["source"] == "H200 e2e" and r["case"] >= "2026-12-01"]
     assert len(gated) >= 39
     assert {r["case"] for r in gated} >= set(KNOWN_MISSES)
@@ -81,6 +91,19 @@ def test_a_run_with_its_own_kernels_file_takes_the_kernels_rate_on_its_slice(row
     assert row["ok"] and row["predicted"] == pytest.approx(plan(m, Fleet(**fleet))["decode"]["tok_s"], abs=0.01)
     with pytest.raises(PlanError, match="kernel_read_ratio"):
         Fleet(kernel_read_ratio=2.0)
+
+
+def test_a_run_with_a_kernel_probe_takes_its_slowest_duck(rows):
+    """DeepSeek-V3.2 at 16 x 1: every duck's kernel at once on its own slice (bench/kernel_probe.py), the
+    slowest at 5.48 GB/s of the read probe's 7.98 per duck; a layer waits for it: within 2 %."""
+    from bench.plan_cli import RESULTS as R, from_e2e
+    name = "2026-12-04-e2e-synthetic-deepseek-v32-h200-16x1-probe.json"
+    d = json.loads((R / name).read_text())
+    fleet, m, measured = from_e2e(d, name[:10], name)
+    share = (d["fleet_read_gbps"] + d["fleet_read_gbps_end"]) / 2 / 16
+    assert fleet["kernel_read_ratio"] == pytest.approx(d["fleet_kernel"]["gbps_slowest_duck"] / share)
+    assert fleet["kernel_read_ratio"] < 0.75
+    assert abs(next(r for r in rows if r["case"] == name)["error"]) <= 0.05
 
 
 def test_duckctl_plan_takes_the_slice_ratio_from_a_kernels_file(capsys):

@@ -1,0 +1,117 @@
+"""The ducks' decode kernel measured the way the fleet read probe measures memory: every duck of
+a fleet that shares this host's memory (loopback, --netns ducks) running its kernel at once.
+
+A duck alone reads the DeepSeek-V3 slice of an 8-duck fleet at 0.77 of the read probe (`bench
+kernels --moe-width 256`, 2 threads, H200 host); 8 of them at once on one memory system read it
+at less of their share of the all-at-once read probe still (0.64 in the 8 x 2 run of 2026-12-04):
+the strided reads of the kernel fare worse than a plain stream when the memory is saturated. The
+planner takes a run's decode kernel as min(cores x kernel per core, read share x
+kernel_read_ratio); for a run on one host this probe gives that ratio under the run's own
+contention (bench/plan_cli.py, from_e2e), as the read probe gives the share.
+
+    measure_fleet_kernel(ducks=8, threads=2, experts=256, hidden=7168, width=256, cpus=...)
+
+Each duck is a thread of this process with its own pool (pinned to the CPUs the run gives that
+duck), workspace and slice (synthetic fp9, docs/fp9.md section 8: no two ducks share a page), one
+token routed to 8 experts per call, the routes rotating as in `bench kernels`' moe_slice."""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from native._native import ffi, lib
+from native.fp9 import SynthTensor
+from native.kernels import ExpertSlice, MoeSlice, Pool, Workspace, kernels, kernels_name
+
+log = logging.getLogger("duck.bench.kernel_probe")
+
+TOPK = 8
+
+
+def _slice(experts: int, hidden: int, width: int, seed: int, pool) -> MoeSlice:
+    return MoeSlice([ExpertSlice(SynthTensor(2 * width, hidden, seed + 2 * e, f"e{e}.gate_up").materialize(pool),
+                                 SynthTensor(hidden, width, seed + 2 * e + 1, f"e{e}.down").materialize(pool))
+                     for e in range(experts)], hidden, f"probe slice {seed}")
+
+
+class _Duck:
+    """One duck's kernel: its pool on its CPUs, and the calls it made in the timed window."""
+
+    def __init__(self, layer: MoeSlice, threads: int, cpus: list[int] | None, rng: np.random.Generator):
+        self.layer, self.threads, self.cpus = layer, threads, cpus
+        n = len(layer.experts)
+        self.routes = np.stack([rng.choice(n, size=TOPK, replace=False) for _ in range(1024)]).astype(np.int32)
+        self.weights = np.full((1, TOPK), 1.0 / TOPK, dtype=np.float32)
+        self.x = rng.standard_normal((1, layer.hidden)).astype(np.float32)
+        self.y = np.empty((1, layer.hidden), dtype=np.float32)
+        self.calls, self.seconds, self.error = 0, 0.0, None
+
+    def run(self, start: threading.Barrier, seconds: float) -> None:
+        try:
+            if self.cpus:   # the pool's workers inherit this thread's CPUs and pin within them
+                os.sched_setaffinity(0, self.cpus)
+            pool, ws, k = Pool(self.threads, pin=bool(self.cpus)), Workspace(), kernels()
+            a = ffi.new("duck_moe_args *")
+            a.experts, a.n_experts, a.hidden = self.layer._table, len(self.layer.experts), self.layer.hidden
+            a.ntok, a.topk = 1, TOPK
+            a.expert_weights = ffi.from_buffer("float[]", self.weights)
+            a.x, a.x_dtype = ffi.from_buffer(self.x), lib.DUCK_DT_F32
+            a.y, a.y_dtype = ffi.from_buffer(self.y, require_writable=True), lib.DUCK_DT_F32
+            ids, nbytes = ffi.cast("const int32_t *", ffi.from_buffer(self.routes)), ffi.new("uint64_t *")
+
+            def call(i: int) -> None:
+                a.expert_ids = ids + (i % 1024) * TOPK
+                rc = lib.duck_moe_forward(pool.ptr, k, ws.ptr, a, nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"moe forward failed: {rc}")
+            for i in range(4):   # first touches of the pool, the workspace and the routes
+                call(i)
+            self.kernels = kernels_name(k)
+        except BaseException as e:  # noqa: BLE001 - reported by measure_fleet_kernel
+            self.error = e
+            start.abort()
+            return
+        start.wait()
+        t0, i = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            call(i)
+            i += 1
+        self.calls, self.seconds = i, time.perf_counter() - t0
+
+
+def measure_fleet_kernel(ducks: int, threads: int, experts: int, hidden: int, width: int, seconds: float = 1.0,
+                         cpus: list[list[int]] | None = None, seed: int = 11) -> dict:
+    """Every duck's decode kernel at once: GB/s of fp9 each duck streamed (the median duck, and
+    the slowest), one token top-8 per call on a slice of experts x (gate_up 2w x hidden + down
+    hidden x w) of its own. cpus: each duck's CPUs (None: unpinned)."""
+    if ducks < 1 or threads < 1 or experts < TOPK:
+        raise ValueError(f"a kernel probe needs ducks, threads >= 1 and experts >= {TOPK}, got "
+                         f"{ducks}, {threads}, {experts}")
+    maker = Pool(len(os.sched_getaffinity(0)), pin=False)
+    t0 = time.perf_counter()
+    slices = [_slice(experts, hidden, width, seed + 4096 * d, maker) for d in range(ducks)]
+    log.info("kernel probe: %d slices of %d x 3 x %d x %d (%.1f GB of fp9) made in %.1f s", ducks, experts, width,
+             hidden, sum(e.weight_bytes for s in slices for e in s.experts) / 1e9, time.perf_counter() - t0)
+    rng = np.random.default_rng(seed)
+    members = [_Duck(s, threads, cpus[d] if cpus else None, rng) for d, s in enumerate(slices)]
+    start = threading.Barrier(ducks)
+    runners = [threading.Thread(target=m.run, args=(start, seconds), name=f"probe-duck-{d}")
+               for d, m in enumerate(members)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join()
+    failed = [m.error for m in members if m.error is not None]
+    if failed:
+        raise RuntimeError(f"kernel probe: {failed[0]}") from failed[0]
+    per_call = slices[0].experts[0].weight_bytes * TOPK
+    gbps = sorted(m.calls * per_call / m.seconds / 1e9 for m in members)
+    return {"ducks": ducks, "threads": threads, "shape": [experts, 3, width, hidden], "tokens": 1,
+            "kernels": members[0].kernels, "seconds": seconds,
+            "gbps_per_duck": round(statistics.median(gbps), 3), "gbps_slowest_duck": round(gbps[0], 3),
+            "calls": [m.calls for m in members]}
