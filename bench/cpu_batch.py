@@ -1,0 +1,155 @@
+"""Continuous batching on the CPU host, step by step: N sequences decoding together
+(engine.batch.BatchDecoder, what duckd runs for many users) against one sequence
+alone, on the default model with its FFNs on local ducks, in one run with the two
+interleaved round by round (this machine's speed drifts; the ratio is what holds).
+Per decode step while every sequence of the batch decodes, medians:
+
+    step      the whole step (tok/s = sequences x 1000 / step ms)
+    host      the host's layers less the FFN calls (norms, projections, attention)
+    ffn       the FFN calls as the host waits for them
+    kernel    the slowest duck's kernel within them (summed over the layers)
+    logits    final norm + lm_head of each sequence's row
+    tokens    the rest: sampling, stop strings, text of every sequence (Python)
+
+    python bench/cpu_batch.py [--sequences 32] [--steps 32] [--rounds 3] [--ducks 4] [--json out.json]
+
+aggregate/one = N x (one sequence's step) / (the batch's step): what `duckctl bench
+e2e --streams N` reports as its all-decoding ratio, without the daemon, gRPC and
+the clients."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # runs from a checkout, installed or not
+
+log = logging.getLogger("duck.bench.cpu_batch")
+
+PARTS = ("step", "host", "ffn", "kernel", "logits", "tokens")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sequences", type=int, default=32, help="sequences decoding together")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per round and batch")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ducks", type=int, default=4, help="local ducks of the fleet")
+    p.add_argument("--max-model-len", type=int, default=2048, help="positions per slot (duckd's model.max_model_len)")
+    p.add_argument("--one-decoder", action="store_true",
+                   help="the single sequence in the batch's decoder (as in duckd: one of its slots), not its own")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.sequences < 2 or args.steps < 1 or args.rounds < 1 or args.ducks < 1:
+        p.error("--sequences >= 2, --steps, --rounds and --ducks >= 1")
+    return args
+
+
+class Timed:
+    """A BatchDecoder whose decoder's layers and logits are timed, step by step."""
+
+    def __init__(self, lm, timed_ffn, slots: int, max_model_len: int):
+        from engine.batch import BatchDecoder
+
+        self.lm, self.ffn = lm, timed_ffn
+        self.batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=max_model_len)
+        dec, self.t = self.batch.decoder, {"layers": 0.0, "logits": 0.0}
+        for name in ("layers", "logits"):
+            setattr(dec, name, self._timed(getattr(dec, name), name))
+
+    def _timed(self, fn, name):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+        return call
+
+    def run(self, prompts: list[list[int]], steps: int) -> list[dict]:
+        """prefill every prompt, then time `steps` steps in which all of them decode."""
+        from engine.generate import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        seqs = [self.batch.add(p, params) for p in prompts]
+        rows = []
+        while self.batch.active:
+            timed = all(s.decoding and s.out.out_ids for s in seqs) and len(rows) < steps
+            self.t.update(layers=0.0, logits=0.0)
+            self.ffn.calls.clear()
+            t0 = time.perf_counter()
+            self.batch.step()
+            step = time.perf_counter() - t0
+            if timed:
+                ffn = sum(c[1] for c in self.ffn.calls)
+                rows.append({"step": step, "host": self.t["layers"] - ffn, "ffn": ffn,
+                             "kernel": sum(c[2] for c in self.ffn.calls), "logits": self.t["logits"],
+                             "tokens": step - self.t["layers"] - self.t["logits"]})
+        return rows
+
+
+def measure(args) -> dict:
+    import torch
+
+    from bench.timed_ffn import TimedFfn
+    from engine.loader import load_model
+
+    # the native path computes nothing in torch, but its small ops (tensors of ids, the argmax) wake
+    # torch's OpenMP workers, which then spin and take a core from the ducks and the host's pool: on
+    # the 2-core VM one sequence's step took 24 ms with them, 16.6 without (duckd's: 16-20)
+    torch.set_num_threads(1)
+    lm = load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": args.ducks})
+    try:
+        timed = TimedFfn(lm.ffn)
+        lm.model.set_ffn(timed)
+        prompts = [lm.tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about the sea."}])
+                   for i in range(args.sequences)]
+        together = Timed(lm, timed, args.sequences, args.max_model_len)
+        alone = together if args.one_decoder else Timed(lm, timed, 1, args.max_model_len)
+        alone.run(prompts[:1], 4)   # warm-up: first touches of weights, threads and ducks
+        rows = {"one": [], "batch": []}
+        ratios = []
+        for r in range(args.rounds):
+            log.info("round %d/%d: one sequence, then %d together", r + 1, args.rounds, args.sequences)
+            one = alone.run(prompts[:1], args.steps)
+            batch = together.run(prompts, args.steps)
+            rows["one"] += one
+            rows["batch"] += batch
+            ratios.append(args.sequences * statistics.median(x["step"] for x in one)
+                          / statistics.median(x["step"] for x in batch))
+        med = {k: {p: statistics.median(x[p] for x in v) * 1e3 for p in PARTS} for k, v in rows.items()}
+        return {"sequences": args.sequences, "steps": args.steps, "rounds": args.rounds, "ducks": args.ducks,
+                "median_ms": med, "tok_s": {"one": 1e3 / med["one"]["step"],
+                                            "batch": args.sequences * 1e3 / med["batch"]["step"]},
+                "aggregate_over_one_by_round": [round(x, 2) for x in ratios],
+                "aggregate_over_one": statistics.median(ratios)}
+    finally:
+        lm.ffn.close()
+
+
+def format_table(r: dict) -> str:
+    lines = [f"{'':<12}" + "".join(f"{p + ' ms':>11}" for p in PARTS) + f"{'tok/s':>10}"]
+    for k, label in (("one", "1 sequence"), ("batch", f"{r['sequences']} together")):
+        m = r["median_ms"][k]
+        lines.append(f"{label:<12}" + "".join(f"{m[p]:>11.2f}" for p in PARTS) + f"{r['tok_s'][k]:>10.1f}")
+    lines.append(f"aggregate / one sequence: {r['aggregate_over_one']:.2f}x (rounds "
+                 f"{r['aggregate_over_one_by_round']}; {r['ducks']} local ducks, {r['steps']} steps per round)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    result = measure(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    sys.stdout.write(format_table(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
