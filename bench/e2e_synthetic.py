@@ -240,16 +240,6 @@ def _duck_cpus(args) -> list[list[int]] | None:
     return cpus
 
 
-def _measure_kernel(args, config) -> dict:
-    """Every duck's decode kernel at once on its MoE slice (bench/kernel_probe.py): the planner's
-    kernel_read_ratio for this run beside the read probe's share."""
-    from bench.kernel_probe import measure_fleet_kernel
-    from native.transport import slice_width
-    width = slice_width(config.moe_intermediate_size, args.ducks, args.multiple_of)
-    return measure_fleet_kernel(args.ducks, args.duck_threads, config.num_experts, config.hidden_size, width,
-                                cpus=_duck_cpus(args))
-
-
 # Ducks on CPUs of their own (--pin-ducks) spin-then-block for this long, as duckd's network-booted
 # ducks do (fleet.spin_us): a decode layer then finds the duck's workers awake (docs/duckd-config.md).
 PINNED_DUCK_SPIN_US = 1000
@@ -429,8 +419,12 @@ def main(argv: list[str]) -> int:
               "argv": argv}
     if "fleet" in kinds:
         result["fleet_read_gbps"] = _measure_read(args.ducks, args.duck_threads)
-        if config.num_experts:
-            result["fleet_kernel"] = _measure_kernel(args, config)
+        if config.num_experts:   # every duck's decode kernel at once on its slice: the planner's kernel_read_ratio
+            from bench.kernel_probe import measure_fleet_kernel
+            from native.transport import slice_width
+            result["fleet_kernel"] = measure_fleet_kernel(
+                args.ducks, args.duck_threads, config.num_experts, config.hidden_size,
+                slice_width(config.moe_intermediate_size, args.ducks, args.multiple_of), cpus=_duck_cpus(args))
     for kind in kinds:
         log.info("measuring %s", kind)
         result[kind] = run_config(args, kind, device, dtype)

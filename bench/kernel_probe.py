@@ -1,13 +1,13 @@
 """The ducks' decode kernel measured the way the fleet read probe measures memory: every duck of
 a fleet that shares this host's memory (loopback, --netns ducks) running its kernel at once.
 
-A duck alone reads the DeepSeek-V3 slice of an 8-duck fleet at 0.77 of the read probe (`bench
-kernels --moe-width 256`, 2 threads, H200 host); 8 of them at once on one memory system read it
-at less of their share of the all-at-once read probe still (0.64 in the 8 x 2 run of 2026-12-04):
-the strided reads of the kernel fare worse than a plain stream when the memory is saturated. The
-planner takes a run's decode kernel as min(cores x kernel per core, read share x
-kernel_read_ratio); for a run on one host this probe gives that ratio under the run's own
-contention (bench/plan_cli.py, from_e2e), as the read probe gives the share.
+The planner takes a run's decode kernel as min(cores x kernel per core, read share x
+kernel_read_ratio). A duck alone may not be read-bound (`bench kernels --moe-width 256`: the
+DeepSeek-V3 slice of an 8-duck fleet at 0.77 of the read probe, 2 threads, H200 host), and ducks
+that share one memory system do not share it evenly: at 16 x 1 on the H200 host they made 222 to
+386 calls a second each, the median duck at 0.93 of its share of the all-at-once read probe and
+the slowest at 0.69. Each layer waits for the slowest duck, so the planner takes the slowest
+duck's rate over the read share as the run's ratio (bench/plan_cli.py, from_e2e).
 
     measure_fleet_kernel(ducks=8, threads=2, experts=256, hidden=7168, width=256, cpus=...)
 
