@@ -6,6 +6,7 @@ measures ratios within one run, since the machines are shared and noisy:
     e2e            decode through the running daemon                            (duckctl bench e2e)
     e2e_synthetic  a synthetic model at published widths on local ducks vs
                    every FFN on the GPU and the torch CPU offload               (duckctl bench e2e --synthetic)
+                   (its local ducks: synthetic_ducks; its table: e2e_synthetic_table)
     synthetic      the synthetic models that e2e_synthetic builds
     gpu_fp8        the Triton fp8 block-scale linear                            (python bench/gpu_fp8.py)
 

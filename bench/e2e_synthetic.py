@@ -36,7 +36,9 @@ from engine.lanes import (
     run_lane,
     run_two_lanes,
 )
-from bench.e2e_prefill import _sync, measure_prefill, prefill_line
+from bench.e2e_prefill import _sync, measure_prefill
+from bench.e2e_synthetic_table import format_table
+from bench.synthetic_ducks import PINNED_DUCK_SPIN_US, duck_cpus, duck_share, duck_spin_us, measure_fleet_read
 from bench.timed_ffn import TimedFfn, routing_spread
 from bench.synthetic import (
     NOTE,
@@ -44,7 +46,6 @@ from bench.synthetic import (
     build_host_model,
     ffn_bytes_per_token,
     ffn_shapes,
-    fp9_bytes,
     install_random_torch_experts,
     install_synthetic_fleet,
     synthetic_config,
@@ -204,13 +205,6 @@ class Runner:
         return out
 
 
-def _duck_share(n_experts: int, hidden: int, intermediate: int, tp: int, multiple_of: int) -> int:
-    """fp9 bytes one duck holds for a layer (its slice of every expert, padded as split_experts pads)."""
-    from native.transport import slice_width
-    w = slice_width(intermediate, tp, multiple_of)
-    return n_experts * (fp9_bytes(2 * w, hidden) + fp9_bytes(hidden, w) + 2 * 64)
-
-
 def _graph_stage_times(model, backend, device, steps: int) -> dict | None:
     """Per-layer GPU stage time, eager vs CUDA graphs (engine.gpu.graphs), when CUDA is here."""
     if torch.device(device).type != "cuda":
@@ -223,35 +217,6 @@ def _graph_stage_times(model, backend, device, steps: int) -> dict | None:
     return stage_times(model, backend, steps=steps)
 
 
-def _measure_read(ducks: int, threads: int) -> float:
-    from native.kernels import measure_read_gbps
-    return measure_read_gbps(ducks * threads, mib=512, seconds=0.5)
-
-
-def _duck_cpus(args) -> list[list[int]] | None:
-    """Each duck's CPUs with --pin-ducks (None: unpinned)."""
-    if not args.pin_ducks:
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    cpus = [allowed[i * args.duck_threads:(i + 1) * args.duck_threads] for i in range(args.ducks)]
-    if any(len(c) < args.duck_threads for c in cpus):
-        raise ValueError(f"--pin-ducks: {args.ducks} ducks x {args.duck_threads} threads need "
-                         f"{args.ducks * args.duck_threads} CPUs, this host allows {len(allowed)}")
-    return cpus
-
-
-# Ducks on CPUs of their own (--pin-ducks) spin-then-block for this long, as duckd's network-booted
-# ducks do (fleet.spin_us): a decode layer then finds the duck's workers awake (docs/duckd-config.md).
-PINNED_DUCK_SPIN_US = 1000
-
-
-def duck_spin_us(args) -> int:
-    """--duck-spin-us as given, else PINNED_DUCK_SPIN_US for pinned ducks (dedicated cores), 0 for the others."""
-    if args.duck_spin_us is not None:
-        return args.duck_spin_us
-    return PINNED_DUCK_SPIN_US if args.pin_ducks else 0
-
-
 def run_config(args, kind: str, device, dtype) -> dict:
     """One backend kind ('fleet', 'gpu', 'cpu-torch') on a fresh host model."""
     config = synthetic_config(args.synthetic, args.layers, args.experts, args.dense_layers)
@@ -262,8 +227,8 @@ def run_config(args, kind: str, device, dtype) -> dict:
     if kind == "fleet":
         from engine.fleet import FleetFfn, LocalDucks
 
-        per_duck = sum(_duck_share(n, h, i, args.ducks, args.multiple_of) for _, n, h, i in ffn_shapes(model))
-        cpus = _duck_cpus(args)
+        per_duck = sum(duck_share(n, h, i, args.ducks, args.multiple_of) for _, n, h, i in ffn_shapes(model))
+        cpus = duck_cpus(args)
         if cpus:
             out["duck_cpus"] = cpus
         args.duck_spin_us = duck_spin_us(args)
@@ -418,20 +383,20 @@ def main(argv: list[str]) -> int:
                         "ffn_layers": [list(s) for s in _shapes_of(config)]},
               "argv": argv}
     if "fleet" in kinds:
-        result["fleet_read_gbps"] = _measure_read(args.ducks, args.duck_threads)
+        result["fleet_read_gbps"] = measure_fleet_read(args.ducks, args.duck_threads)
         if config.num_experts:   # every duck's decode kernel at once on its slice: the planner's kernel_read_ratio
             from bench.kernel_probe import measure_fleet_kernel
             from native.transport import slice_width
             result["fleet_kernel"] = measure_fleet_kernel(
                 args.ducks, args.duck_threads, config.num_experts, config.hidden_size,
-                slice_width(config.moe_intermediate_size, args.ducks, args.multiple_of), cpus=_duck_cpus(args))
+                slice_width(config.moe_intermediate_size, args.ducks, args.multiple_of), cpus=duck_cpus(args))
     for kind in kinds:
         log.info("measuring %s", kind)
         result[kind] = run_config(args, kind, device, dtype)
     fleet = result.get("fleet")
     if fleet:
         # the read bandwidth again after the runs: on a shared host it drifts; the roofline takes the mean
-        result["fleet_read_gbps_end"] = _measure_read(args.ducks, args.duck_threads)
+        result["fleet_read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
         read = (result["fleet_read_gbps"] + result["fleet_read_gbps_end"]) / 2
         fleet["roofline_tok_s"] = read * 1e9 / fleet["ffn_bytes_per_token"]
         fleet["ratio_to_roofline"] = fleet["decode_tok_s"] / fleet["roofline_tok_s"]
@@ -441,7 +406,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_table(result))
+        print(format_table(result))
     return 0
 
 
@@ -450,63 +415,6 @@ def _shapes_of(config):
         from engine.models import model_class
         model = model_class(config)(config)
     return ffn_shapes(model)
-
-
-def _table(r: dict) -> str:
-    lines = [f"{r['model']} ({r['note']})",
-             (f"host {r['host_device']} {r['host_dtype']}, "
-              f"{r['shape']['layers']} layers, {r['shape']['experts']} experts")]
-    if "fleet_read_gbps" in r:
-        lines.append(f"fleet read bandwidth (all ducks at once): {r['fleet_read_gbps']:.1f} GB/s"
-                     + (f" before the runs, {r['fleet_read_gbps_end']:.1f} after" if "fleet_read_gbps_end" in r else ""))
-    if "fleet_kernel" in r:
-        k = r["fleet_kernel"]
-        lines.append(f"fleet decode kernel (all ducks at once, {k['kernels']}): {k['gbps_per_duck']:.2f} GB/s per duck "
-                     f"(slowest {k['gbps_slowest_duck']:.2f}) on slices of {'x'.join(map(str, k['shape']))}")
-    for kind in ("fleet", "gpu", "cpu-torch"):
-        if kind not in r:
-            continue
-        k = r[kind]
-        for p in k["prompts"]:
-            lines.append(prefill_line(kind, p))
-            if "prefill_chunk_by_chunk" in p:
-                lines.append(prefill_line(kind, p["prefill_chunk_by_chunk"]))
-            d = p["decode"]
-            split = d["per_layer_ms"]
-            extra = "".join(f", {n} {v:.2f}" for n, v in split.items() if v is not None)
-            lines.append(f"{kind:9s} decode after {p['prompt_len']:5d}: {d['tok_s']:.2f} tok/s; per layer ms: "
-                         f"{extra[2:]}")
-            r = d.get("routing")
-            if r:
-                lines.append(f"{kind:9s} routing over {r['steps']} steps: {r['distinct_experts_per_layer_step']:.1f} "
-                             f"distinct experts per layer and step, {100 * r['reused_from_previous_step']:.0f}% "
-                             f"read by the step before too, {100 * r['experts_read_over_the_steps']:.0f}% of the "
-                             f"{r['experts']} experts read")
-        if "mtp_pair" in k:
-            m = k["mtp_pair"]
-            lines.append(f"{kind:9s} MTP pair: single {m['single_step_ms']:.1f} ms, serial {m['serial_ms']:.1f}, "
-                         f"pair batch {m['pair_batch_ms']:.1f} ({m['pair_over_single_batch']:.2f}x single, "
-                         f"overlap {m['overlap_ratio_batch']:.2f}), pair lanes {m['pair_lanes_ms']:.1f} "
-                         f"({m['pair_over_single_lanes']:.2f}x, overlap {m['overlap_ratio_lanes']:.2f})")
-        for b in k.get("batched", []):
-            how = "graphs" if b.get("graphs") else "eager"
-            lines.append(f"{kind:9s} batch of {b['sequences']:3d} ({how}) after {b['prompt_len']}: {b['tok_s']:.2f} tok/s "
-                         f"({b['over_one_sequence']:.2f}x one), step {b['step_ms']:.1f} ms, FFN call "
-                         f"{b['ffn_call_per_layer_ms']:.3f} ms per layer"
-                         if b["over_one_sequence"] is not None else
-                         f"{kind:9s} batch of {b['sequences']:3d} ({how}): {b['tok_s']:.2f} tok/s, step {b['step_ms']:.1f} ms")
-        g = k.get("graph_stage")
-        if g:
-            lines.append(f"{kind:9s} GPU stage per layer: eager {g['per_layer_eager_ms']:.3f} ms, "
-                         f"CUDA graphs {g['per_layer_graph_ms']:.3f} ms ({g['speedup']:.2f}x)")
-        if kind == "fleet" and "roofline_tok_s" in k:
-            lines.append(f"fleet roofline {k['roofline_tok_s']:.2f} tok/s "
-                         f"({k['ffn_bytes_per_token'] / 1e6:.1f} MB FFN per token): ratio {k['ratio_to_roofline']:.2f}"
-                         + (f" (median of the {len(k['prompts'])} decodes: {k['decode_tok_s_median']:.2f} tok/s, "
-                            f"ratio {k['ratio_to_roofline_median']:.2f})" if "ratio_to_roofline_median" in k else "")
-                         + (f"; {k['speedup_over_cpu_torch']:.2f}x the torch CPU offload"
-                            if "speedup_over_cpu_torch" in k else ""))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

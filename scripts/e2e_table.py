@@ -3,7 +3,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.e2e_synthetic import _table
+from bench.e2e_synthetic_table import format_table
 
 for path in sys.argv[1:]:
-    print(_table(json.loads(Path(path).read_text())))
+    print(format_table(json.loads(Path(path).read_text())))

@@ -93,7 +93,7 @@ def test_pinned_ducks_spin_unless_told():
     as duckd's network-booted ducks do; --duck-spin-us says otherwise, 0 included."""
     from argparse import Namespace
 
-    from bench.e2e_synthetic import PINNED_DUCK_SPIN_US, duck_spin_us
+    from bench.synthetic_ducks import PINNED_DUCK_SPIN_US, duck_spin_us
 
     assert duck_spin_us(Namespace(duck_spin_us=None, pin_ducks=True)) == PINNED_DUCK_SPIN_US > 0
     assert duck_spin_us(Namespace(duck_spin_us=None, pin_ducks=False)) == 0
