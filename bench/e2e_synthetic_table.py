@@ -16,7 +16,9 @@ def format_table(r: dict) -> str:
     if "fleet_kernel" in r:
         k = r["fleet_kernel"]
         lines.append(f"fleet decode kernel (all ducks at once, {k['kernels']}): {k['gbps_per_duck']:.2f} GB/s per duck "
-                     f"(slowest {k['gbps_slowest_duck']:.2f}) on slices of {'x'.join(map(str, k['shape']))}")
+                     f"(slowest {k['gbps_slowest_duck']:.2f}) on slices of {'x'.join(map(str, k['shape']))}"
+                     + (f" x {k['layers']} layers; in rounds of every duck at once {k['gbps_per_duck_in_step']:.2f} "
+                        f"(a round {k['round_ms_median']:.3f} ms)" if "rounds" in k else ""))
     for kind in ("fleet", "gpu", "cpu-torch"):
         if kind not in r:
             continue

@@ -99,7 +99,8 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     The host stage, head and transport are the run's own per-layer measurements (inputs of the plan);
     the kernel is predicted from the read bandwidth measured at the run's start and end, at the rate
     the ducks' kernel reads their slice (kernel_read_ratio: the run's probe of every duck at once,
-    its slowest duck, for a layer waits for it; else `bench kernels` in the same lease; else 1)."""
+    its rounds of all ducks together or else its slowest duck, for a layer waits for the slowest;
+    else `bench kernels` in the same lease; else 1)."""
     from bench.shapes import SHAPES
     fl, shape = d["fleet"], d["shape"]
     dec = fl["prompts"][0]["decode"]
@@ -123,7 +124,9 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     ratio = None
     probe = d.get("fleet_kernel")
     if probe and reads:
-        ratio = probe["gbps_slowest_duck"] / (sum(reads) / len(reads) / ducks)
+        # its rounds of every duck at once where it has them (a layer lasts its slowest duck's call),
+        # else the slowest duck's free-running rate
+        ratio = probe.get("gbps_per_duck_in_step", probe["gbps_slowest_duck"]) / (sum(reads) / len(reads) / ducks)
     elif name_of_file in SAME_LEASE_KERNELS:
         ratio = slice_read_ratio(_read(str(RESULTS / SAME_LEASE_KERNELS[name_of_file])), m, ducks, cores)
         if ratio is None:

@@ -39,6 +39,8 @@ def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
     k = r["fleet_kernel"]
     assert k["shape"] == [16, 3, 384, 2048] and k["ducks"] == 2 and len(k["calls"]) == 2 and min(k["calls"]) > 0
     assert 0 < k["gbps_slowest_duck"] <= k["gbps_per_duck"]
+    # as many layers as make 32 x the last-level cache in all, and rounds of every duck at once
+    assert k["layers"] >= 1 and k["rounds"] >= 8 and k["gbps_per_duck_in_step"] > 0 and k["round_ms_median"] > 0
     assert [p["prompt_len"] for p in fleet["prompts"]] == [5, 12]
     for p in fleet["prompts"] + cpu["prompts"]:
         assert p["ttft_s"] > 0 and p["prefill_tok_s"] > 0 and p["decode"]["tok_s"] > 0
@@ -107,3 +109,17 @@ def test_the_kernel_probe_names_what_it_cannot_measure():
         measure_fleet_kernel(ducks=2, threads=1, experts=4, hidden=256, width=64)
     with pytest.raises(ValueError, match="ducks, threads >= 1"):
         measure_fleet_kernel(ducks=0, threads=1, experts=8, hidden=256, width=64)
+
+
+def test_the_kernel_probe_reads_more_than_the_cache_holds():
+    """Each duck takes as many layers as make its share of the working set (32 x the last-level cache
+    by default), one per call in turn, and its rounds wait for the slowest duck."""
+    from bench.kernel_probe import _slice, measure_fleet_kernel, probe_bytes_per_duck
+    from native.kernels import Pool
+    layer = sum(e.weight_bytes for e in _slice(8, 256, 64, 1, Pool(1, pin=False)).experts)
+    k = measure_fleet_kernel(ducks=2, threads=1, experts=8, hidden=256, width=64, seconds=0.05,
+                             min_bytes_per_duck=3 * layer - 1)
+    assert k["layers"] == 3 and k["rounds"] >= 8 and min(k["calls"]) > 0
+    assert measure_fleet_kernel(ducks=2, threads=1, experts=8, hidden=256, width=64, seconds=0.05,
+                                min_bytes_per_duck=1)["layers"] == 1
+    assert probe_bytes_per_duck(4) >= 1 << 20
