@@ -263,11 +263,20 @@ void run_open(duck_core *c, const uint8_t run[WIRE_NONCE_BYTES], uint32_t seq);
 int run_window_ok(const duck_core *c, uint32_t seq);
 void run_window_take(duck_core *c, uint32_t seq);
 
+/* A reply to request k in the last-reply cache with room for body bytes (at
+ * least an error text's), its head zeroed; NULL when out of memory. */
+reply_slot *reply_new(duck_core *c, const msg_key *k, const wire_header *h, uint32_t body);
+uint8_t *reply_body(reply_slot *r);
+/* r made an error reply: status and the message (logged), r returned. */
+__attribute__((format(printf, 3, 4))) reply_slot *reply_fail(reply_slot *r, int status, const char *fmt, ...);
+/* A FORWARD request's reply (forward.c): REPLY_HELD while it waits for its group. */
+reply_slot *forward_request(duck_core *c, const msg_key *k, const wire_header *h, const uint8_t *p, uint32_t len);
+
 /* Runs one complete request and returns its reply, kept in the last-reply
  * cache under k (handlers.c); NULL when out of memory. */
 reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
                            const uint8_t *payload, uint32_t len);
-/* The held forwards run in one pass and answered now (nothing held: nothing). */
+/* The held forwards run in one pass and answered now (nothing held: nothing; forward.c). */
 void hold_answer(duck_core *c);
 /* handle_request's answer to a forward it holds (WIRE_FWD_HOLD): nothing to send yet */
 extern reply_slot *const REPLY_HELD;

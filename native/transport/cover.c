@@ -1,6 +1,6 @@
 /* The host's cover for lost ducks (cover.h): one duck_moe_forward per slice
- * and request, the firmware's forward handler (firmware/handlers.c
- * on_forward) without the wire around it. */
+ * and request, the firmware's forward handler (firmware/forward.c
+ * forward_request) without the wire around it. */
 #include "cover.h"
 
 #include <stdlib.h>
