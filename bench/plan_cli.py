@@ -99,8 +99,8 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     The host stage, head and transport are the run's own per-layer measurements (inputs of the plan);
     the kernel is predicted from the read bandwidth measured at the run's start and end, at the rate
     the ducks' kernel reads their slice (kernel_read_ratio: the run's probe of every duck at once,
-    its rounds of all ducks together or else its slowest duck, for a layer waits for the slowest;
-    else `bench kernels` in the same lease; else 1)."""
+    its rounds of all ducks together or else its slowest duck, for a layer waits for the slowest,
+    over the start's read probe, taken beside it; else `bench kernels` in the same lease; else 1)."""
     from bench.shapes import SHAPES
     fl, shape = d["fleet"], d["shape"]
     dec = fl["prompts"][0]["decode"]
@@ -123,10 +123,13 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     # kernel at once (bench/kernel_probe.py), else `bench kernels` of one duck in the same lease
     ratio = None
     probe = d.get("fleet_kernel")
-    if probe and reads:
+    if probe and d.get("fleet_read_gbps"):
         # its rounds of every duck at once where it has them (a layer lasts its slowest duck's call),
-        # else the slowest duck's free-running rate
-        ratio = probe.get("gbps_per_duck_in_step", probe["gbps_slowest_duck"]) / (sum(reads) / len(reads) / ducks)
+        # else the slowest duck's free-running rate, over the read probe taken beside it (before the
+        # runs): the machine's memory drifts during a run (by up to a fifth between the start's read
+        # probe and the end's), and the kernel's rate with it; the ratio holds, and the plan applies
+        # it to the mean of the two reads as it does the read share
+        ratio = probe.get("gbps_per_duck_in_step", probe["gbps_slowest_duck"]) / (d["fleet_read_gbps"] / ducks)
     elif name_of_file in SAME_LEASE_KERNELS:
         ratio = slice_read_ratio(_read(str(RESULTS / SAME_LEASE_KERNELS[name_of_file])), m, ducks, cores)
         if ratio is None:
