@@ -11,11 +11,13 @@ Per decode step while every sequence of the batch decodes, medians:
     logits    final norm + lm_head of each sequence's row
     tokens    the rest: sampling, stop strings, text of every sequence (Python)
 
-    python bench/cpu_batch.py [--sequences 32] [--steps 32] [--rounds 3] [--ducks 4] [--json out.json]
+    python bench/cpu_batch.py [--sequences 32] [--steps 32] [--rounds 3] [--ducks 4[,2]] [--json out.json]
 
 aggregate/one = N x (one sequence's step) / (the batch's step): what `duckctl bench
 e2e --streams N` reports as its all-decoding ratio, without the daemon, gRPC and
-the clients."""
+the clients. --ducks 4,2 compares fleets of local ducks in one run, each round
+going through them in turn (the way to tell fleet sizes apart on a machine
+whose speed drifts by a quarter within minutes)."""
 from __future__ import annotations
 
 import argparse
@@ -38,14 +40,24 @@ def parse_args(argv=None):
     p.add_argument("--sequences", type=int, default=32, help="sequences decoding together")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round and batch")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ducks", type=int, default=4, help="local ducks of the fleet")
+    p.add_argument("--ducks", default=None,
+                   help="local ducks of the fleet (default: duckd's, 4 or this host's CPUs where fewer); "
+                        "several (4,2): fleets compared round by round")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per slot (duckd's model.max_model_len)")
     p.add_argument("--one-decoder", action="store_true",
                    help="the single sequence in the batch's decoder (as in duckd: one of its slots), not its own")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    if args.sequences < 2 or args.steps < 1 or args.rounds < 1 or args.ducks < 1:
-        p.error("--sequences >= 2, --steps, --rounds and --ducks >= 1")
+    if args.ducks is None:
+        from duckd.config import FleetConfig
+        args.ducks = str(FleetConfig().ducks)
+    try:
+        args.ducks = [int(d) for d in args.ducks.split(",")]
+    except ValueError:
+        p.error(f"--ducks {args.ducks!r}: expected a number of ducks, or several separated by commas")
+    if args.sequences < 2 or args.steps < 1 or args.rounds < 1 or min(args.ducks) < 1 or \
+            len(set(args.ducks)) != len(args.ducks):
+        p.error("--sequences >= 2, --steps, --rounds and --ducks >= 1 (each fleet size once)")
     return args
 
 
@@ -92,43 +104,72 @@ class Timed:
         return rows
 
 
-def measure(args) -> dict:
-    import torch
+class Fleet:
+    """The default model on n local ducks, with a batch of N slots and (unless one_decoder) one of 1."""
 
-    from bench.timed_ffn import TimedFfn
-    from engine.loader import load_model
+    def __init__(self, n: int, args):
+        from bench.timed_ffn import TimedFfn
+        from engine.loader import load_model
+
+        self.n, self.lm = n, load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": n})
+        try:
+            timed = TimedFfn(self.lm.ffn)
+            self.lm.model.set_ffn(timed)
+            chat = self.lm.tokenizer.encode_chat
+            self.prompts = [chat([{"role": "user", "content": f"Tell me fact number {i} about the sea."}])
+                            for i in range(args.sequences)]
+            self.together = Timed(self.lm, timed, args.sequences, args.max_model_len)
+            self.alone = self.together if args.one_decoder else Timed(self.lm, timed, 1, args.max_model_len)
+            self.alone.run(self.prompts[:1], 4)   # warm-up: first touches of weights, threads and ducks
+        except BaseException:
+            self.close()
+            raise
+        self.rows: dict[str, list] = {"one": [], "batch": []}
+        self.ratios: list[float] = []
+
+    def round(self, args) -> None:
+        one = self.alone.run(self.prompts[:1], args.steps)
+        batch = self.together.run(self.prompts, args.steps)
+        self.rows["one"] += one
+        self.rows["batch"] += batch
+        self.ratios.append(args.sequences * statistics.median(x["step"] for x in one)
+                           / statistics.median(x["step"] for x in batch))
+
+    def result(self, args) -> dict:
+        med = {k: {p: statistics.median(x[p] for x in v) * 1e3 for p in PARTS} for k, v in self.rows.items()}
+        return {"sequences": args.sequences, "steps": args.steps, "rounds": args.rounds, "ducks": self.n,
+                "median_ms": med, "tok_s": {"one": 1e3 / med["one"]["step"],
+                                            "batch": args.sequences * 1e3 / med["batch"]["step"]},
+                "aggregate_over_one_by_round": [round(x, 2) for x in self.ratios],
+                "aggregate_over_one": statistics.median(self.ratios)}
+
+    def close(self) -> None:
+        self.lm.ffn.close()
+
+
+def measure(args) -> dict:
+    """One fleet: its result; several (args.ducks): {"fleets": [each one's result]}, measured round
+    by round in turn."""
+    import torch
 
     # the native path computes nothing in torch, but its small ops (tensors of ids, the argmax) wake
     # torch's OpenMP workers, which then spin and take a core from the ducks and the host's pool: on
     # the 2-core VM one sequence's step took 24 ms with them, 16.6 without (duckd's: 16-20)
     torch.set_num_threads(1)
-    lm = load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": args.ducks})
+    fleets: list[Fleet] = []
     try:
-        timed = TimedFfn(lm.ffn)
-        lm.model.set_ffn(timed)
-        prompts = [lm.tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about the sea."}])
-                   for i in range(args.sequences)]
-        together = Timed(lm, timed, args.sequences, args.max_model_len)
-        alone = together if args.one_decoder else Timed(lm, timed, 1, args.max_model_len)
-        alone.run(prompts[:1], 4)   # warm-up: first touches of weights, threads and ducks
-        rows = {"one": [], "batch": []}
-        ratios = []
+        for n in args.ducks:
+            fleets.append(Fleet(n, args))
         for r in range(args.rounds):
-            log.info("round %d/%d: one sequence, then %d together", r + 1, args.rounds, args.sequences)
-            one = alone.run(prompts[:1], args.steps)
-            batch = together.run(prompts, args.steps)
-            rows["one"] += one
-            rows["batch"] += batch
-            ratios.append(args.sequences * statistics.median(x["step"] for x in one)
-                          / statistics.median(x["step"] for x in batch))
-        med = {k: {p: statistics.median(x[p] for x in v) * 1e3 for p in PARTS} for k, v in rows.items()}
-        return {"sequences": args.sequences, "steps": args.steps, "rounds": args.rounds, "ducks": args.ducks,
-                "median_ms": med, "tok_s": {"one": 1e3 / med["one"]["step"],
-                                            "batch": args.sequences * 1e3 / med["batch"]["step"]},
-                "aggregate_over_one_by_round": [round(x, 2) for x in ratios],
-                "aggregate_over_one": statistics.median(ratios)}
+            for f in fleets:
+                log.info("round %d/%d, %d ducks: one sequence, then %d together", r + 1, args.rounds, f.n,
+                         args.sequences)
+                f.round(args)
+        results = [f.result(args) for f in fleets]
+        return results[0] if len(results) == 1 else {"fleets": results}
     finally:
-        lm.ffn.close()
+        for f in fleets:
+            f.close()
 
 
 def format_table(r: dict) -> str:
@@ -147,7 +188,7 @@ def main(argv=None) -> int:
     result = measure(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    sys.stdout.write(format_table(result) + "\n")
+    sys.stdout.write("\n".join(format_table(r) for r in result.get("fleets", [result])) + "\n")
     return 0
 
 

@@ -26,3 +26,21 @@ def test_cpu_batch_times_one_sequence_and_a_batch_in_one_run(tmp_path, capsys):
 def test_cpu_batch_names_bad_arguments():
     with pytest.raises(SystemExit):
         cpu_batch.parse_args(["--sequences", "1"])
+
+
+def test_cpu_batch_compares_fleet_sizes_round_by_round(tmp_path, capsys):
+    out = tmp_path / "fleets.json"
+    assert cpu_batch.main(["--sequences", "2", "--steps", "2", "--rounds", "2", "--ducks", "2,1",
+                           "--json", str(out)]) == 0
+    fleets = json.loads(out.read_text())["fleets"]
+    assert [f["ducks"] for f in fleets] == [2, 1]
+    for f in fleets:
+        assert len(f["aggregate_over_one_by_round"]) == 2 and f["tok_s"]["batch"] > 0 and f["tok_s"]["one"] > 0
+    table = capsys.readouterr().out
+    assert "2 local ducks" in table and "1 local ducks" in table
+
+
+@pytest.mark.parametrize("ducks", ["0", "2,2", "two"])
+def test_cpu_batch_names_bad_fleet_sizes(ducks):
+    with pytest.raises(SystemExit):
+        cpu_batch.parse_args(["--ducks", ducks])

@@ -98,3 +98,22 @@ def test_a_new_token_never_reads_as_an_option_and_an_old_one_still_passes(tmp_pa
     args = build_parser().parse_args(argv)
     assert args.token == "-Zx_9" and args.cmd == "status" and args.json
     assert join_option_values(["status", "--token"]) == ["status", "--token"]
+
+
+def test_an_unset_fleet_has_4_ducks_or_as_many_as_the_cpus_hold(tmp_path):
+    """Local ducks share the host's cores: no more of their threads than it has CPUs (on the 2-core
+    development machine 2 ducks decode ~15 % faster than 4, one stream and 32 alike), at most 4."""
+    import os
+
+    from duckd.config import DEFAULT_LOCAL_DUCKS, load
+    cpus = len(os.sched_getaffinity(0))
+    assert load(None).fleet.ducks == FleetConfig().ducks == max(1, min(DEFAULT_LOCAL_DUCKS, cpus)) == min(4, cpus)
+    assert FleetConfig(threads_per_duck=2).ducks == max(1, min(4, cpus // 2))
+    assert FleetConfig(driver="netns").ducks == min(4, cpus)
+    assert FleetConfig(ducks=7).ducks == 7 and FleetConfig(ducks=7).tp == 7   # a number given is kept, above the CPUs too
+    path = tmp_path / "duckd.toml"
+    path.write_text("[fleet]\nducks = 3\n")
+    assert load(path).fleet.ducks == 3
+    path.write_text('[fleet]\nducks = "four"\n')
+    with pytest.raises(ConfigError, match="fleet.ducks = 'four': expected int"):
+        load(path)
