@@ -111,7 +111,8 @@ class Fleet:
         from bench.timed_ffn import TimedFfn
         from engine.loader import load_model
 
-        self.n, self.lm = n, load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": n})
+        self.n, self.args = n, args
+        self.lm = load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": n})
         try:
             timed = TimedFfn(self.lm.ffn)
             self.lm.model.set_ffn(timed)
@@ -127,7 +128,8 @@ class Fleet:
         self.rows: dict[str, list] = {"one": [], "batch": []}
         self.ratios: list[float] = []
 
-    def round(self, args) -> None:
+    def round(self) -> None:
+        args = self.args
         one = self.alone.run(self.prompts[:1], args.steps)
         batch = self.together.run(self.prompts, args.steps)
         self.rows["one"] += one
@@ -135,7 +137,8 @@ class Fleet:
         self.ratios.append(args.sequences * statistics.median(x["step"] for x in one)
                            / statistics.median(x["step"] for x in batch))
 
-    def result(self, args) -> dict:
+    def result(self) -> dict:
+        args = self.args
         med = {k: {p: statistics.median(x[p] for x in v) * 1e3 for p in PARTS} for k, v in self.rows.items()}
         return {"sequences": args.sequences, "steps": args.steps, "rounds": args.rounds, "ducks": self.n,
                 "median_ms": med, "tok_s": {"one": 1e3 / med["one"]["step"],
@@ -164,8 +167,8 @@ def measure(args) -> dict:
             for f in fleets:
                 log.info("round %d/%d, %d ducks: one sequence, then %d together", r + 1, args.rounds, f.n,
                          args.sequences)
-                f.round(args)
-        results = [f.result(args) for f in fleets]
+                f.round()
+        results = [f.result() for f in fleets]
         return results[0] if len(results) == 1 else {"fleets": results}
     finally:
         for f in fleets:

@@ -126,7 +126,7 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     if probe and d.get("fleet_read_gbps"):
         # its rounds of every duck at once where it has them (a layer lasts its slowest duck's call),
         # else the slowest duck's free-running rate, over the read probe taken beside it (before the
-        # runs): the machine's memory drifts during a run (by up to a fifth between the start's read
+        # runs): the machine's memory drifts during a run (by up to 29 % between the start's read
         # probe and the end's), and the kernel's rate with it; the ratio holds, and the plan applies
         # it to the mean of the two reads as it does the read share
         ratio = probe.get("gbps_per_duck_in_step", probe["gbps_slowest_duck"]) / (d["fleet_read_gbps"] / ducks)

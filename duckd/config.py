@@ -251,16 +251,14 @@ class FleetConfig:
             self.ducks = len(getattr(self, self.driver).ducks)
             if not self.ducks:
                 raise ConfigError(f"fleet.{self.driver}.ducks = []: the {self.driver} driver needs at least one duck")
-        elif self.ducks is None:   # no more ducks' threads than the host has CPUs, at most the default's
-            cpus = len(os.sched_getaffinity(0))
-            threads = self.threads_per_duck if isinstance(self.threads_per_duck, int) and self.threads_per_duck > 0 else 1
-            self.ducks = max(1, min(DEFAULT_LOCAL_DUCKS, cpus // threads))
+        _positive("fleet.threads_per_duck", self.threads_per_duck)
+        if self.ducks is None:   # no more ducks' threads than the host has CPUs, at most the default's
+            self.ducks = max(1, min(DEFAULT_LOCAL_DUCKS, len(os.sched_getaffinity(0)) // self.threads_per_duck))
         if self.driver == "pxe" and not self.pxe.interface:
             raise ConfigError('fleet.pxe.interface = "": the pxe driver needs the host\'s interface on the fleet '
                               'subnet (e.g. "eth1" or a bridge)')
         if not 1 <= self.ducks <= 256:
             raise ConfigError(f"fleet.ducks = {self.ducks!r}: expected 1..256")
-        _positive("fleet.threads_per_duck", self.threads_per_duck)
         if self.tp < 0:
             raise ConfigError(f"fleet.tp = {self.tp!r}: expected >= 0")
         self.tp = self.tp or self.ducks

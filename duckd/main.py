@@ -188,7 +188,8 @@ async def _reloader(hup: asyncio.Event, cfg: Config, config_path: str | None) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="duckd", description="The duck daemon: owns the fleet, hosts the engine, "
                                  "serves the gRPC API.")
-    ap.add_argument("--config", help="TOML config (default: the embedded default: 4 local ducks, fewer on fewer CPUs; SmolLM2)")
+    ap.add_argument("--config", help="TOML config (default: the embedded default: 4 local ducks, fewer on "
+                                     "fewer CPUs; SmolLM2)")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")
     args = ap.parse_args(argv)
     try:

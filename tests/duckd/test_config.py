@@ -110,7 +110,7 @@ def test_an_unset_fleet_has_4_ducks_or_as_many_as_the_cpus_hold(tmp_path):
     assert load(None).fleet.ducks == FleetConfig().ducks == max(1, min(DEFAULT_LOCAL_DUCKS, cpus)) == min(4, cpus)
     assert FleetConfig(threads_per_duck=2).ducks == max(1, min(4, cpus // 2))
     assert FleetConfig(driver="netns").ducks == min(4, cpus)
-    assert FleetConfig(ducks=7).ducks == 7 and FleetConfig(ducks=7).tp == 7   # a number given is kept, above the CPUs too
+    assert FleetConfig(ducks=7).ducks == 7 == FleetConfig(ducks=7).tp   # a number given is kept, above the CPUs too
     path = tmp_path / "duckd.toml"
     path.write_text("[fleet]\nducks = 3\n")
     assert load(path).fleet.ducks == 3
