@@ -218,7 +218,7 @@ class PxeConfig:
 class FleetConfig:
     driver: str = "local"              # local | netns | wol | pxe
     ducks: int | None = None           # unset: local and netns, 4 or this host's CPUs where fewer (ducks
-                                       # that share the host's cores: on 2 cores 2 ducks serve 15 % faster
+                                       # that share the host's cores: on 2 cores 2 ducks serve 3-23 % faster
                                        # than 4); wol and pxe, their list's
     threads_per_duck: int = 1
     tp: int = 0                        # tensor-parallel ranks; 0 = one per duck

@@ -102,7 +102,7 @@ def test_a_new_token_never_reads_as_an_option_and_an_old_one_still_passes(tmp_pa
 
 def test_an_unset_fleet_has_4_ducks_or_as_many_as_the_cpus_hold(tmp_path):
     """Local ducks share the host's cores: no more of their threads than it has CPUs (on the 2-core
-    development machine 2 ducks decode ~15 % faster than 4, one stream and 32 alike), at most 4."""
+    development machine 2 ducks decoded 3-23 % faster than 4 in three runs, one stream and 32 alike), at most 4."""
     import os
 
     from duckd.config import DEFAULT_LOCAL_DUCKS, load
