@@ -57,6 +57,12 @@ class TimedFfn(FfnBackend):
             if k > 1:
                 self.routes.append((layer, ids))
 
+    def record_host_step(self, times) -> None:
+        """The CPU host decoder's layers driven from C (native/transport/step.py HostStep):
+        one call per layer, as forward() records them (no routes: they stay in C)."""
+        for layer, (ffn, kernel) in enumerate(zip(times.ffn, times.kernel)):
+            self.calls.append((layer, ffn, kernel))
+
     def forward(self, layer, x, ids, weights, out=None):
         k0 = self.kernel_us_total
         t0 = time.perf_counter()

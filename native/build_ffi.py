@@ -123,10 +123,11 @@ ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.cdef(transport_cdef.CDEF)
 ffibuilder.cdef(host_cdef.CDEF)
+ffibuilder.cdef(transport_cdef.HOST_STEP_CDEF)
 ffibuilder.set_source(
     "native._native",
     '#include "fp9.h"\n#include "fp9_synth.h"\n#include "kernels.h"\n#include "pool.h"\n#include "ffn.h"\n#include "bench.h"\n'
-    + transport_cdef.INCLUDES + host_cdef.INCLUDES,
+    + transport_cdef.INCLUDES + host_cdef.INCLUDES + transport_cdef.HOST_STEP_INCLUDES,
     sources=sources.EXTENSION,
     include_dirs=sources.INCLUDE_DIRS,
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fno-strict-aliasing"],

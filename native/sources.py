@@ -9,7 +9,8 @@ it is read before anything is installed.
     wire/       the wire protocol: one header, integrity (CRC-32C, BLAKE2b fleet MAC, Poly1305
                 link MAC with its AVX2 lanes)
     transport/  the host side of the wire: scatter, gather, retransmit, sum; a decode
-                step of CUDA graphs and forwards driven from C (step.c)
+                step of CUDA graphs and forwards driven from C (step.c), and one of the
+                CPU host decoder and forwards (host_step.c)
     host/       the CPU host path: fp32 kernels, ops and a Llama-family decode step
 """
 INCLUDE_DIRS = ["native/fp9", "native/kernels", "native/wire", "native/transport", "native/host"]
@@ -23,7 +24,8 @@ WIRE = ["native/wire/wire.c", "native/wire/poly1305.c", "native/wire/poly1305_av
 TRANSPORT = ["native/transport/transport.c", "native/transport/transport_run.c",
              "native/transport/transport_timing.c", "native/transport/transport_plan.c",
              "native/transport/transport_forward.c", "native/transport/transport_par.c",
-             "native/transport/transport_lost.c", "native/transport/cover.c", "native/transport/step.c"]
+             "native/transport/transport_lost.c", "native/transport/cover.c", "native/transport/step.c",
+             "native/transport/host_step.c"]
 HOST = ["native/host/host_kernels_ref.c", "native/host/host_kernels_avx2.c", "native/host/host_kernels_avx512.c",
         "native/host/host_kernels.c", "native/host/host_ops.c", "native/host/host_decoder.c"]
 C_TESTS = ["native/kernels/test_native.c"]

@@ -11,6 +11,11 @@ chunk of up to max_tokens):
                                         (engine.host_ffn, the FFN host contract)
     duck_host_finish                    [+ last FFN output] final norm, lm_head -> logits [T, V]
 
+With the fleet (a backend with step_session()), the layers of a step are one C
+call instead (native/transport/host_step.h): each layer step, then its forward
+on the same buffers, with no interpreter between them; DUCK_NATIVE_STEP=0 keeps
+the loop in Python (the reference the tests hold it to).
+
     decoder = cpu_decoder(model, cache)          # None: not on the CPU, unsupported, or DUCK_CPU_NATIVE=0
     logits = decoder.prefill(ids, positions)     # [V]: the prompt in steps of max_tokens, the last token's logits
     logits = decoder(ids, positions)             # [T, V], T <= decoder.max_tokens
@@ -32,6 +37,7 @@ from engine.prefill import prefill_chunks
 from native._native import ffi, lib
 from native.host.ops import host_kernels, kernels_name
 from native.kernels import Pool
+from native.transport.step import HostStep, HostStepError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class CpuDecoder:
         c = model.config
         self.max_tokens, self.hidden, self.vocab = max_tokens, c.hidden_size, c.vocab_size
         self._ntok = 0
+        self._fleet = None    # (backend, session, HostStep): the C step over that session (see _fleet_step)
         self.kernels = host_kernels(kernel_set)
         self.pool = Pool(threads or len(os.sched_getaffinity(0)), pin=False)   # spin_us=0: blocks when idle
         # the FFN's inputs, written by C, read by the backend
@@ -132,11 +139,40 @@ class CpuDecoder:
             slot_ptr = ffi.cast("const uint32_t *", slots.data_ptr())
         self._check(lib.duck_host_begin_slots(self._d, ntok, ffi.cast("const int64_t *", ids.data_ptr()),
                                               ffi.cast("const int64_t *", positions.data_ptr()), slot_ptr))
+        step = self._fleet_step() if ntok else None
+        if step is not None:
+            backend, _, run = step
+            try:
+                times = run.run(ntok)
+            except HostStepError as e:
+                raise NativeDecodeError(str(e)) from None
+            record = getattr(backend, "record_host_step", None)
+            if record is not None:
+                record(times)
+            return self.ffn_out[:ntok]
         y = None
         for layer in range(len(self.host.ffn)):
             routed = self._check(lib.duck_host_layer_step(self._d, layer, self._out_ptr(y)))
             y = self.ffn(layer, ntok, bool(routed))
         return y
+
+    def _fleet_step(self):
+        """(backend, session, HostStep) when every layer's FFN is one backend with a fleet
+        session (step_session()): the step's layers in one C call; None otherwise (the
+        loop in Python), or with DUCK_NATIVE_STEP=0."""
+        backend = self.host.ffn[0].ffn if self.host.ffn else None
+        if any(m.ffn is not backend for m in self.host.ffn) or os.environ.get("DUCK_NATIVE_STEP", "1") == "0":
+            return None
+        session = getattr(backend, "step_session", lambda: None)()
+        if session is None:
+            return None
+        if self._fleet is None or self._fleet[0] is not backend or self._fleet[1] is not session:
+            routed = (self.expert_ids, self.expert_weights, self.expert_ids.shape[1]) if any(self.host.routed) \
+                else None
+            self._fleet = (backend, session, HostStep(session, self._d, len(self.host.ffn), self.ffn_in,
+                                                      self.ffn_out, self._dense, routed))
+            log.debug("native CPU decoder: every layer's FFN on fleet session %s, steps driven from C", session.id)
+        return self._fleet
 
     def ffn(self, layer: int, ntok: int, routed: bool) -> torch.Tensor:
         """Layer `layer`'s FFN on the step's ffn_in, into ffn_out: the one place the decoder

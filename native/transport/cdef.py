@@ -160,3 +160,16 @@ typedef struct duck_step_result {
 int duck_step_cuda_available(char *err, uint32_t errlen);
 int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res);
 """
+
+# The CPU host decoder's step over the fleet (host_step.h): it needs native/host/'s
+# declarations, so native/build_ffi.py declares it after them.
+HOST_STEP_INCLUDES = '#include "host_step.h"\n'
+HOST_STEP_CDEF = """
+#define DUCK_STEP_EHOST ...
+typedef struct duck_host_step {
+    duck_host_decoder *decoder; uint32_t n_layers; duck_forward_args args; uint32_t routed_topk;
+    const int32_t *routed_ids; const float *routed_weights; const int32_t *dense_ids; const float *dense_weights;
+    uint64_t *host_ns; uint64_t *ffn_ns; uint32_t *kernel_us; ...;
+} duck_host_step;
+int duck_host_step_run(duck_transport *t, const duck_host_step *s, duck_step_result *res);
+"""

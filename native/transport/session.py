@@ -140,16 +140,13 @@ class Session:
         a, res, fleet = self._args, self._res, self.fleet
         a.layer, a.ntok, a.topk, a.x_dtype, a.y_dtype = layer, ntok, topk, x_dtype, y_dtype
         a.x, a.y, a.expert_ids, a.expert_weights = xp, yp, ip, wp
-        a.request_tokens = min(self.request_tokens or self.duck_max_tokens, self.duck_max_tokens)
-        a.pipeline = self.pipeline
-        a.group_tokens = self.duck_max_tokens if self.group_tokens is None else min(self.group_tokens,
-                                                                                    self.duck_max_tokens)
+        self.cut_args(a)
         with fleet._lock:
             rc = lib.duck_transport_forward(fleet._open(), a, res)
             rcvbuf = lib.duck_transport_rcvbuf(fleet._t) if res.rcvbuf_short else 0
         self.retransmits += res.retransmits
         if res.mtu_fallbacks:
-            self._log_fallback(layer)
+            self._log_fallback(f"forward of layer {layer}", res.mtu_fallbacks)
         if res.rcvbuf_short and not self._warned_rcvbuf:
             self._warned_rcvbuf = True
             log.warning("the host's socket receive buffer (%d bytes) is less than twice one token's partials "
@@ -173,6 +170,14 @@ class Session:
         del keep_i, keep_w
         return out
 
+    def cut_args(self, a) -> None:
+        """How a forward's tokens are cut into requests (duck_forward_args): this session's
+        settings within what the ducks take."""
+        a.request_tokens = min(self.request_tokens or self.duck_max_tokens, self.duck_max_tokens)
+        a.pipeline = self.pipeline
+        a.group_tokens = self.duck_max_tokens if self.group_tokens is None else min(self.group_tokens,
+                                                                                    self.duck_max_tokens)
+
     def _report_lost(self, lost_new: int, host_ms: float) -> None:
         """Tells on_lost who is lost now and what a forward of their slices costs here (ms)."""
         lost = self.fleet.lost()
@@ -189,10 +194,10 @@ class Session:
         """What computing lost ducks' slices costs this host per forward (a layer), on average."""
         return self.host_ns_total / 1e6 / self.host_forwards if self.host_forwards else 0.0
 
-    def _log_fallback(self, layer: int) -> None:
+    def _log_fallback(self, where: str, fallbacks: int) -> None:
         sizes = self.fleet.datagram_sizes()
-        log.warning("forward of layer %d: %d duck(s) did not take their agreed datagram size and fell back; "
-                    "datagram sizes now %s", layer, self._res.mtu_fallbacks, sizes)
+        log.warning("%s: %d duck(s) did not take their agreed datagram size and fell back; "
+                    "datagram sizes now %s", where, fallbacks, sizes)
 
     def _raise(self, rc: int, res) -> None:
         msg = ffi.string(res.message).decode(errors="replace")

@@ -99,6 +99,26 @@ static int wait_stream(void *stream, int yield)
     }
 }
 
+int duck_step_add_call(duck_step_result *res, int rc, uint32_t call)
+{
+    const duck_forward_result *fr = &res->call;
+    res->retransmits += fr->retransmits;
+    res->mtu_fallbacks += fr->mtu_fallbacks;
+    res->lost_new += fr->lost_new;
+    res->host_ns += fr->host_ns;
+    res->host_slices += fr->host_slices;
+    if (rc != DUCK_T_OK) {
+        res->failed_call = (int32_t)call;
+        snprintf(res->message, sizeof res->message, "%s", fr->message);
+        return rc;
+    }
+    res->kernel_us_sum += fr->kernel_us_max;
+    res->bytes_streamed += fr->bytes_streamed;
+    if (fr->wake_ns_max > res->wake_ns_max)
+        res->wake_ns_max = fr->wake_ns_max;
+    return DUCK_T_OK;
+}
+
 int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res)
 {
     memset(res, 0, sizeof *res);
@@ -139,20 +159,8 @@ int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res)
         duck_forward_result *fr = &res->call;
         int frc = duck_transport_forward(t, &a, fr);
         uint64_t t2 = now_ns();
-        res->retransmits += fr->retransmits;
-        res->mtu_fallbacks += fr->mtu_fallbacks;
-        res->lost_new += fr->lost_new;
-        res->host_ns += fr->host_ns;
-        res->host_slices += fr->host_slices;
-        if (frc != DUCK_T_OK) {
-            res->failed_call = (int32_t)i;
-            snprintf(res->message, sizeof res->message, "%s", fr->message);
+        if (duck_step_add_call(res, frc, i) != DUCK_T_OK)
             return frc;
-        }
-        res->kernel_us_sum += fr->kernel_us_max;
-        res->bytes_streamed += fr->bytes_streamed;
-        if (fr->wake_ns_max > res->wake_ns_max)
-            res->wake_ns_max = fr->wake_ns_max;
         if (s->ffn_ns)
             s->ffn_ns[i] = t2 - t1;
         if (s->kernel_us)

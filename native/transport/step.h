@@ -60,6 +60,11 @@ typedef struct duck_step_result {
 /* 0 when the CUDA driver can be used here, else DUCK_STEP_ENOCUDA with why in err. */
 int duck_step_cuda_available(char *err, uint32_t errlen);
 
+/* A step's account of its forward res->call that returned rc (call: its
+ * index): its counters added to res; a failure recorded (failed_call, message)
+ * and rc returned. Shared with the CPU host's step (host_step.h). */
+int duck_step_add_call(duck_step_result *res, int rc, uint32_t call);
+
 /* Runs one step (see above). DUCK_T_OK, a DUCK_T_* of the failing forward
  * (res->failed_call, res->call), or DUCK_STEP_E*. After a failure the stream
  * is left idle (a launched graph is waited for). */

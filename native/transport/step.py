@@ -1,7 +1,11 @@
-"""A decode step of CUDA graphs and fleet forwards in one C call (step.h).
+"""A decode step of CUDA graphs and fleet forwards in one C call (step.h), and
+one of the CPU host decoder's layers and fleet forwards (host_step.h).
 
     step = NativeStep(session, stream, graphs, calls, io)   # once per captured lane
     times = step.run()                                      # per step: every graph, every forward
+
+    step = HostStep(session, decoder, n_layers, io...)      # engine.cpu.decode.CpuDecoder, once per session
+    times = step.run(ntok)                                  # after duck_host_begin_slots: every layer
 
 `graphs` are the lane's cudaGraphExec_t handles in replay order, `calls` the
 (layer, topk) of the FFN call that ends each graph but the last, `io` the
@@ -67,27 +71,101 @@ class NativeStep:
 
     def run(self) -> StepTimes:
         session, res = self.session, self._res
-        fleet = session.fleet
-        with fleet._lock:
-            rc = lib.duck_step_run(fleet._open(), self._step, res)
-        session.retransmits += res.retransmits
-        if res.lost_new or fleet.lost_changed:     # as Session.forward reports them
-            fleet.lost_changed = False
-            session._report_lost(res.lost_new, res.host_ns / 1e6 / max(1, len(self.calls)))
-        if res.host_slices:
-            session.host_ns_total += res.host_ns
-            session.host_forwards += len(self.calls)
-        if rc == lib.DUCK_STEP_ENOCUDA or rc == lib.DUCK_STEP_ECUDA or rc == lib.DUCK_T_EARG and res.failed_call < 0:
-            raise RuntimeError("native decode step: " + ffi.string(res.message).decode(errors="replace"))
-        if rc:
-            session._raise(rc, res.call)
-        session.bytes_streamed += res.bytes_streamed
-        session.kernel_us_total += res.kernel_us_sum
-        session.wake_ns_max = res.wake_ns_max
+        with session.fleet._lock:
+            rc = lib.duck_step_run(session.fleet._open(), self._step, res)
         n, per = len(self.calls), self.ntok * self.topk
-        kernel = [self._kernel_us[i] * 1e-6 for i in range(n)]
-        if kernel and max(kernel) * 1e6 > session.kernel_us_max:
-            session.kernel_us_max = int(max(kernel) * 1e6)
+        kernel = _account(session, rc, res, n, self._kernel_us, "native decode step",
+                          (lib.DUCK_STEP_ENOCUDA, lib.DUCK_STEP_ECUDA))
         return StepTimes(gpu=[self._gpu_ns[i] * 1e-9 for i in range(n + 1)],
                          ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel,
                          ids=[list(self._ids[i * per:i * per + self.ntok * k]) for i, (_, k) in enumerate(self.calls)])
+
+
+@dataclass(slots=True)
+class HostStepTimes:
+    """One host step's layers, from C (seconds): each layer step, each forward, and the
+    slowest duck's kernel time per forward."""
+    host: list[float]
+    ffn: list[float]
+    kernel: list[float]
+
+
+class HostStep:
+    """The CPU host decoder's layers with their FFNs on the fleet, in one C call
+    (host_step.h). decoder: the duck_host_decoder *; ffn_in / ffn_out: its FFN buffers
+    [max_tokens, hidden] fp32 (ffn_in the decoder's io); routed: (ids, weights, topk) of
+    the decoder's io where a layer is routed, else None; dense: (ids, weights) [max_tokens]
+    holding 0 and 1. The caller keeps the tensors alive and begins each step first."""
+
+    def __init__(self, session: Session, decoder, n_layers: int, ffn_in, ffn_out, dense, routed=None):
+        for name, t in (("ffn_in", ffn_in), ("ffn_out", ffn_out)):
+            if _wire_view(t, writable=True) is None or t.dtype.itemsize != 4 or t.shape[-1] != session.hidden:
+                raise ValueError(f"a host step's {name} must be a contiguous fp32 CPU tensor [tokens, "
+                                 f"{session.hidden}]")
+        self.session, self.n_layers, self.max_tokens = session, n_layers, ffn_in.shape[0]
+        s = self._step = ffi.new("duck_host_step *")
+        s.decoder, s.n_layers = decoder, n_layers
+        a = s.args
+        a.session, a.hidden = session.id, session.hidden
+        a.x, a.x_dtype = ffi.cast("char *", ffn_in.data_ptr()), lib.DUCK_DT_F32
+        a.y, a.y_dtype = ffi.cast("char *", ffn_out.data_ptr()), lib.DUCK_DT_F32
+        s.dense_ids = ffi.cast("int32_t *", dense[0].data_ptr())
+        s.dense_weights = ffi.cast("float *", dense[1].data_ptr())
+        if routed is not None:
+            s.routed_ids = ffi.cast("int32_t *", routed[0].data_ptr())
+            s.routed_weights = ffi.cast("float *", routed[1].data_ptr())
+            s.routed_topk = routed[2]
+        self._host_ns, self._ffn_ns = ffi.new("uint64_t[]", n_layers), ffi.new("uint64_t[]", n_layers)
+        self._kernel_us = ffi.new("uint32_t[]", n_layers)
+        s.host_ns, s.ffn_ns, s.kernel_us = self._host_ns, self._ffn_ns, self._kernel_us
+        self._res = ffi.new("duck_step_result *")
+
+    def run(self, ntok: int) -> HostStepTimes:
+        """Every layer of a step of ntok tokens (begun on the decoder)."""
+        if not 1 <= ntok <= self.max_tokens:
+            raise ValueError(f"a host step of {ntok} tokens, its buffers hold {self.max_tokens}")
+        session, res, a = self.session, self._res, self._step.args
+        a.ntok = ntok
+        session.cut_args(a)
+        with session.fleet._lock:
+            rc = lib.duck_host_step_run(session.fleet._open(), self._step, res)
+        if rc == lib.DUCK_STEP_EHOST:
+            raise HostStepError(f"layer {res.failed_call}: " + ffi.string(res.message).decode(errors="replace"))
+        n = self.n_layers
+        kernel = _account(session, rc, res, n, self._kernel_us, "host decode step")
+        c = res.call
+        session.last_requests, session.last_request_tokens, session.last_pipeline, session.last_group = (
+            c.requests, c.request_tokens, c.pipeline, c.group)
+        return HostStepTimes(host=[self._host_ns[i] * 1e-9 for i in range(n)],
+                             ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel)
+
+
+class HostStepError(RuntimeError):
+    """The host decoder refused a layer of a host step (says which, and why)."""
+
+
+def _account(session: Session, rc: int, res, calls: int, kernel_us, what: str, step_errors=()) -> list[float]:
+    """A C step's result into the session's counters, as Session.forward keeps them: lost ducks
+    reported, an error raised (a forward's as Session.forward raises it); returns each call's
+    slowest-duck kernel time (s)."""
+    fleet = session.fleet
+    session.retransmits += res.retransmits
+    if res.mtu_fallbacks:
+        session._log_fallback(what, res.mtu_fallbacks)
+    if res.lost_new or fleet.lost_changed:     # as Session.forward reports them
+        fleet.lost_changed = False
+        session._report_lost(res.lost_new, res.host_ns / 1e6 / max(1, calls))
+    if res.host_slices:
+        session.host_ns_total += res.host_ns
+        session.host_forwards += calls
+    if rc in step_errors or rc == lib.DUCK_T_EARG and res.failed_call < 0:
+        raise RuntimeError(f"{what}: " + ffi.string(res.message).decode(errors="replace"))
+    if rc:
+        session._raise(rc, res.call)
+    session.bytes_streamed += res.bytes_streamed
+    session.kernel_us_total += res.kernel_us_sum
+    session.wake_ns_max = res.wake_ns_max
+    kernel = [kernel_us[i] * 1e-6 for i in range(calls)]
+    if kernel and max(kernel) * 1e6 > session.kernel_us_max:
+        session.kernel_us_max = int(max(kernel) * 1e6)
+    return kernel

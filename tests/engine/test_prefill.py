@@ -16,6 +16,7 @@ from engine.generate import SamplingParams, generate
 from engine.loader import load_model
 from engine.lanes import StepTrace
 from engine.prefill import check_chunk, prefill_chunks, prefill_hidden, prefill_hidden_overlapped
+from native.transport.step import HostStep
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
 
 # max |prefill - token by token| / max |token by token| over every position's logits. The
@@ -108,7 +109,7 @@ NATIVE_FAMILIES = ("llama", "qwen3", "qwen3_moe")   # engine.cpu.host_model.SUPP
 
 
 @pytest.mark.parametrize("kind,backend", [(k, "fp9") for k in FAMILIES] + [(k, "fleet") for k in NATIVE_FAMILIES])
-def test_generate_prefills_in_chunks(kind, backend, family):
+def test_generate_prefills_in_chunks(kind, backend, family, monkeypatch):
     """generate()'s first logits and greedy tokens do not depend on the chunk; chunk 1 is the
     token-by-token path (the native CPU decoder's prefill for the Llama family, through the
     local fp9 kernels or the fleet; torch for the others)."""
@@ -118,10 +119,12 @@ def test_generate_prefills_in_chunks(kind, backend, family):
         tokens_per_call = []
         forward = lm.ffn.forward
         lm.ffn.forward = lambda layer, x, *a, **k: tokens_per_call.append(x.shape[0]) or forward(layer, x, *a, **k)
+        run = HostStep.run   # the native decoder's layers over the fleet: one C call for all of them
+        monkeypatch.setattr(HostStep, "run", lambda step, ntok: tokens_per_call.append(ntok) or run(step, ntok))
         prompt, params = _prompt(vocab, seed=6), SamplingParams(max_tokens=6, ignore_eos=True)
         runs = {c: generate(lm.model, lm.tokenizer, prompt, params, keep_logits=True, prefill_chunk=c)
                 for c in CHUNKS}
-        assert max(tokens_per_call) == max(CHUNKS)     # a chunk is one FFN call per layer
+        assert max(tokens_per_call) == max(CHUNKS)     # a chunk is one FFN call per layer (or C step)
     finally:
         lm.ffn.close()
     first = {c: r.logits[0] for c, r in runs.items()}
