@@ -15,9 +15,10 @@ typedef void (*duck_host_gemv_t_fn)(const float *p, const float *v, size_t ldv, 
                                     float *y);
 typedef void (*duck_host_gemm_h_fn)(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k,
                                     uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
+typedef float (*duck_host_softmax_exp_fn)(float *s, uint32_t n, float scale);
 typedef struct duck_host_kernels {
     const char *name; duck_host_gemm_fn gemm; duck_host_dot_fn dot; duck_host_gemv_t_fn gemv_t;
-    duck_host_gemm_h_fn gemm_h; ...;
+    duck_host_gemm_h_fn gemm_h; duck_host_softmax_exp_fn softmax_exp; ...;
 } duck_host_kernels;
 float duck_half_to_float(uint16_t h);
 const duck_host_kernels *duck_host_kernels_ref(void);

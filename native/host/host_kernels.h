@@ -31,18 +31,26 @@ typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
 typedef void (*duck_host_gemv_t_fn)(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n,
                                     float *y);
 
+/* Attention's softmax numerators: s[j] = exp(scale * s[j] - m) for j < n, m the
+ * largest scale * s[j]; returns their sum. The reference calls expf; the vector
+ * sets a polynomial exp within 2 ulp of it (a score's weight, not its rank, moves). */
+typedef float (*duck_host_softmax_exp_fn)(float *s, uint32_t n, float scale);
+
 typedef struct duck_host_kernels {
     const char *name;
     duck_host_gemm_fn gemm;
     duck_host_dot_fn dot;
     duck_host_gemv_t_fn gemv_t;
     duck_host_gemm_h_fn gemm_h;
+    duck_host_softmax_exp_fn softmax_exp;
 } duck_host_kernels;
 
 /* IEEE half -> fp32, exact (subnormals, infinities and NaN included) */
 float duck_half_to_float(uint16_t h);
 
 const duck_host_kernels *duck_host_kernels_ref(void);
+/* The AVX2+FMA softmax_exp, which the AVX-512 set shares (every AVX-512F CPU has both). */
+float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale);
 /* NULL where the build or the CPU lacks AVX2+FMA+F16C */
 const duck_host_kernels *duck_host_kernels_avx2(void);
 /* NULL where the build or the CPU lacks AVX-512F */

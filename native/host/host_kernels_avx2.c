@@ -4,6 +4,7 @@
  * in L1 and then run through the same FMA chain as fp32 weights. */
 #include "host_kernels.h"
 
+#include <math.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -215,9 +216,67 @@ static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t row
     }
 }
 
+/* e^x, x <= 0 here (a score less the largest): Cephes' expf in 8 lanes. x = n ln2 + r
+ * with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r a degree-7 polynomial,
+ * 2^n put into the exponent; x below -87.3 gives 2^-126 where expf underflows,
+ * nothing beside the largest score's 1. */
+static inline __m256 exp_avx2(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale)
+{
+    const uint32_t full = n & ~7u, rest = n & 7u;
+    const __m256i tail = tail_mask(rest);
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (uint32_t j = 0; j < full; j += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+        _mm256_storeu_ps(s + j, v);
+        top = _mm256_max_ps(top, v);
+    }
+    if (rest) {
+        const __m256 v = _mm256_mul_ps(_mm256_maskload_ps(s + full, tail), sc);
+        _mm256_maskstore_ps(s + full, tail, v);
+        top = _mm256_blendv_ps(top, _mm256_max_ps(top, v), _mm256_castsi256_ps(tail));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(m));
+    __m256 sum = _mm256_setzero_ps();
+    for (uint32_t j = 0; j < full; j += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (rest) {
+        const __m256 e = _mm256_and_ps(exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(s + full, tail), shift)),
+                                       _mm256_castsi256_ps(tail));
+        _mm256_maskstore_ps(s + full, tail, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum(sum);
+}
+
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, gemm_h_avx2};
+static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, gemm_h_avx2,
+                                         duck_host_softmax_exp_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx2(void)
 {

@@ -126,12 +126,14 @@ static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t r
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512, gemm_h_avx512};
+static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512, gemm_h_avx512,
+                                           duck_host_softmax_exp_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx512(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") ? &k_avx512 : NULL;
+    const int ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return ok ? &k_avx512 : NULL;
 }
 
 #else

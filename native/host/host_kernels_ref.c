@@ -63,6 +63,21 @@ static void gemv_t_ref(const float *p, const float *v, size_t ldv, uint32_t rows
     }
 }
 
-static const duck_host_kernels k_ref = {"ref", gemm_ref, dot_ref, gemv_t_ref, gemm_h_ref};
+static float softmax_exp_ref(float *s, uint32_t n, float scale)
+{
+    float top = -INFINITY;
+    for (uint32_t j = 0; j < n; j++) {
+        s[j] *= scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    float sum = 0.0f;
+    for (uint32_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - top);
+        sum += s[j];
+    }
+    return sum;
+}
+
+static const duck_host_kernels k_ref = {"ref", gemm_ref, dot_ref, gemv_t_ref, gemm_h_ref, softmax_exp_ref};
 
 const duck_host_kernels *duck_host_kernels_ref(void) { return &k_ref; }

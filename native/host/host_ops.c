@@ -55,16 +55,7 @@ void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, c
     k->gemm(keys, ld, n_ctx, head_dim, nq, q, head_dim, scores, n_ctx);   /* scores[h * n_ctx + j] */
     for (uint32_t h = 0; h < nq; h++) {
         float *s = scores + (size_t)h * n_ctx, *o = out + (size_t)h * head_dim;
-        float top = -INFINITY;
-        for (uint32_t j = 0; j < n_ctx; j++) {
-            s[j] *= scale;
-            top = s[j] > top ? s[j] : top;
-        }
-        float sum = 0.0f;
-        for (uint32_t j = 0; j < n_ctx; j++) {
-            s[j] = expf(s[j] - top);
-            sum += s[j];
-        }
+        const float sum = k->softmax_exp(s, n_ctx, scale);
         k->gemv_t(s, values, ld, n_ctx, head_dim, o);
         for (uint32_t i = 0; i < head_dim; i++)
             o[i] /= sum;

@@ -94,6 +94,16 @@ def gemv_t(p, v, kernel_set: str, pad: int = 0) -> np.ndarray:
     return y
 
 
+def softmax_exp(s, scale: float, kernel_set: str, pad: int = 0) -> tuple[np.ndarray, float]:
+    """The kernel table's softmax numerators of scores s [N] (exp(scale s - max)) and their
+    sum; the array returned is `pad` NaN floats longer than N (they must stay NaN)."""
+    s = _f32(s)
+    out = _poisoned(s.size + pad)
+    out[:s.size] = s
+    total = host_kernels(kernel_set).softmax_exp(_ptr(out), s.size, scale)
+    return out, total
+
+
 def rmsnorm(x, w, eps: float, kernel_set: str = "best", add=None) -> tuple[np.ndarray, np.ndarray]:
     """Per row of x [T, N]: x += add (when given), then y = rmsnorm(x) * w; returns (y, x)."""
     w = _f32(w)

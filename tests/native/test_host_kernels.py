@@ -110,3 +110,36 @@ def test_gemv_t_matches_float64(name, n, rows):
     assert np.all(np.isnan(y[n:])), f"{name}: wrote past the output"
     p64, v64 = p.astype(np.float64), v.astype(np.float64)
     _check_rel(y[:n], p64 @ v64, p64 @ np.abs(v64), f"{name} gemv_t {rows}x{n}")
+
+
+# exp of the vector sets (a polynomial) against float64: Cephes' bound is 2 ulp.
+EXP_REL_TOL = 3e-7
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 17, 64, 100, 1027])
+def test_softmax_exp_matches_float64(name, n):
+    """Attention's softmax numerators: exp(scale s - max) and their sum, every tail length;
+    scores spread wide enough that some of them underflow beside the largest."""
+    s = _data(n, seed=n) * 40.0
+    out, total = ops.softmax_exp(s, 0.125, kernel_set(name), pad=3)
+    assert np.all(np.isnan(out[n:])), f"{name}: wrote past the scores"
+    x = s * np.float32(0.125)                      # the arguments as the kernel rounds them (fp32)
+    exact = np.exp((x - x.max()).astype(np.float64))
+    err = np.abs(out[:n] - exact) - EXP_REL_TOL * exact
+    assert np.all(np.isfinite(out[:n])) and float(err.max()) <= 2e-38, f"{name}: exp off by {float(err.max()):.3g}"
+    assert abs(total - exact.sum()) <= n * 2.0 ** -24 * exact.sum()   # one fp32 sum of n terms
+    assert out[int(np.argmax(x))] == 1.0
+
+
+@pytest.mark.parametrize("n", [5, 300])
+def test_fast_softmax_exp_agrees_with_ref(n):
+    """The vector sets' exp against expf (the reference), within their bound."""
+    s = _data(n, seed=7) * 8.0
+    ref, ref_sum = ops.softmax_exp(s, 0.3, "ref")
+    for name in FAST:
+        if ops.available(name):
+            fast, fast_sum = ops.softmax_exp(s, 0.3, name)
+            assert np.allclose(fast, ref, rtol=2 * EXP_REL_TOL, atol=0), name
+            assert abs(fast_sum - ref_sum) <= n * 2.0 ** -24 * ref_sum, name
+
