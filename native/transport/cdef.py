@@ -169,7 +169,7 @@ HOST_STEP_CDEF = """
 typedef struct duck_host_step {
     duck_host_decoder *decoder; uint32_t n_layers; duck_forward_args args; uint32_t routed_topk;
     const int32_t *routed_ids; const float *routed_weights; const int32_t *dense_ids; const float *dense_weights;
-    uint64_t *host_ns; uint64_t *ffn_ns; uint32_t *kernel_us; ...;
+    uint64_t *ffn_ns; uint32_t *kernel_us; ...;
 } duck_host_step;
 int duck_host_step_run(duck_transport *t, const duck_host_step *s, duck_step_result *res);
 """

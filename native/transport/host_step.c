@@ -1,16 +1,11 @@
 /* The CPU host decoder's step with its FFNs on the fleet: host_step.h says what and why. */
+#define _GNU_SOURCE   /* transport_impl.h: struct mmsghdr */
 #include "host_step.h"
 
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+#include "transport_impl.h"   /* tr_now_ns */
 
 int duck_host_step_run(duck_transport *t, const duck_host_step *s, duck_step_result *res)
 {
@@ -28,9 +23,8 @@ int duck_host_step_run(duck_transport *t, const duck_host_step *s, duck_step_res
     }
     duck_forward_args a = s->args;
     for (uint32_t layer = 0; layer < s->n_layers; layer++) {
-        const uint64_t t0 = now_ns();
         const int routed = duck_host_layer_step(s->decoder, layer, layer ? (const float *)a.y : NULL);
-        const uint64_t t1 = now_ns();
+        const uint64_t t1 = tr_now_ns();
         if (routed < 0 || (routed && !s->routed_topk)) {
             res->failed_call = (int32_t)layer;
             snprintf(res->message, sizeof res->message, "%s", routed < 0 ? duck_host_decoder_error(s->decoder)
@@ -42,11 +36,9 @@ int duck_host_step_run(duck_transport *t, const duck_host_step *s, duck_step_res
         a.expert_ids = routed ? s->routed_ids : s->dense_ids;
         a.expert_weights = routed ? s->routed_weights : s->dense_weights;
         const int frc = duck_transport_forward(t, &a, &res->call);
-        const uint64_t t2 = now_ns();
+        const uint64_t t2 = tr_now_ns();
         if (duck_step_add_call(res, frc, layer) != DUCK_T_OK)
             return frc;
-        if (s->host_ns)
-            s->host_ns[layer] = t1 - t0;
         if (s->ffn_ns)
             s->ffn_ns[layer] = t2 - t1;
         if (s->kernel_us)

@@ -37,8 +37,7 @@ typedef struct duck_host_step {
     const int32_t *dense_ids;     /* [ntok] all 0: a dense layer's one expert */
     const float *dense_weights;   /* [ntok] all 1 */
     /* out, each NULL or one entry per layer */
-    uint64_t *host_ns;            /* the layer step's wall time */
-    uint64_t *ffn_ns;             /* the forward's */
+    uint64_t *ffn_ns;             /* the forward's wall time */
     uint32_t *kernel_us;          /* its slowest duck's kernel time */
 } duck_host_step;
 

@@ -1,13 +1,13 @@
 /* A decode step driven from C: step.h says what and why. */
 #define _GNU_SOURCE
 #include "step.h"
+#include "transport_impl.h"   /* tr_now_ns */
 
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 /* The few CUDA driver entry points used, by their documented C signatures
  * (handles are pointers; CUresult an int; 600 is CUDA_ERROR_NOT_READY). */
@@ -65,13 +65,6 @@ int duck_step_cuda_available(char *err, uint32_t errlen)
     if (err && errlen)
         snprintf(err, errlen, "%s", cu.why);
     return DUCK_STEP_ENOCUDA;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static int cuda_failed(duck_step_result *res, const char *what, uint32_t segment, int rc)
@@ -140,14 +133,14 @@ int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res)
         return cuda_failed(res, "finding the context", 0, rc);
     duck_forward_args a = s->args;
     for (uint32_t i = 0; i < s->n_segments; i++) {
-        uint64_t t0 = now_ns();
+        uint64_t t0 = tr_now_ns();
         rc = cu.graph_launch((void *)(uintptr_t)s->graphs[i], stream);
         if (rc != CU_SUCCESS)
             return cuda_failed(res, "launch", i, rc);
         rc = wait_stream(stream, (int)s->spin_yield);
         if (rc != CU_SUCCESS)
             return cuda_failed(res, "replay", i, rc);
-        uint64_t t1 = now_ns();
+        uint64_t t1 = tr_now_ns();
         if (s->gpu_ns)
             s->gpu_ns[i] = t1 - t0;
         if (i + 1 == s->n_segments)
@@ -158,7 +151,7 @@ int duck_step_run(duck_transport *t, const duck_step *s, duck_step_result *res)
             memcpy(s->ids_log + (size_t)i * s->ids_log_stride, a.expert_ids, a.ntok * a.topk * sizeof(int32_t));
         duck_forward_result *fr = &res->call;
         int frc = duck_transport_forward(t, &a, fr);
-        uint64_t t2 = now_ns();
+        uint64_t t2 = tr_now_ns();
         if (duck_step_add_call(res, frc, i) != DUCK_T_OK)
             return frc;
         if (s->ffn_ns)

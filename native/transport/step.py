@@ -83,9 +83,8 @@ class NativeStep:
 
 @dataclass(slots=True)
 class HostStepTimes:
-    """One host step's layers, from C (seconds): each layer step, each forward, and the
-    slowest duck's kernel time per forward."""
-    host: list[float]
+    """One host step's forwards, from C (seconds): each one's wall time and its slowest
+    duck's kernel time."""
     ffn: list[float]
     kernel: list[float]
 
@@ -98,8 +97,9 @@ class HostStep:
     holding 0 and 1. The caller keeps the tensors alive and begins each step first."""
 
     def __init__(self, session: Session, decoder, n_layers: int, ffn_in, ffn_out, dense, routed=None):
-        for name, t in (("ffn_in", ffn_in), ("ffn_out", ffn_out)):
-            if _wire_view(t, writable=True) is None or t.dtype.itemsize != 4 or t.shape[-1] != session.hidden:
+        x, y = _wire_view(ffn_in), _wire_view(ffn_out, writable=True)
+        for name, view in (("ffn_in", x), ("ffn_out", y)):
+            if view is None or view[1] != lib.DUCK_DT_F32 or view[2][-1] != session.hidden:
                 raise ValueError(f"a host step's {name} must be a contiguous fp32 CPU tensor [tokens, "
                                  f"{session.hidden}]")
         self.session, self.n_layers, self.max_tokens = session, n_layers, ffn_in.shape[0]
@@ -107,17 +107,15 @@ class HostStep:
         s.decoder, s.n_layers = decoder, n_layers
         a = s.args
         a.session, a.hidden = session.id, session.hidden
-        a.x, a.x_dtype = ffi.cast("char *", ffn_in.data_ptr()), lib.DUCK_DT_F32
-        a.y, a.y_dtype = ffi.cast("char *", ffn_out.data_ptr()), lib.DUCK_DT_F32
+        (a.x, a.x_dtype, _), (a.y, a.y_dtype, _) = x, y
         s.dense_ids = ffi.cast("int32_t *", dense[0].data_ptr())
         s.dense_weights = ffi.cast("float *", dense[1].data_ptr())
         if routed is not None:
             s.routed_ids = ffi.cast("int32_t *", routed[0].data_ptr())
             s.routed_weights = ffi.cast("float *", routed[1].data_ptr())
             s.routed_topk = routed[2]
-        self._host_ns, self._ffn_ns = ffi.new("uint64_t[]", n_layers), ffi.new("uint64_t[]", n_layers)
-        self._kernel_us = ffi.new("uint32_t[]", n_layers)
-        s.host_ns, s.ffn_ns, s.kernel_us = self._host_ns, self._ffn_ns, self._kernel_us
+        self._ffn_ns, self._kernel_us = ffi.new("uint64_t[]", n_layers), ffi.new("uint32_t[]", n_layers)
+        s.ffn_ns, s.kernel_us = self._ffn_ns, self._kernel_us
         self._res = ffi.new("duck_step_result *")
 
     def run(self, ntok: int) -> HostStepTimes:
@@ -136,8 +134,7 @@ class HostStep:
         c = res.call
         session.last_requests, session.last_request_tokens, session.last_pipeline, session.last_group = (
             c.requests, c.request_tokens, c.pipeline, c.group)
-        return HostStepTimes(host=[self._host_ns[i] * 1e-9 for i in range(n)],
-                             ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel)
+        return HostStepTimes(ffn=[self._ffn_ns[i] * 1e-9 for i in range(n)], kernel=kernel)
 
 
 class HostStepError(RuntimeError):
