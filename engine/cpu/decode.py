@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from engine.cpu.host_model import WEIGHT_TYPES, HalfOverflow, HostModel, UnsupportedModel
+from engine.cpu.host_model import WEIGHT_TYPES, HalfUnfit, HostModel, UnsupportedModel
 from engine.prefill import prefill_chunks
 from native._native import ffi, lib
 from native.host.ops import host_kernels, kernels_name
@@ -82,7 +82,7 @@ class CpuDecoder:
         weights = weights or weight_type()
         try:
             self.host = HostModel(model, cache, max_tokens, weights)   # raises UnsupportedModel
-        except HalfOverflow as e:
+        except HalfUnfit as e:
             log.warning("native CPU decoder: %s", e)
             self.host = HostModel(model, cache, max_tokens, "float32")
         self.weights = self.host.weights

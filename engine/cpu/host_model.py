@@ -4,11 +4,12 @@ what it needs (fp32, on the CPU, contiguous, the Llama family's layout), and
 kept referenced for as long as the description lives.
 
 The projections (q, k, v, o) and lm_head are read as float16 copies by default
-(weights="float16"): half the bytes of a decode step, which on the CPU is bound
+(weights="float16", packed in the kernels' panels of 16 rows): half the bytes of a decode step, which on the CPU is bound
 by memory bandwidth; the arithmetic stays fp32 and the rounding (2^-11
 relative per weight) is far below the fp9 experts'. weights="float32" reads
 the model's own tensors in place. A model with weights beyond float16's range
-raises HalfOverflow (engine.cpu.decode then takes float32).
+raises HalfOverflow, one whose head_dim is not a multiple of 16 (the packed
+panels' rows) HalfUnfit: engine.cpu.decode then takes float32.
 
 Supported: Llama (SmolLM2 and the like), Qwen3 (per-head q/k RMSNorm) and
 Qwen3-MoE (softmax top-k router on the host). Anything else raises
@@ -25,6 +26,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
 from native._native import ffi, lib
+from native.host.ops import pack_half
 
 FAMILIES = (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 SUPPORTED = ("llama", "qwen3", "qwen3_moe")
@@ -37,7 +39,11 @@ class UnsupportedModel(ValueError):
     """The native CPU decoder cannot run this model (or this cache); says why."""
 
 
-class HalfOverflow(UnsupportedModel):
+class HalfUnfit(UnsupportedModel):
+    """The model cannot have float16 projections (engine.cpu.decode then takes float32)."""
+
+
+class HalfOverflow(HalfUnfit):
     """A projection or lm_head holds values float16 cannot (|w| > 65504)."""
 
 
@@ -53,6 +59,9 @@ class HostModel:
         if type(model) not in FAMILIES:
             raise UnsupportedModel(f"{type(model).__name__} ({config.model_type}) is not supported by the native "
                                    f"CPU decoder (supported: {', '.join(SUPPORTED)})")
+        if weights == "float16" and config.head_dim % lib.DUCK_HOST_PANEL:
+            raise HalfUnfit(f"head_dim {config.head_dim} is not a multiple of {lib.DUCK_HOST_PANEL} (a head's rows "
+                            "must start a panel of the packed float16 weights): the projections stay float32")
         self._keep: list[torch.Tensor] = []   # every tensor the C points into
         self.config = config
         m = self.model = ffi.new("duck_host_model *")
@@ -121,7 +130,8 @@ class HostModel:
         if not torch.isfinite(half).all():
             raise HalfOverflow(f"{what} holds values beyond float16's range (max |w| = "
                                f"{float(t.abs().max()):.4g} > 65504): its projections stay float32")
-        return self._ptr(half, "const void *")
+        packed = torch.empty(lib.duck_host_packed_halves(*shape), dtype=torch.float16)
+        return self._ptr(pack_half(half, packed), "const void *")   # the kernels' panels of 16 rows
 
     @staticmethod
     def _linear(module: nn.Module, what: str) -> torch.Tensor:

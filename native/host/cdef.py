@@ -21,6 +21,8 @@ typedef struct duck_host_kernels {
     duck_host_gemm_h_fn gemm_h; duck_host_softmax_exp_fn softmax_exp; ...;
 } duck_host_kernels;
 float duck_half_to_float(uint16_t h);
+size_t duck_host_packed_halves(uint32_t rows, uint32_t k);
+void duck_host_pack_half(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint16_t *out);
 const duck_host_kernels *duck_host_kernels_ref(void);
 const duck_host_kernels *duck_host_kernels_avx2(void);
 const duck_host_kernels *duck_host_kernels_avx512(void);
@@ -39,6 +41,7 @@ void duck_host_topk_softmax(const float *logits, uint32_t n, uint32_t topk, int 
                             float *weights);
 #define DUCK_HOST_F32 ...
 #define DUCK_HOST_F16 ...
+#define DUCK_HOST_PANEL ...
 void duck_host_gemm(duck_pool *pool, const duck_host_kernels *k, uint32_t wtype, const void *w, uint32_t rows,
                     uint32_t kdim, uint32_t ntok, const float *x, float *y);
 

@@ -67,6 +67,8 @@ static const char *check_model(const duck_host_model *m, const duck_host_io *io)
         return "eps must be positive";
     if (m->wtype != DUCK_HOST_F32 && m->wtype != DUCK_HOST_F16)
         return "wtype must be DUCK_HOST_F32 or DUCK_HOST_F16";
+    if (m->wtype == DUCK_HOST_F16 && m->head_dim % DUCK_HOST_PANEL)
+        return "half weights need head_dim a multiple of 16 (a head's rows start a packed panel)";
     if (m->slots > 1 && m->slot_stride < (uint64_t)m->max_len * m->kv_heads * m->head_dim)
         return "slot_stride is less than one slot's cache (max_len * kv_heads * head_dim)";
     int routed = 0;

@@ -47,7 +47,8 @@ typedef struct duck_host_model {
     const float *final_norm;                  /* [hidden] */
     const void *lm_head;                      /* [vocab, hidden] (the embedding when tied); wtype */
     uint32_t wtype;                           /* the projections' and lm_head's: DUCK_HOST_F32 or DUCK_HOST_F16
-                                                 (everything else is fp32) */
+                                                 (packed: duck_host_pack_half; head_dim a multiple of
+                                                 DUCK_HOST_PANEL); everything else is fp32 */
     const duck_host_layer *layer;             /* [layers], copied by create */
 } duck_host_model;
 

@@ -20,11 +20,16 @@ extern "C" {
  * the rows between threads. */
 typedef void (*duck_host_gemm_fn)(const float *w, size_t ldw, uint32_t rows, uint32_t k,
                                   uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
-/* The same with IEEE half weights: every sum is formed exactly as gemm forms
- * it on the weights converted to fp32 (the conversion is exact), so the two
- * give identical results. */
+/* The same with IEEE half weights packed in panels of DUCK_HOST_PANEL rows
+ * (duck_host_pack_half): panel p holds rows 16p .. 16p + 15 column by column,
+ * w[(16p) * ldw + 16c + i] = row 16p + i, column c (ldw: the columns a row was
+ * packed with; rows past the matrix's last are zero), and w points at the
+ * first row's panel. Each (row, token) sum is one chain over the columns in
+ * index order (fused multiply-adds in the vector sets), so a token's result
+ * depends neither on the row split nor on how many tokens share the call. */
 typedef void (*duck_host_gemm_h_fn)(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k,
                                     uint32_t ntok, const float *x, size_t ldx, float *y, size_t ldy);
+#define DUCK_HOST_PANEL 16u
 /* sum_i a[i] * b[i], i < n */
 typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
 /* y[c] = sum_r p[r] * v[r * ldv + c] for c < n (attention's weighted sum of values) */
@@ -47,6 +52,13 @@ typedef struct duck_host_kernels {
 
 /* IEEE half -> fp32, exact (subnormals, infinities and NaN included) */
 float duck_half_to_float(uint16_t h);
+/* Halves w [rows, k] (rows ldw apart) into gemm_h's panels at out, which holds
+ * duck_host_packed_halves(rows, k) of them (the last panel's missing rows zero). */
+size_t duck_host_packed_halves(uint32_t rows, uint32_t k);
+void duck_host_pack_half(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint16_t *out);
+/* The AVX2+FMA+F16C gemm_h, which the AVX-512 set shares. */
+void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
+                           const float *x, size_t ldx, float *y, size_t ldy);
 
 const duck_host_kernels *duck_host_kernels_ref(void);
 /* The AVX2+FMA softmax_exp, which the AVX-512 set shares (every AVX-512F CPU has both). */

@@ -1,7 +1,8 @@
 /* AVX2+FMA host kernels: 8 lanes, tails through maskload (masked-off lanes
- * are not read). Same shape as the AVX-512 set: one accumulator per sum,
- * four rows at a time. Half weights are widened with F16C into an fp32 panel
- * in L1 and then run through the same FMA chain as fp32 weights. */
+ * are not read). fp32 weights: same shape as the AVX-512 set, one accumulator
+ * per sum, four rows at a time. Half weights (packed in panels of sixteen
+ * rows) run with the rows in the lanes: a register tile of sixteen rows and
+ * up to six tokens, widened with F16C as they are loaded. */
 #include "host_kernels.h"
 
 #include <math.h>
@@ -46,7 +47,7 @@ static float dot_avx2(const float *a, const float *b, uint32_t n)
 
 /* Four rows' sums with one token, columns [0, n) of w0..w3 and xt, carried in
  * a[4]: full vectors in index order, then the tail (masked-off lanes read as
- * zero). gemm and gemm_h both form every sum through this chain. */
+ * zero). gemm forms every sum through this chain. */
 static inline void fma4(const float *w0, const float *w1, const float *w2, const float *w3, const float *xt,
                         uint32_t n, __m256 a[4])
 {
@@ -182,15 +183,102 @@ static void gemm_avx2(const float *w, size_t ldw, uint32_t rows, uint32_t k, uin
             y[t * ldy + r] = dot8(w + r * ldw, x + t * ldx, full, rest, tail);
 }
 
-/* Half weights (host_gemm_h_body.h): rows widened with F16C into an fp32 panel,
- * then fma4_tokens over it. */
-#define GEMM_H gemm_h_avx2
-#define VEC __m256
-#define VEC_LANES 8u
-#define VEC_ZERO _mm256_setzero_ps
-#define VEC_SUM hsum
-#define VEC_WIDEN(p, h) _mm256_store_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h))))
-#include "host_gemm_h_body.h"
+/* Half weights, packed (host_kernels.h): a panel's column is sixteen halves,
+ * two vectors once widened. Per column a tile loads them, broadcasts each
+ * token's activation and makes two FMAs per token; each output is one FMA
+ * chain over the columns in order, whatever the tile, so the tiles below
+ * only choose how many chains run at once. */
+#define TILE_TOKENS 6u    /* 12 accumulators, 2 row vectors, 1 broadcast: 15 of the 16 registers */
+#define GEMV_PANELS 4u    /* one token: four panels at once, eight chains */
+
+static inline __m256 widen8(const uint16_t *h)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* y[row i] for i < live (<= 16) from two vectors of eight rows: plain stores for a whole panel. */
+static inline void store16(float *y, __m256 a0, __m256 a1, uint32_t live)
+{
+    if (live == DUCK_HOST_PANEL) {
+        _mm256_storeu_ps(y, a0);
+        _mm256_storeu_ps(y + 8, a1);
+        return;
+    }
+    _mm256_maskstore_ps(y, tail_mask(live), a0);
+    if (live > 8)
+        _mm256_maskstore_ps(y + 8, tail_mask(live - 8), a1);
+}
+
+/* T tokens (x rows ldx apart, y rows ldy apart) against one panel p, k columns. */
+static inline __attribute__((always_inline)) void tile_h(const uint16_t *p, uint32_t k, const float *x, size_t ldx,
+                                                         const int T, float *y, size_t ldy, uint32_t live)
+{
+    __m256 c0[TILE_TOKENS], c1[TILE_TOKENS];
+#pragma GCC unroll 6
+    for (int i = 0; i < T; i++)
+        c0[i] = c1[i] = _mm256_setzero_ps();
+    for (uint32_t c = 0; c < k; c++) {
+        const __m256 w0 = widen8(p + DUCK_HOST_PANEL * c), w1 = widen8(p + DUCK_HOST_PANEL * c + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < T; i++) {
+            const __m256 b = _mm256_broadcast_ss(x + i * ldx + c);
+            c0[i] = _mm256_fmadd_ps(w0, b, c0[i]);
+            c1[i] = _mm256_fmadd_ps(w1, b, c1[i]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < T; i++)
+        store16(y + i * ldy, c0[i], c1[i], live);
+}
+
+/* One token against GEMV_PANELS whole panels at once (the latency of one panel's two chains hidden). */
+static void gemv_panels_h(const uint16_t *p, size_t panel, uint32_t k, const float *x, float *y)
+{
+    __m256 a[2 * GEMV_PANELS];
+    for (uint32_t i = 0; i < 2 * GEMV_PANELS; i++)
+        a[i] = _mm256_setzero_ps();
+    for (uint32_t c = 0; c < k; c++) {
+        const __m256 b = _mm256_broadcast_ss(x + c);
+        const uint16_t *q = p + DUCK_HOST_PANEL * c;
+#pragma GCC unroll 4
+        for (uint32_t j = 0; j < GEMV_PANELS; j++) {
+            a[2 * j] = _mm256_fmadd_ps(widen8(q + j * panel), b, a[2 * j]);
+            a[2 * j + 1] = _mm256_fmadd_ps(widen8(q + j * panel + 8), b, a[2 * j + 1]);
+        }
+    }
+    for (uint32_t i = 0; i < 2 * GEMV_PANELS; i++)
+        _mm256_storeu_ps(y + 8 * i, a[i]);
+}
+
+void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
+                           const float *x, size_t ldx, float *y, size_t ldy)
+{
+    const size_t panel = (size_t)DUCK_HOST_PANEL * ldw;
+    uint32_t r = 0;
+    if (ntok == 1)
+        for (; r + GEMV_PANELS * DUCK_HOST_PANEL <= rows; r += GEMV_PANELS * DUCK_HOST_PANEL)
+            gemv_panels_h(w + (size_t)r * ldw, panel, k, x, y + r);
+    /* tiles of balanced sizes: 16 tokens run as 6 + 5 + 5 */
+    const uint32_t ntiles = (ntok + TILE_TOKENS - 1) / TILE_TOKENS;
+    for (; r < rows; r += DUCK_HOST_PANEL) {
+        const uint16_t *p = w + (size_t)r * ldw;
+        const uint32_t live = rows - r < DUCK_HOST_PANEL ? rows - r : DUCK_HOST_PANEL;
+        for (uint32_t j = 0, t = 0; j < ntiles; j++) {
+            const uint32_t T = (ntok - t + (ntiles - j) - 1) / (ntiles - j);
+            const float *xt = x + t * ldx;
+            float *yt = y + t * ldy + r;
+            switch (T) {
+            case 1: tile_h(p, k, xt, ldx, 1, yt, ldy, live); break;
+            case 2: tile_h(p, k, xt, ldx, 2, yt, ldy, live); break;
+            case 3: tile_h(p, k, xt, ldx, 3, yt, ldy, live); break;
+            case 4: tile_h(p, k, xt, ldx, 4, yt, ldy, live); break;
+            case 5: tile_h(p, k, xt, ldx, 5, yt, ldy, live); break;
+            default: tile_h(p, k, xt, ldx, 6, yt, ldy, live); break;
+            }
+            t += T;
+        }
+    }
+}
 
 /* 32 columns (four vectors) per pass over the rows. */
 static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
@@ -275,7 +363,7 @@ float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale)
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, gemm_h_avx2,
+static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, duck_host_gemm_h_avx2,
                                          duck_host_softmax_exp_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx2(void)

@@ -1,8 +1,7 @@
 /* AVX-512F host kernels: 16 lanes, tails through masked loads (a masked-off
  * lane is never read, so no row needs padding). One accumulator per sum,
  * four rows at a time for independent FMA chains and memory streams. Half
- * weights are widened into an fp32 panel in L1 and run through the same FMA
- * chain as fp32 weights. */
+ * weights (packed panels) run through the AVX2 set's kernel. */
 #include "host_kernels.h"
 
 #include <string.h>
@@ -34,8 +33,8 @@ static float dot_avx512(const float *a, const float *b, uint32_t n)
 }
 
 /* Four rows' sums with one token over columns [0, n), carried in a[4]: full
- * vectors in index order, then the masked tail. gemm and gemm_h both form every
- * sum through this chain. */
+ * vectors in index order, then the masked tail. gemm forms every sum through
+ * this chain. */
 static inline void fma4(const float *w0, const float *w1, const float *w2, const float *w3, const float *xt,
                         uint32_t n, __m512 a[4])
 {
@@ -89,16 +88,6 @@ static inline void fma4_tokens(const float *w0, const float *w1, const float *w2
         fma4(w0, w1, w2, w3, x + t * ldx, n, a[t]);
 }
 
-/* Half weights (host_gemm_h_body.h): rows widened into an fp32 panel, then
- * fma4_tokens over it. */
-#define TOKEN_TILE 32u
-#define GEMM_H gemm_h_avx512
-#define VEC __m512
-#define VEC_LANES 16u
-#define VEC_ZERO _mm512_setzero_ps
-#define VEC_SUM _mm512_reduce_add_ps
-#define VEC_WIDEN(p, h) _mm512_store_ps(p, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h))))
-#include "host_gemm_h_body.h"
 
 /* 64 columns (four vectors) per pass over the rows. */
 static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
@@ -126,13 +115,15 @@ static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t r
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512, gemm_h_avx512,
+/* Half weights: the AVX2 set's packed kernel (a panel of sixteen rows is two 8-lane vectors there). */
+static const duck_host_kernels k_avx512 = {"avx512", gemm_avx512, dot_avx512, gemv_t_avx512, duck_host_gemm_h_avx2,
                                            duck_host_softmax_exp_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx512(void)
 {
     __builtin_cpu_init();
-    const int ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
     return ok ? &k_avx512 : NULL;
 }
 

@@ -39,16 +39,36 @@ static void gemm_ref(const float *w, size_t ldw, uint32_t rows, uint32_t k, uint
             y[t * ldy + r] = dot_ref(w + r * ldw, x + t * ldx, k);
 }
 
+size_t duck_host_packed_halves(uint32_t rows, uint32_t k)
+{
+    return (size_t)(rows + DUCK_HOST_PANEL - 1) / DUCK_HOST_PANEL * DUCK_HOST_PANEL * k;
+}
+
+void duck_host_pack_half(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint16_t *out)
+{
+    const uint32_t padded = (rows + DUCK_HOST_PANEL - 1) / DUCK_HOST_PANEL * DUCK_HOST_PANEL;
+    for (uint32_t r = 0; r < padded; r++)
+        for (uint32_t c = 0; c < k; c++)
+            out[(size_t)(r - r % DUCK_HOST_PANEL) * k + (size_t)c * DUCK_HOST_PANEL + r % DUCK_HOST_PANEL] =
+                r < rows ? w[(size_t)r * ldw + c] : 0;
+}
+
+/* Row r, column c of packed half weights (host_kernels.h). */
+static float packed(const uint16_t *w, size_t ldw, uint32_t r, uint32_t c)
+{
+    return duck_half_to_float(w[(size_t)(r - r % DUCK_HOST_PANEL) * ldw + (size_t)c * DUCK_HOST_PANEL +
+                                r % DUCK_HOST_PANEL]);
+}
+
 static void gemm_h_ref(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
                        const float *x, size_t ldx, float *y, size_t ldy)
 {
     for (uint32_t r = 0; r < rows; r++)
         for (uint32_t t = 0; t < ntok; t++) {
-            const uint16_t *wr = w + r * ldw;
             const float *xt = x + t * ldx;
             float acc = 0.0f;
             for (uint32_t c = 0; c < k; c++)
-                acc += duck_half_to_float(wr[c]) * xt[c];
+                acc += packed(w, ldw, r, c) * xt[c];
             y[t * ldy + r] = acc;
         }
 }

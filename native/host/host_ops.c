@@ -146,7 +146,8 @@ void duck_host_run_phases(duck_pool *pool, duck_host_phase *phases, uint32_t n_p
         duck_pool_run(pool, phase_task, &run);
 }
 
-/* Rows per item: about 64 KiB of weights, a multiple of the kernels' 4-row block. */
+/* Rows per item: about 64 KiB of weights, a multiple of the half weights' 16-row panel
+ * (an item starts at a panel) and so of the fp32 kernels' 4-row block. */
 #define GEMM_ITEM_BYTES 65536u
 
 static size_t wtype_bytes(uint32_t wtype) { return wtype == DUCK_HOST_F16 ? 2u : 4u; }
@@ -173,7 +174,7 @@ static void gemm_item(void *ctx, uint32_t item, unsigned worker)
 void duck_host_gemm_phase(duck_host_gemm_job *job, duck_host_phase *phase)
 {
     uint32_t per = (uint32_t)(GEMM_ITEM_BYTES / (wtype_bytes(job->wtype) * (job->kdim ? job->kdim : 1u)));
-    job->rows_per_item = per < 4 ? 4 : per & ~3u;
+    job->rows_per_item = per < DUCK_HOST_PANEL ? DUCK_HOST_PANEL : per & ~(DUCK_HOST_PANEL - 1u);
     phase->n = job->ntok ? (job->rows + job->rows_per_item - 1) / job->rows_per_item : 0;
     phase->body = gemm_item;
     phase->ctx = job;

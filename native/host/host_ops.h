@@ -65,12 +65,14 @@ typedef struct duck_host_phase {
 void duck_host_run_phases(duck_pool *pool, duck_host_phase *phases, uint32_t n_phases);
 
 /* The weights of the host's GEMMs: the model's own fp32 tensors, or IEEE half
- * copies of them (the projections and lm_head: half the bytes per token). */
+ * copies of them packed in panels (the projections and lm_head: half the bytes
+ * per token; host_kernels.h's gemm_h). */
 #define DUCK_HOST_F32 0u
 #define DUCK_HOST_F16 1u
 
 /* y[t * ldy + i] = row r0 + i of w [*, ldw] (wtype) . x[t], i < rows: the kernel
- * set's gemm or gemm_h (y points at row r0's output). */
+ * set's gemm or gemm_h (y points at row r0's output; with half weights r0 is a
+ * multiple of DUCK_HOST_PANEL). */
 void duck_host_gemm_rows(const duck_host_kernels *k, uint32_t wtype, const void *w, size_t ldw, uint32_t r0,
                          uint32_t rows, uint32_t kdim, uint32_t ntok, const float *x, size_t ldx, float *y,
                          size_t ldy);

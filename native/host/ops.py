@@ -49,17 +49,40 @@ def _ptr(a: np.ndarray, kind: str = "float *"):
     return ffi.cast(kind, ffi.from_buffer(a))
 
 
+def pack_half(w, out=None):
+    """Half weights [N, K] (numpy float16, or a contiguous CPU torch float16 tensor) in the
+    half-weight kernels' panels (host_kernels.h, gemm_h): a flat array of
+    duck_host_packed_halves(N, K) halves, numpy, or into out (of that many, numpy or torch)."""
+    rows, k = (int(n) for n in w.shape)
+    n = lib.duck_host_packed_halves(rows, k)
+    if out is None:
+        out = np.empty(n, dtype=np.float16)
+    size = out.numel() if hasattr(out, "numel") else out.size
+    if size != n:
+        raise ValueError(f"pack_half: out holds {size} halves, [{rows}, {k}] packs into {n}")
+    lib.duck_host_pack_half(_ptr_any(w, "const uint16_t *"), k, rows, k, _ptr_any(out, "uint16_t *"))
+    return out
+
+
+def _ptr_any(a, kind: str):
+    """A contiguous numpy array's or CPU torch tensor's data as a cffi pointer."""
+    if hasattr(a, "data_ptr"):
+        return ffi.cast(kind, a.data_ptr())
+    return ffi.cast(kind, ffi.from_buffer(np.ascontiguousarray(a)))
+
+
 def gemm(w, x, kernel_set: str = "best", pool=None) -> np.ndarray:
     """y [T, N] = x [T, K] W [N, K]^T (pool: a native.kernels.Pool, or None for this thread).
-    W float16 runs the half-weight kernels (gemm_h), anything else fp32."""
+    W float16 runs the half-weight kernels (gemm_h, on W packed first), anything else fp32."""
     half = getattr(w, "dtype", None) == np.float16
     w, x = (np.ascontiguousarray(w) if half else _f32(w)), _f32(x)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm: x {x.shape} and W {w.shape} do not share K")
     y = _poisoned((x.shape[0], w.shape[0]))
+    weights = pack_half(w) if half else w
     lib.duck_host_gemm(pool.ptr if pool is not None else ffi.NULL, host_kernels(kernel_set),
-                       lib.DUCK_HOST_F16 if half else lib.DUCK_HOST_F32, _ptr(w, "void *"), w.shape[0], w.shape[1],
-                       x.shape[0], _ptr(x), _ptr(y))
+                       lib.DUCK_HOST_F16 if half else lib.DUCK_HOST_F32, _ptr(weights, "void *"), w.shape[0],
+                       w.shape[1], x.shape[0], _ptr(x), _ptr(y))
     return y
 
 

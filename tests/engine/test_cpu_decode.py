@@ -127,6 +127,16 @@ def test_weights_beyond_float16_keep_float32(caplog):
     assert "model.layers.1.self_attn.v_proj.weight holds values beyond float16's range" in caplog.text
 
 
+def test_a_head_dim_off_the_half_panels_keeps_float32(caplog):
+    """Packed float16 projections need a head's rows to start a panel of 16: head_dim 24 keeps
+    fp32 with a warning, and decodes as the torch path does."""
+    model = _random_model("llama", head_dim=24)
+    decoder = CpuDecoder(model, model.make_cache(4), weights="float16")
+    assert decoder.weights == "float32"
+    assert "head_dim 24 is not a multiple of 16" in caplog.text
+    assert max(_steps_both_ways(model)) <= LOGITS_RTOL
+
+
 def test_a_bad_weight_type_is_named(tiny, monkeypatch):
     model = tiny("llama").model
     monkeypatch.setenv("DUCK_CPU_WEIGHTS", "int3")

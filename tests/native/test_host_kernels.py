@@ -68,18 +68,60 @@ def test_fast_gemm_agrees_with_ref(name, k):
     _check_rel(fast, ref, x64 @ w64.T, f"{name} vs ref", 2 * DOT_REL_TOL)
 
 
+def _kernel_gemm_h(w16: np.ndarray, x: np.ndarray, name: str, pad: int = 0) -> np.ndarray:
+    """The kernel table's gemm_h on this thread over w16 packed (ops.pack_half), x's rows
+    `pad` NaN floats longer than K: y [T, N + pad] (the pad must stay NaN)."""
+    n, k = w16.shape
+    packed, x = ops.pack_half(w16), ops._padded(x, pad)
+    y = ops._poisoned((x.shape[0], n + pad))
+    ops.host_kernels(name).gemm_h(ops._ptr(packed, "uint16_t *"), k, n, k, x.shape[0], ops._ptr(x), x.shape[1],
+                                  ops._ptr(y), y.shape[1])
+    return y
+
+
+def test_half_weights_pack_into_panels_of_sixteen_rows():
+    """Panel p holds rows 16p .. 16p + 15 column by column; the last panel's missing rows are zero."""
+    w = np.arange(37 * 5, dtype=np.float16).reshape(37, 5)
+    packed = ops.pack_half(w).reshape(3, 5, 16)
+    padded = np.zeros((48, 5), dtype=np.float16)
+    padded[:37] = w
+    assert np.array_equal(packed, padded.reshape(3, 16, 5).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match=r"out holds 7 halves, \[37, 5\] packs into 240"):
+        ops.pack_half(w, np.empty(7, dtype=np.float16))
+
+
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 17), (37, 33), (1027, 576), (64, 1500)])
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 7, 13, 40])
+def test_half_weights_match_float64(name, n, k, t):
+    """gemm_h (the decoder's projections and lm_head) on packed float16 weights, against the
+    products in float64: every token-tile size, rows past the last panel's, no write past the
+    output rows."""
+    w16, x = _data(n, k, seed=n + k).astype(np.float16), _data(t, k, seed=t)
+    y = _kernel_gemm_h(w16, x, kernel_set(name), pad=3)
+    assert np.all(np.isnan(y[:, n:])), f"{name}: gemm_h wrote past the output rows"
+    w64, x64 = w16.astype(np.float64), x.astype(np.float64)
+    _check_rel(y[:, :n], x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, f"{name} gemm_h {t}x{k} by {n}x{k}")
+
+
 @pytest.mark.parametrize("name", SETS)
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("k, t", [(576, 1), (576, 40), (1500, 3)])
-def test_half_weights_give_exactly_the_widened_fp32_result(name, threads, k, t):
-    """gemm on float16 weights (the decoder's projections and lm_head) is gemm on
-    them widened to fp32, bit for bit, pooled or not, over the kernels' 1024-column
-    panels and 32-token tiles."""
-    w16, x = _data(1027, k, seed=k).astype(np.float16), _data(t, k, seed=t)
+def test_half_weights_give_a_token_the_same_bits_alone_and_in_a_batch(name, threads):
+    """Each (row, token) sum of gemm_h is one chain over the columns: a token alone, in a
+    batch of any size, pooled or not, gets the same bits (a request's tokens do not depend
+    on who shares its step)."""
+    w16, x = _data(1027, 576, seed=3).astype(np.float16), _data(40, 576, seed=4)
+    alone = np.concatenate([_kernel_gemm_h(w16, x[i:i + 1], kernel_set(name)) for i in range(40)])
+    for t in (2, 3, 6, 13, 40):
+        assert np.array_equal(ops.gemm(w16, x[:t], name, Pool(threads, pin=False)), alone[:t]), t
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_half_weights_agree_with_the_widened_fp32_gemm(name):
+    w16, x = _data(1027, 576, seed=5).astype(np.float16), _data(7, 576, seed=6)
     wide = ops.kernel_gemm(w16.astype(np.float32), x, kernel_set(name))
-    assert np.array_equal(ops.gemm(w16, x, name, Pool(threads, pin=False)), wide)
-    w64, x64 = w16.astype(np.float64), x.astype(np.float64)
-    _check_rel(wide, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, f"{name} gemm_h {t}x{k}")
+    w64, x64 = np.abs(w16.astype(np.float64)), np.abs(x.astype(np.float64))
+    _check_rel(ops.gemm(w16, x, name), wide, x64 @ w64.T, f"{name} gemm_h vs gemm", 2 * DOT_REL_TOL)
 
 
 @pytest.mark.parametrize("name", SETS)
