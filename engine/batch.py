@@ -289,7 +289,8 @@ def _greedy_tokens(wants, logits) -> dict[int, int]:
         at += n
     if not rows:
         return {}
-    return dict(zip(rows, logits[rows].argmax(dim=-1).tolist()))
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]   # every row: no copy of [T, V] first
+    return dict(zip(rows, picked.argmax(dim=-1).tolist()))
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
