@@ -29,6 +29,7 @@ from duckd.fleet import State
 log = logging.getLogger("duckd.chat")
 
 ROLES = ("system", "user", "assistant")
+COVER_HINT = " (fleet.host_cover_mb sets that budget)"
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,6 +175,9 @@ class ChatService:
             return
         for duck in d.fleet.ducks:
             if duck.state != State.SERVING and not d.lost.covers(duck.id):
+                uncovered = d.lost.uncovered()
+                if uncovered:    # the same words a chat under way gets (_events)
+                    raise Unavailable(f"the fleet cannot serve: {uncovered}{COVER_HINT}")
                 why = f": {duck.reason}" if duck.reason else ""
                 raise Unavailable(f"duck {duck.id} is {duck.state.name}{why}; a chat needs every duck SERVING, "
                                   "retry shortly")
@@ -387,7 +391,7 @@ class ChatService:
                 yield self._finish(DoneEvent(stats, "cancelled"))
                 return
             elif kind == "unavailable":
-                hint = " (fleet.host_cover_mb sets that budget)" if "cover budget" in value else ""
+                hint = COVER_HINT if "cover budget" in value else ""
                 raise Unavailable(f"the fleet failed during the chat: {value}{hint}")
             elif kind == "refused":
                 raise value

@@ -31,6 +31,12 @@ class LostDucks:
         if self.ffn is not None:
             self.ffn.on_lost = self._from_forward
 
+    def uncovered(self) -> str:
+        """Why a lost duck's slices have nobody to compute them ("" when all have someone):
+        the ducks, the memory and the cover budget, as a forward that meets it says."""
+        ffn = self.ffn
+        return ffn.fleet.cover_error() if ffn is not None else ""
+
     def covers(self, duck_id: int) -> bool:
         """Whether a duck that is not serving has its slices computed elsewhere (a chat may run)."""
         from native._native import lib

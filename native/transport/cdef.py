@@ -139,6 +139,7 @@ int duck_transport_set_cover(duck_transport *t, const duck_cover_config *c, char
 int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *err, uint32_t errlen);
 int duck_transport_lost(const duck_transport *t, uint32_t duck);
 int32_t duck_transport_route(const duck_transport *t, uint32_t slice);
+const char *duck_transport_cover_error(const duck_transport *t);
 uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok);
 typedef struct duck_cover duck_cover;
 duck_cover *duck_cover_create(uint32_t n_slices, duck_pool *pool, const duck_kernels *kernels);

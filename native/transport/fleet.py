@@ -402,6 +402,11 @@ class Fleet:
         t = self._open()
         return [lib.duck_transport_route(t, d) for d in range(self.n_ducks)]
 
+    def cover_error(self) -> str:
+        """Why some slice has no route now (the ducks lost, the memory their slices need, the
+        cover budget), or "" while every slice has one; read like routes()."""
+        return ffi.string(lib.duck_transport_cover_error(self._open())).decode(errors="replace")
+
     def lost_after_ms(self, duck: int, ntok: int = 1) -> float:
         """The silence after which a forward of ntok tokens marks this duck lost now."""
         with self._lock:

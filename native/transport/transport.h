@@ -224,6 +224,9 @@ int duck_transport_lost(const duck_transport *t, uint32_t duck);
 #define DUCK_ROUTE_HOST -1
 #define DUCK_ROUTE_NONE -2
 int32_t duck_transport_route(const duck_transport *t, uint32_t slice);
+/* Why some slice has no route (the ducks lost, the memory their slices need and the
+ * cover budget), or "" while every slice has one. */
+const char *duck_transport_cover_error(const duck_transport *t);
 /* The silence after which a forward call of ntok tokens marks duck lost now, in microseconds. */
 uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok);
 

@@ -137,6 +137,11 @@ int duck_transport_lost(const duck_transport *t, uint32_t duck)
     return duck < t->cfg.n_ducks && t->link[duck].lost;
 }
 
+const char *duck_transport_cover_error(const duck_transport *t)
+{
+    return t->cover_err;
+}
+
 int32_t duck_transport_route(const duck_transport *t, uint32_t slice)
 {
     if (slice >= t->cfg.n_ducks)

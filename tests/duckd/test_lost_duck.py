@@ -176,6 +176,11 @@ def test_past_the_cover_budget_the_chat_names_the_ducks_and_the_memory(tmp_path)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         msg = e.value.details()
         assert "ducks 0, 1 lost" in msg and "MiB" in msg and "fleet.host_cover_mb" in msg, msg
+        with pytest.raises(grpc.RpcError) as again:   # while they are down: refused up front, in the same words
+            stream(daemon)
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+        msg = again.value.details()
+        assert msg.startswith("the fleet cannot serve: ducks 0, 1 lost") and "fleet.host_cover_mb" in msg, msg
         all_serving(daemon)
         text, stats = daemon.chat("Which city is the capital of France?", max_tokens=12)
         assert "Paris" in text

@@ -116,13 +116,14 @@ def test_past_the_budget_the_forward_names_the_ducks_and_the_memory(tmp_path):
         assert "ducks 0, 2 lost" in msg and f"{2 * slice_mb:.1f} MiB" in msg and "cover budget" in msg, msg
         with pytest.raises(DuckError, match="ducks 0, 2 lost"):    # at once now, no deadline waited for
             _run(session, inputs)
+        assert ducks.fleet.cover_error() == msg                # what a daemon's ready check says meanwhile
         for d in (0, 2):                                        # back, with their caches: the session again
             ducks[d].start()
         ducks.fleet.hello()
         for d in (0, 2):
             session.reopen_duck(d)
             ducks.fleet.set_lost(d, False)
-        assert ducks.fleet.routes() == [0, 1, 2]
+        assert ducks.fleet.routes() == [0, 1, 2] and ducks.fleet.cover_error() == ""
         _same_bits(_run(session, inputs), undisturbed)
 
 
