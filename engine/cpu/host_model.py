@@ -4,8 +4,8 @@ what it needs (fp32, on the CPU, contiguous, the Llama family's layout), and
 kept referenced for as long as the description lives.
 
 The projections (q, k, v, o) and lm_head are read as float16 copies by default
-(weights="float16", packed in the kernels' panels of 16 rows): half the bytes of a decode step, which on the CPU is bound
-by memory bandwidth; the arithmetic stays fp32 and the rounding (2^-11
+(weights="float16", packed in the kernels' panels of 16 rows): half the bytes
+of a decode step, which on the CPU is bound by memory bandwidth; the arithmetic stays fp32 and the rounding (2^-11
 relative per weight) is far below the fp9 experts'. weights="float32" reads
 the model's own tensors in place. A model with weights beyond float16's range
 raises HalfOverflow, one whose head_dim is not a multiple of 16 (the packed
@@ -131,7 +131,8 @@ class HostModel:
             raise HalfOverflow(f"{what} holds values beyond float16's range (max |w| = "
                                f"{float(t.abs().max()):.4g} > 65504): its projections stay float32")
         packed = torch.empty(lib.duck_host_packed_halves(*shape), dtype=torch.float16)
-        return self._ptr(pack_half(half, packed), "const void *")   # the kernels' panels of 16 rows
+        pack_half(half.numpy(), packed.numpy())   # the kernels' panels of 16 rows (the views share memory)
+        return self._ptr(packed, "const void *")
 
     @staticmethod
     def _linear(module: nn.Module, what: str) -> torch.Tensor:

@@ -49,26 +49,19 @@ def _ptr(a: np.ndarray, kind: str = "float *"):
     return ffi.cast(kind, ffi.from_buffer(a))
 
 
-def pack_half(w, out=None):
-    """Half weights [N, K] (numpy float16, or a contiguous CPU torch float16 tensor) in the
-    half-weight kernels' panels (host_kernels.h, gemm_h): a flat array of
-    duck_host_packed_halves(N, K) halves, numpy, or into out (of that many, numpy or torch)."""
-    rows, k = (int(n) for n in w.shape)
+def pack_half(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Half weights [N, K] (float16) in the half-weight kernels' panels (host_kernels.h,
+    gemm_h): a flat array of duck_host_packed_halves(N, K) halves, new or out (contiguous)."""
+    w = np.ascontiguousarray(w, dtype=np.float16)
+    rows, k = w.shape
     n = lib.duck_host_packed_halves(rows, k)
     if out is None:
         out = np.empty(n, dtype=np.float16)
-    size = out.numel() if hasattr(out, "numel") else out.size
-    if size != n:
-        raise ValueError(f"pack_half: out holds {size} halves, [{rows}, {k}] packs into {n}")
-    lib.duck_host_pack_half(_ptr_any(w, "const uint16_t *"), k, rows, k, _ptr_any(out, "uint16_t *"))
+    if out.size != n or out.dtype != np.float16 or not out.flags.c_contiguous:
+        raise ValueError(f"pack_half: out is {out.size} {out.dtype} halves, [{rows}, {k}] packs into {n} "
+                         "contiguous float16")
+    lib.duck_host_pack_half(_ptr(w, "const uint16_t *"), k, rows, k, _ptr(out, "uint16_t *"))
     return out
-
-
-def _ptr_any(a, kind: str):
-    """A contiguous numpy array's or CPU torch tensor's data as a cffi pointer."""
-    if hasattr(a, "data_ptr"):
-        return ffi.cast(kind, a.data_ptr())
-    return ffi.cast(kind, ffi.from_buffer(np.ascontiguousarray(a)))
 
 
 def gemm(w, x, kernel_set: str = "best", pool=None) -> np.ndarray:

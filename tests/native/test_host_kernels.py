@@ -86,7 +86,7 @@ def test_half_weights_pack_into_panels_of_sixteen_rows():
     padded = np.zeros((48, 5), dtype=np.float16)
     padded[:37] = w
     assert np.array_equal(packed, padded.reshape(3, 16, 5).transpose(0, 2, 1))
-    with pytest.raises(ValueError, match=r"out holds 7 halves, \[37, 5\] packs into 240"):
+    with pytest.raises(ValueError, match=r"out is 7 float16 halves, \[37, 5\] packs into 240"):
         ops.pack_half(w, np.empty(7, dtype=np.float16))
 
 
