@@ -1,6 +1,6 @@
 /* AVX2+FMA host kernels: 8 lanes, tails through maskload (masked-off lanes
  * are not read). fp32 weights: same shape as the AVX-512 set, one accumulator
- * per sum, four rows at a time. Half weights (packed in panels of sixteen
+ * per sum, four rows at a time, their four sums reduced in one vector. Half weights (packed in panels of sixteen
  * rows) run with the rows in the lanes: a register tile of sixteen rows and
  * up to six tokens, widened with F16C as they are loaded. */
 #include "host_kernels.h"
@@ -21,12 +21,20 @@ static inline __m256i tail_mask(uint32_t lanes)
     return _mm256_loadu_si256((const __m256i *)(ones_then_zeros + 8 - (lanes > 8 ? 8 : lanes)));
 }
 
+/* Every sum of a vector's lanes has one order, ((0+1)+(2+3)) + ((4+5)+(6+7)):
+ * hsum for one vector, hsum4 for four at once (four rows of gemm in one
+ * vector: a few shuffles for four sums instead of a few for each). */
 static inline float hsum(__m256 v)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 q = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
 }
 
 /* The one way every sum is formed: full vectors in index order, then the tail. */
@@ -174,8 +182,7 @@ static void gemm_avx2(const float *w, size_t ldw, uint32_t rows, uint32_t k, uin
                 acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = _mm256_setzero_ps();
             fma4_tokens(w0, w0 + ldw, w0 + 2 * ldw, w0 + 3 * ldw, x + t0 * ldx, ldx, nt, k, acc);
             for (uint32_t t = 0; t < nt; t++)
-                for (uint32_t i = 0; i < 4; i++)
-                    y[(t0 + t) * ldy + r + i] = hsum(acc[t][i]);
+                _mm_storeu_ps(y + (t0 + t) * ldy + r, hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
         }
     }
     for (; r < rows; r++)
@@ -280,28 +287,41 @@ void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_
     }
 }
 
-/* 32 columns (four vectors) per pass over the rows. */
+/* 64 columns (eight vectors, eight chains) per pass over the rows; plain
+ * loads where the 64 are whole, masked ones for the last columns. Each
+ * column's sum is one chain over the rows in order. */
+static inline __attribute__((always_inline)) void gemv_t_block(const float *p, const float *v, size_t ldv,
+                                                               uint32_t rows, float *y, uint32_t left)
+{
+    __m256i m[8];
+    for (int i = 0; i < 8; i++)
+        m[i] = tail_mask(left > 8u * i ? left - 8u * i : 0);
+    __m256 a[8];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm256_setzero_ps();
+    for (uint32_t r = 0; r < rows; r++) {
+        const float *vr = v + r * ldv;
+        const __m256 pr = _mm256_broadcast_ss(p + r);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_fmadd_ps(left >= 64 ? _mm256_loadu_ps(vr + 8 * i) : _mm256_maskload_ps(vr + 8 * i, m[i]),
+                                   pr, a[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        if (left >= 8u * (i + 1))
+            _mm256_storeu_ps(y + 8 * i, a[i]);
+        else if (left > 8u * i)
+            _mm256_maskstore_ps(y + 8 * i, m[i], a[i]);
+    }
+}
+
 static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
 {
-    for (uint32_t c0 = 0; c0 < n; c0 += 32) {
-        const uint32_t left = n - c0;
-        const __m256i m0 = tail_mask(left), m1 = tail_mask(left > 8 ? left - 8 : 0);
-        const __m256i m2 = tail_mask(left > 16 ? left - 16 : 0), m3 = tail_mask(left > 24 ? left - 24 : 0);
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (uint32_t r = 0; r < rows; r++) {
-            const float *vr = v + r * ldv + c0;
-            const __m256 pr = _mm256_set1_ps(p[r]);
-            a0 = _mm256_fmadd_ps(_mm256_maskload_ps(vr, m0), pr, a0);
-            a1 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 8, m1), pr, a1);
-            a2 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 16, m2), pr, a2);
-            a3 = _mm256_fmadd_ps(_mm256_maskload_ps(vr + 24, m3), pr, a3);
-        }
-        _mm256_maskstore_ps(y + c0, m0, a0);
-        _mm256_maskstore_ps(y + c0 + 8, m1, a1);
-        _mm256_maskstore_ps(y + c0 + 16, m2, a2);
-        _mm256_maskstore_ps(y + c0 + 24, m3, a3);
-    }
+    uint32_t c0 = 0;
+    for (; c0 + 64 <= n; c0 += 64)
+        gemv_t_block(p, v + c0, ldv, rows, y + c0, 64);
+    if (c0 < n)
+        gemv_t_block(p, v + c0, ldv, rows, y + c0, n - c0);
 }
 
 /* e^x, x <= 0 here (a score less the largest): Cephes' expf in 8 lanes. x = n ln2 + r
