@@ -1,8 +1,9 @@
 /* AVX2+FMA host kernels: 8 lanes, tails through maskload (masked-off lanes
  * are not read). fp32 weights: same shape as the AVX-512 set, one accumulator
- * per sum, four rows at a time, their four sums reduced in one vector. Half weights (packed in panels of sixteen
- * rows) run with the rows in the lanes: a register tile of sixteen rows and
- * up to six tokens, widened with F16C as they are loaded. */
+ * per sum, four rows at a time, their four sums reduced in one vector. Half
+ * weights (packed in panels of sixteen rows) run with the rows in the lanes:
+ * a register tile of sixteen rows and up to six tokens, widened with F16C as
+ * they are loaded. */
 #include "host_kernels.h"
 
 #include <math.h>
