@@ -118,11 +118,13 @@ def test_the_ducks_die_with_a_killed_daemon(tmp_path):
     before = _duckfw_pids()
     daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=3), state).start()
     mine = _duckfw_pids() - before
-    assert len(mine) == 3
-    for pid in mine:
-        assert os.getsid(pid) == os.getsid(daemon.proc.pid), f"duck {pid} is in a session of its own"
-        assert os.getpgid(pid) == pid, f"duck {pid} shares the process group {os.getpgid(pid)}"
-    daemon.stop(signal.SIGKILL)
+    try:   # a failed check still kills the daemon (its ducks follow it)
+        assert len(mine) == 3
+        for pid in mine:
+            assert os.getsid(pid) == os.getsid(daemon.proc.pid), f"duck {pid} is in a session of its own"
+            assert os.getpgid(pid) == pid, f"duck {pid} shares the process group {os.getpgid(pid)}"
+    finally:
+        daemon.stop(signal.SIGKILL)
     deadline = time.monotonic() + 2.0
     while mine & _duckfw_pids():
         assert time.monotonic() < deadline, f"ducks {mine & _duckfw_pids()} outlived their SIGKILLed daemon"
