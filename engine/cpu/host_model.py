@@ -5,11 +5,12 @@ kept referenced for as long as the description lives.
 
 The projections (q, k, v, o) and lm_head are read as float16 copies by default
 (weights="float16", packed in the kernels' panels of 16 rows): half the bytes
-of a decode step, which on the CPU is bound by memory bandwidth; the arithmetic stays fp32 and the rounding (2^-11
-relative per weight) is far below the fp9 experts'. weights="float32" reads
-the model's own tensors in place. A model with weights beyond float16's range
-raises HalfOverflow, one whose head_dim is not a multiple of 16 (the packed
-panels' rows) HalfUnfit: engine.cpu.decode then takes float32.
+of a decode step, which on the CPU is bound by memory bandwidth; the arithmetic
+stays fp32 and the rounding (2^-11 relative per weight) is far below the fp9
+experts'. weights="float32" reads the model's own tensors in place. A model
+with weights beyond float16's range raises HalfOverflow, one whose head_dim is
+not a multiple of 16 (the packed panels' rows) HalfUnfit: engine.cpu.decode
+then takes float32.
 
 Supported: Llama (SmolLM2 and the like), Qwen3 (per-head q/k RMSNorm) and
 Qwen3-MoE (softmax top-k router on the host). Anything else raises
