@@ -108,8 +108,12 @@ class BatchDecoder:
             # refused before a cache of every slot is allocated (batch_decoder then tries the next path)
             raise UnsupportedModel(f"{type(model).__name__} ({model.config.model_type}) has no batched {path} path")
         # the family's own slot cache: k/v, latents (and the MTP layer's), or k/v and DeltaNet states
-        self.cache = model.make_slot_cache(slots, max_model_len, mtp=True) if mtp else \
-            model.make_slot_cache(slots, max_model_len)
+        if path == "native":   # its own cache (engine.cpu.decode.native_cache: float16, heads outer)
+            from engine.cpu.decode import native_cache
+            self.cache = native_cache(model, max_model_len, slots)
+        else:
+            self.cache = model.make_slot_cache(slots, max_model_len, mtp=True) if mtp else \
+                model.make_slot_cache(slots, max_model_len)
         self.decoder = decoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
         if self.step_tokens < slots:

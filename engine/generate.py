@@ -196,9 +196,9 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     device = model.model.embed_tokens.weight.device
     out = TokenStream(tokenizer, prompt_ids, params, device, on_text, keep_logits)
     decoder = cuda_decoder(model, max_model_len)   # None on the CPU: a cache of this request, eager steps
-    cache = decoder.cache if decoder is not None else model.make_cache(max_model_len)
-    # on the CPU the prefill chunks and the decode steps in C, where the model is supported
-    native = cpu_decoder(model, cache, min(prefill_chunk, len(prompt_ids))) if decoder is None else None
+    # on the CPU the prefill chunks and the decode steps in C (on its own cache), where the model is supported
+    native, cache = (None, decoder.cache) if decoder is not None else \
+        cpu_decoder(model, max_model_len, min(prefill_chunk, len(prompt_ids)))
     finish = None
 
     start = time.perf_counter()
@@ -258,15 +258,16 @@ def cuda_decoder(model, max_model_len: int, steps: tuple[int, ...] = (1,)):
     return decoder_for(model, max_model_len, steps)
 
 
-def cpu_decoder(model, cache, prefill_chunk: int = 0):
-    """engine.cpu.decode's native decoder for the prefill (in chunks of prefill_chunk
-    tokens, at most its limit) and the decode steps of a model on the CPU; None on CUDA,
-    for a model it does not run (it says why at debug level) or with DUCK_CPU_NATIVE=0."""
+def cpu_decoder(model, max_model_len: int, prefill_chunk: int = 0):
+    """(engine.cpu.decode's native decoder, its cache of max_model_len positions) for the
+    prefill (in chunks of prefill_chunk tokens, at most its limit) and the decode steps of
+    a model on the CPU; (None, model.make_cache's) on CUDA, for a model it does not run
+    (it says why at debug level) or with DUCK_CPU_NATIVE=0."""
     if model.model.embed_tokens.weight.device.type != "cpu":
-        return None
-    from engine.cpu.decode import MAX_STEP_TOKENS, MAX_TOKENS
-    from engine.cpu.decode import cpu_decoder as decoder_for
-    return decoder_for(model, cache, max_tokens=min(max(MAX_TOKENS, prefill_chunk), MAX_STEP_TOKENS))
+        return None, model.make_cache(max_model_len)
+    from engine.cpu.decode import MAX_STEP_TOKENS, MAX_TOKENS, decoder_on_own_cache
+    return decoder_on_own_cache(model, max_model_len,
+                                max_tokens=min(max(MAX_TOKENS, prefill_chunk), MAX_STEP_TOKENS))
 
 
 @torch.inference_mode()

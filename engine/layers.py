@@ -91,19 +91,31 @@ class RotaryEmbedding(nn.Module):
         return self.inv_freq
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device, heads_outer: bool, make) -> torch.Tensor:
+    """make(shape) ([.., max_len, kv_heads, head_dim]), or the same shape as a view of memory
+    with the last-but-one two dimensions swapped (heads outer)."""
+    if not heads_outer:
+        return make(shape, dtype=dtype, device=device)
+    swapped = shape[:-3] + (shape[-2], shape[-3], shape[-1])
+    return make(swapped, dtype=dtype, device=device).transpose(-3, -2)
+
+
 @dataclass(slots=True)
 class KVCache:
-    """Static cache for one sequence: k, v [layers, max_model_len, kv_heads, head_dim]."""
+    """Static cache for one sequence: k, v [layers, max_model_len, kv_heads, head_dim].
+    heads_outer: the same shape over memory ordered [layers, kv_heads, max_model_len,
+    head_dim] (a transposed view), each head's positions one run: how the native CPU
+    decoder reads it fastest (engine.cpu.decode.native_cache)."""
     k: torch.Tensor
     v: torch.Tensor
 
     @classmethod
     def allocate(cls, config: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> "KVCache":
+                 device: torch.device | str = "cpu", heads_outer: bool = False) -> "KVCache":
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         shape = (config.num_hidden_layers, max_model_len, config.num_key_value_heads, config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(*(_zeros(shape, dtype, device, heads_outer, torch.zeros) for _ in "kv"))
 
     @property
     def max_model_len(self) -> int:
@@ -120,12 +132,13 @@ class SlotKVCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, slots: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> "SlotKVCache":
+                 device: torch.device | str = "cpu", heads_outer: bool = False) -> "SlotKVCache":
+        """heads_outer: as KVCache's, each slot's heads outer in memory."""
         if slots <= 0 or max_model_len <= 0:
             raise ValueError(f"slots and max_model_len must be positive, got {slots} and {max_model_len}")
         shape = (config.num_hidden_layers, slots, max_model_len, config.num_key_value_heads, config.head_dim)
         # not zeroed: a sequence writes each position before it reads it, so memory is touched as slots fill
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        return cls(*(_zeros(shape, dtype, device, heads_outer, torch.empty) for _ in "kv"))
 
     @property
     def slots(self) -> int:

@@ -17,6 +17,7 @@ on the same buffers, with no interpreter between them; DUCK_NATIVE_STEP=0 keeps
 the loop in Python (the reference the tests hold it to).
 
     decoder = cpu_decoder(model, cache)          # None: not on the CPU, unsupported, or DUCK_CPU_NATIVE=0
+    decoder, cache = decoder_on_own_cache(model, max_model_len)   # on native_cache (else the model's own)
     logits = decoder.prefill(ids, positions)     # [V]: the prompt in steps of max_tokens, the last token's logits
     logits = decoder(ids, positions)             # [T, V], T <= decoder.max_tokens
 
@@ -32,7 +33,8 @@ import os
 
 import torch
 
-from engine.cpu.host_model import WEIGHT_TYPES, HalfUnfit, HostModel, UnsupportedModel
+from engine.cpu.host_model import FAMILIES, WEIGHT_TYPES, HalfUnfit, HostModel, UnsupportedModel
+from engine.layers import KVCache, SlotKVCache
 from engine.prefill import prefill_chunks
 from native._native import ffi, lib
 from native.host.ops import host_kernels, kernels_name
@@ -45,6 +47,7 @@ NATIVE_ENV = "DUCK_CPU_NATIVE"   # auto (default): where supported; 0: never; 1:
 _MODES = {"auto": "auto", "": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
           "1": "on", "on": "on", "true": "on", "yes": "on", "force": "on"}
 WEIGHTS_ENV = "DUCK_CPU_WEIGHTS"   # float16 (default): the projections and lm_head as half copies; float32
+KV_ENV = "DUCK_CPU_KV"             # float16 (default): native_cache holds halves; float32
 MAX_TOKENS = 16   # decode steps, MTP pairs and short verification steps (a prefill's decoder takes its chunk)
 MAX_STEP_TOKENS = lib.DUCK_HOST_MAX_TOKENS   # the longest step, a prefill chunk
 
@@ -70,6 +73,27 @@ def weight_type() -> str:
         raise ValueError(f"{WEIGHTS_ENV}={raw!r}: expected float16 (half copies of the projections and lm_head) "
                          f"or float32 (the model's own weights)")
     return name
+
+
+def kv_type() -> torch.dtype:
+    """The native decoder's own KV cache type, from DUCK_CPU_KV (default float16)."""
+    raw = os.environ.get(KV_ENV, "").strip().lower() or "float16"
+    name = {"f16": "float16", "fp16": "float16", "half": "float16", "f32": "float32", "fp32": "float32"}.get(raw, raw)
+    if name not in ("float16", "float32"):
+        raise ValueError(f"{KV_ENV}={raw!r}: expected float16 (a KV cache of halves) or float32")
+    return getattr(torch, name)
+
+
+def native_cache(model, max_model_len: int, slots: int | None = None) -> KVCache | SlotKVCache:
+    """The native decoder's own KV cache for model (one sequence, or `slots` of them): in
+    kv_type() (float16 by default: attention, which reads the whole cache every step,
+    reads half the bytes; keys and values rounded to nearest even as they are written,
+    2^-11 relative, as llama.cpp's default cache does) and with the heads outer in
+    memory, so that a head's keys are one stream. The torch path cannot run on it."""
+    c, dtype = model.config, kv_type()
+    if slots is None:
+        return KVCache.allocate(c, max_model_len, dtype, "cpu", heads_outer=True)
+    return SlotKVCache.allocate(c, slots, max_model_len, dtype, "cpu", heads_outer=True)
 
 
 class CpuDecoder:
@@ -232,3 +256,15 @@ def cpu_decoder(model, cache, **options) -> CpuDecoder | None:
             raise
         log.debug("decode steps in torch: %s", e)
         return None
+
+
+def decoder_on_own_cache(model, max_model_len: int, **options) -> tuple[CpuDecoder | None, KVCache]:
+    """cpu_decoder on a native_cache of max_model_len positions, and that cache; where the
+    native decoder does not run the model, None (or UnsupportedModel with DUCK_CPU_NATIVE=1)
+    and model.make_cache's cache, the torch path's."""
+    own = native_mode() != "off" and type(model) in FAMILIES and model.model.embed_tokens.weight.device.type == "cpu"
+    cache = native_cache(model, max_model_len) if own else model.make_cache(max_model_len)
+    decoder = cpu_decoder(model, cache, **options)
+    if decoder is None and own:
+        cache = model.make_cache(max_model_len)
+    return decoder, cache

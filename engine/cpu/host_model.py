@@ -1,6 +1,6 @@
 """The C description (native/host/host_decoder.h: duck_host_model) of a model's
 host part: the torch tensors the native decoder reads in place, checked for
-what it needs (fp32, on the CPU, contiguous, the Llama family's layout), and
+what it needs (fp32, on the CPU, dense, the Llama family's layout), and
 kept referenced for as long as the description lives.
 
 The projections (q, k, v, o) and lm_head are read as float16 copies by default
@@ -11,6 +11,11 @@ experts'. weights="float32" reads the model's own tensors in place. A model
 with weights beyond float16's range raises HalfOverflow, one whose head_dim is
 not a multiple of 16 (the packed panels' rows) HalfUnfit: engine.cpu.decode
 then takes float32.
+
+The KV cache may be float32 or float16, with its dimensions [max_len, kv_heads,
+head_dim] or the heads outer in memory (engine.cpu.decode.native_cache makes
+the native decoder's own: float16, heads outer, so that attention reads each
+head's keys and values as one stream of half the bytes).
 
 Supported: Llama (SmolLM2 and the like), Qwen3 (per-head q/k RMSNorm) and
 Qwen3-MoE (softmax top-k router on the host). Anything else raises
@@ -34,6 +39,7 @@ SUPPORTED = ("llama", "qwen3", "qwen3_moe")
 
 
 WEIGHT_TYPES = ("float16", "float32")
+KV_TYPES = {torch.float32: lib.DUCK_HOST_F32, torch.float16: lib.DUCK_HOST_F16}
 
 
 class UnsupportedModel(ValueError):
@@ -87,6 +93,8 @@ class HostModel:
         m.max_len, m.max_tokens, m.eps = cache.max_model_len, max_tokens, config.rms_norm_eps
         if isinstance(cache, SlotKVCache):   # a batch: layer i's cache is [slots, max_len, kv, D]
             m.slots, m.slot_stride = cache.slots, cache.k.stride(1)
+        m.kv_type = KV_TYPES[cache.k.dtype]
+        m.pos_stride, m.head_stride = cache.k.stride(-3), cache.k.stride(-2)
         if any(self.routed):
             m.n_experts, m.topk, m.norm_topk = config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
         m.layer = self.layers
@@ -102,10 +110,16 @@ class HostModel:
             if tuple(t.shape) != want:
                 raise UnsupportedModel(f"KV cache {name} has shape {tuple(t.shape)}; this model needs {want} "
                                        f"{names}")
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            # in memory [.., max_len, kv_heads, head_dim], or with the heads outer (make_cache(heads_outer=True))
+            dense = t.is_contiguous() or t.transpose(-3, -2).is_contiguous()
+            if t.dtype not in KV_TYPES or t.device.type != "cpu" or not dense:
                 raise UnsupportedModel(f"KV cache {name} is {t.dtype} on {t.device}"
-                                       f"{'' if t.is_contiguous() else ', not contiguous'}: the native CPU decoder "
-                                       f"needs a contiguous float32 cache on the CPU (model.make_cache of an fp32 model)")
+                                       f"{'' if dense else ', not dense'}: the native CPU decoder needs a float32 "
+                                       f"or float16 cache on the CPU, [max_len, kv_heads, head_dim] or heads outer "
+                                       f"in memory (model.make_cache)")
+        if (cache.k.dtype, cache.k.stride()) != (cache.v.dtype, cache.v.stride()):
+            raise UnsupportedModel(f"KV cache k and v differ in type or layout ({cache.k.dtype}, {cache.k.stride()} "
+                                   f"vs {cache.v.dtype}, {cache.v.stride()})")
 
     def _ptr(self, t: torch.Tensor, kind: str = "const float *"):
         self._keep.append(t)
@@ -174,5 +188,5 @@ class HostModel:
             raise UnsupportedModel(f"{p}mlp has layer_idx {mlp.layer_idx}, expected {i}")
         self.ffn.append(mlp)
         self.routed.append(type(mlp) is Qwen3MoeSparseMoeBlock)
-        d.k_cache = self._ptr(cache.k[i], "float *")
-        d.v_cache = self._ptr(cache.v[i], "float *")
+        d.k_cache = self._ptr(cache.k[i], "void *")
+        d.v_cache = self._ptr(cache.v[i], "void *")

@@ -27,7 +27,7 @@ struct duck_host_decoder {
     duck_host_phase phases[8];
     duck_host_gemm_job gemm_o, gemm_router, gemm_lm_head;
     int64_t positions[DUCK_HOST_MAX_TOKENS];
-    uint64_t slot_offset[DUCK_HOST_MAX_TOKENS];   /* floats into a layer's cache where the token's slot begins */
+    uint64_t slot_offset[DUCK_HOST_MAX_TOKENS];   /* elements into a layer's cache where the token's slot begins */
     /* scratch, one allocation */
     float *mem;
     float *cos, *sin;            /* [max_tokens, head_dim / 2] */
@@ -38,6 +38,7 @@ struct duck_host_decoder {
     float *o;                    /* o_proj output [max_tokens, hidden] */
     float *router;               /* router logits [max_tokens, n_experts] */
     float *scores;               /* attention scores, max_len x (heads / kv_heads) per worker */
+    float *widen;                /* a half cache's keys widened, DUCK_HOST_ATTN_ROWS x head_dim per worker */
     uint32_t attn_heads;         /* query heads per attention item: 1, or a kv head's (heads / kv_heads) */
     char err[256];
 };
@@ -49,6 +50,14 @@ static int fail(duck_host_decoder *d, const char *fmt, ...)
     vsnprintf(d->err, sizeof d->err, fmt, ap);
     va_end(ap);
     return -1;
+}
+
+/* The cache's strides between positions and between kv heads (0 and 0: [max_len, kv_heads, head_dim]). */
+static void cache_strides(const duck_host_model *m, uint64_t *pos, uint64_t *head)
+{
+    const int packed = !m->pos_stride && !m->head_stride;
+    *pos = packed ? (uint64_t)m->kv_heads * m->head_dim : m->pos_stride;
+    *head = packed ? m->head_dim : m->head_stride;
 }
 
 static const char *check_model(const duck_host_model *m, const duck_host_io *io)
@@ -69,7 +78,15 @@ static const char *check_model(const duck_host_model *m, const duck_host_io *io)
         return "wtype must be DUCK_HOST_F32 or DUCK_HOST_F16";
     if (m->wtype == DUCK_HOST_F16 && m->head_dim % DUCK_HOST_PANEL)
         return "half weights need head_dim a multiple of 16 (a head's rows start a packed panel)";
-    if (m->slots > 1 && m->slot_stride < (uint64_t)m->max_len * m->kv_heads * m->head_dim)
+    if (m->kv_type != DUCK_HOST_F32 && m->kv_type != DUCK_HOST_F16)
+        return "kv_type must be DUCK_HOST_F32 or DUCK_HOST_F16";
+    uint64_t pos, head;
+    cache_strides(m, &pos, &head);
+    const uint64_t D = m->head_dim, slot = (uint64_t)m->max_len * m->kv_heads * D;
+    if (!(head == D && pos >= m->kv_heads * D) && !(pos == D && head >= m->max_len * D))
+        return "the cache's strides must be [max_len, kv_heads, head_dim] (pos_stride >= kv_heads * head_dim, "
+               "head_stride = head_dim) or heads outer (pos_stride = head_dim, head_stride >= max_len * head_dim)";
+    if (m->slots > 1 && m->slot_stride < slot)
         return "slot_stride is less than one slot's cache (max_len * kv_heads * head_dim)";
     int routed = 0;
     for (uint32_t i = 0; i < m->layers; i++) {
@@ -108,13 +125,15 @@ duck_host_decoder *duck_host_decoder_create(const duck_host_model *m, const duck
         goto oom;
     memcpy(d->layers, m->layer, sizeof *d->layers * m->layers);
     d->m.layer = d->layers;
+    cache_strides(m, &d->m.pos_stride, &d->m.head_stride);
 
     const size_t T = m->max_tokens, half = m->head_dim / 2, qd = (size_t)m->heads * m->head_dim;
     const size_t kvd = (size_t)m->kv_heads * m->head_dim, workers = pool ? duck_pool_size(pool) : 1;
     const size_t sizes[] = {T * half, T * half, T * m->hidden, T * m->hidden, T * qd, T * qd, T * kvd, T * kvd,
-                            T * m->hidden, T * m->n_experts, workers * m->max_len * (m->heads / m->kv_heads)};
+                            T * m->hidden, T * m->n_experts, workers * m->max_len * (m->heads / m->kv_heads),
+                            m->kv_type == DUCK_HOST_F16 ? workers * DUCK_HOST_ATTN_ROWS * m->head_dim : 0};
     float **slots[] = {&d->cos, &d->sin, &d->x, &d->h, &d->q, &d->attn, &d->kn, &d->vn, &d->o, &d->router,
-                       &d->scores};
+                       &d->scores, &d->widen};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
         total += (sizes[i] + 15) & ~(size_t)15;   /* each slot 64-byte aligned */
@@ -207,14 +226,19 @@ static void qkv_unit(void *ctx, uint32_t u, unsigned worker)
     const int is_key = u < m->heads + m->kv_heads;
     const uint32_t j = is_key ? u - m->heads : u - m->heads - m->kv_heads;
     const float *b = is_key ? l->bk : l->bv;
-    float *out = (is_key ? d->kn : d->vn) + (size_t)j * D, *cache = is_key ? l->k_cache : l->v_cache;
+    float *out = (is_key ? d->kn : d->vn) + (size_t)j * D;
+    void *cache = is_key ? l->k_cache : l->v_cache;
     duck_host_gemm_rows(d->k, m->wtype, is_key ? l->wk : l->wv, H, j * D, D, H, T, d->h, H, out, kvd);
     for (uint32_t t = 0; t < T; t++) {
         float *v = out + t * kvd;
         add_bias(v, b ? b + (size_t)j * D : NULL, D);
         if (is_key)
             duck_host_rope(d->k, v, 1, D, d->cos + t * half, d->sin + t * half, l->k_norm, m->eps);
-        memcpy(cache + d->slot_offset[t] + (size_t)d->positions[t] * kvd + (size_t)j * D, v, sizeof(float) * D);
+        const uint64_t at = d->slot_offset[t] + (uint64_t)d->positions[t] * m->pos_stride + j * m->head_stride;
+        if (m->kv_type == DUCK_HOST_F16)
+            d->k->to_half(v, D, (uint16_t *)cache + at);
+        else
+            memcpy((float *)cache + at, v, sizeof(float) * D);
     }
 }
 
@@ -226,11 +250,12 @@ static void attention_item(void *ctx, uint32_t i, unsigned worker)
     const duck_host_model *m = &d->m;
     const uint32_t D = m->head_dim, nq = d->attn_heads, units = m->heads / nq, t = i / units;
     const uint32_t h = (i % units) * nq, kvh = h / (m->heads / m->kv_heads);
-    const size_t qd = (size_t)m->heads * D, kvd = (size_t)m->kv_heads * D;
-    duck_host_attend(d->k, d->q + t * qd + (size_t)h * D, nq, d->cur->k_cache + d->slot_offset[t] + (size_t)kvh * D,
-                     d->cur->v_cache + d->slot_offset[t] + (size_t)kvh * D, kvd, (uint32_t)d->positions[t] + 1, D,
+    const size_t qd = (size_t)m->heads * D, size = m->kv_type == DUCK_HOST_F16 ? 2u : 4u;
+    const uint64_t at = d->slot_offset[t] + kvh * m->head_stride;
+    duck_host_attend(d->k, m->kv_type, d->q + t * qd + (size_t)h * D, nq, (const char *)d->cur->k_cache + at * size,
+                     (const char *)d->cur->v_cache + at * size, m->pos_stride, (uint32_t)d->positions[t] + 1, D,
                      d->scale, d->scores + (size_t)worker * m->max_len * (m->heads / m->kv_heads),
-                     d->attn + t * qd + (size_t)h * D);
+                     d->widen + (size_t)worker * DUCK_HOST_ATTN_ROWS * D, d->attn + t * qd + (size_t)h * D);
 }
 
 /* Item t: the residual add of the previous FFN's output, then the input norm. */

@@ -1,9 +1,10 @@
 /* The native CPU decoder of the Llama family (Llama, Qwen3, Qwen3-MoE): the
- * host part of a decode step over the model's own fp32 weights and KV cache
- * (engine.layers.KVCache: k, v [layers, max_len, kv_heads, head_dim]), read
- * and written in place. The FFNs stay outside: each layer step leaves the
- * FFN's input (and for a routed layer the router's choice) in the caller's
- * buffers, and the next step adds the FFN's output into the residual.
+ * host part of a decode step over the model's own fp32 weights and a KV cache
+ * (engine.layers.KVCache: k, v [layers, max_len, kv_heads, head_dim], fp32 or
+ * half, in that order or with the heads outer), read and written in place.
+ * The FFNs stay outside: each layer step leaves the FFN's input (and for a
+ * routed layer the router's choice) in the caller's buffers, and the next
+ * step adds the FFN's output into the residual.
  *
  *   duck_host_begin(d, ntok, ids, positions)      embeddings, rotary tables (_slots: tokens of several
  *                                                  sequences, each in its slot of a batched cache)
@@ -30,14 +31,22 @@ typedef struct duck_host_layer {
     const float *bq, *bk, *bv, *bo;           /* the biases, or NULL (attention_bias) */
     const float *q_norm, *k_norm;             /* [head_dim] per-head RMSNorm (Qwen3), or NULL */
     const float *router;                      /* [n_experts, hidden] softmax router, or NULL: a dense FFN */
-    float *k_cache, *v_cache;                 /* this layer's [slots][max_len, kv_heads, head_dim] */
+    void *k_cache, *v_cache;                  /* this layer's cache (model.kv_type): slot s, position p, kv head
+                                                 h at s * slot_stride + p * pos_stride + h * head_stride */
 } duck_host_layer;
 
 typedef struct duck_host_model {
     uint32_t hidden, heads, kv_heads, head_dim, layers, vocab;
     uint32_t max_len;                         /* the KV cache's positions (per slot) */
     uint32_t slots;                           /* sequences the cache holds (0 or 1: one) */
-    uint64_t slot_stride;                     /* floats from one slot's [max_len, kv_heads, head_dim] to the next's */
+    uint64_t slot_stride;                     /* elements from one slot's cache to the next's */
+    uint64_t pos_stride, head_stride;         /* elements between positions, between kv heads: kv_heads * head_dim
+                                                 and head_dim ([max_len, kv_heads, head_dim], what 0 and 0 mean),
+                                                 or head_dim and at least max_len * head_dim (heads outer: each
+                                                 head's positions one run, which attention reads as one stream) */
+    uint32_t kv_type;                         /* the cache's elements: DUCK_HOST_F32, or DUCK_HOST_F16 (IEEE halves,
+                                                 rounded to nearest even as they are written: half the bytes
+                                                 attention reads) */
     uint32_t max_tokens;                      /* most tokens per step, <= DUCK_HOST_MAX_TOKENS */
     uint32_t n_experts, topk;                 /* routed layers: experts, experts per token */
     int32_t norm_topk;                        /* norm_topk_prob */

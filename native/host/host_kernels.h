@@ -36,6 +36,17 @@ typedef float (*duck_host_dot_fn)(const float *a, const float *b, uint32_t n);
 typedef void (*duck_host_gemv_t_fn)(const float *p, const float *v, size_t ldv, uint32_t rows, uint32_t n,
                                     float *y);
 
+/* The same over IEEE half values (a half KV cache): v widened to fp32 as it is
+ * read; each column's sum is gemv_t's chain over the rows, so the bits are
+ * gemv_t's on the widened values. */
+typedef void (*duck_host_gemv_t_h_fn)(const float *p, const uint16_t *v, size_t ldv, uint32_t rows, uint32_t n,
+                                      float *y);
+/* out[i] = x[i] as the nearest IEEE half, ties to even (torch's .half(): beyond
+ * 65504 infinity, below 2^-24 zero); NaN stays NaN. */
+typedef void (*duck_host_to_half_fn)(const float *x, uint32_t n, uint16_t *out);
+/* out[i] = h[i] widened to fp32 (exact). */
+typedef void (*duck_host_to_float_fn)(const uint16_t *h, uint32_t n, float *out);
+
 /* Attention's softmax numerators: s[j] = exp(scale * s[j] - m) for j < n, m the
  * largest scale * s[j]; returns their sum. The reference calls expf; the vector
  * sets a polynomial exp within 2 ulp of it (a score's weight, not its rank, moves). */
@@ -48,10 +59,15 @@ typedef struct duck_host_kernels {
     duck_host_gemv_t_fn gemv_t;
     duck_host_gemm_h_fn gemm_h;
     duck_host_softmax_exp_fn softmax_exp;
+    duck_host_gemv_t_h_fn gemv_t_h;
+    duck_host_to_half_fn to_half;
+    duck_host_to_float_fn to_float;
 } duck_host_kernels;
 
 /* IEEE half -> fp32, exact (subnormals, infinities and NaN included) */
 float duck_half_to_float(uint16_t h);
+/* fp32 -> the nearest IEEE half, ties to even (to_half's rounding; NaN stays a quiet NaN) */
+uint16_t duck_float_to_half(float f);
 /* Halves w [rows, k] (rows ldw apart) into gemm_h's panels at out, which holds
  * duck_host_packed_halves(rows, k) of them (the last panel's missing rows zero). */
 size_t duck_host_packed_halves(uint32_t rows, uint32_t k);
@@ -61,8 +77,11 @@ void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_
                            const float *x, size_t ldx, float *y, size_t ldy);
 
 const duck_host_kernels *duck_host_kernels_ref(void);
-/* The AVX2+FMA softmax_exp, which the AVX-512 set shares (every AVX-512F CPU has both). */
+/* The AVX2+FMA+F16C kernels the AVX-512 set shares (every AVX-512F CPU has these). */
 float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale);
+void duck_host_gemv_t_h_avx2(const float *p, const uint16_t *v, size_t ldv, uint32_t rows, uint32_t n, float *y);
+void duck_host_to_half_avx2(const float *x, uint32_t n, uint16_t *out);
+void duck_host_to_float_avx2(const uint16_t *h, uint32_t n, float *out);
 /* NULL where the build or the CPU lacks AVX2+FMA+F16C */
 const duck_host_kernels *duck_host_kernels_avx2(void);
 /* NULL where the build or the CPU lacks AVX-512F */

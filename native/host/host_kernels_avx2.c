@@ -325,6 +325,66 @@ static void gemv_t_avx2(const float *p, const float *v, size_t ldv, uint32_t row
         gemv_t_block(p, v + c0, ldv, rows, y + c0, n - c0);
 }
 
+/* gemv_t_block over half values: each row's 64 columns widened as they are
+ * loaded (F16C), the same chains. A short block (left < 64) widens its row
+ * into a zeroed row of 64 first. */
+static inline __attribute__((always_inline)) void gemv_t_h_block(const float *p, const uint16_t *v, size_t ldv,
+                                                                 uint32_t rows, float *y, uint32_t left)
+{
+    __m256 a[8];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm256_setzero_ps();
+    float row[64] __attribute__((aligned(32))) = {0};
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint16_t *vr = v + r * ldv;
+        const __m256 pr = _mm256_broadcast_ss(p + r);
+        if (left >= 64) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8 * i))), pr, a[i]);
+        } else {
+            for (uint32_t c = 0; c < left; c++)
+                row[c] = _cvtsh_ss(vr[c]);
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_load_ps(row + 8 * i), pr, a[i]);
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        if (left >= 8u * (i + 1))
+            _mm256_storeu_ps(y + 8 * i, a[i]);
+        else if (left > 8u * i)
+            _mm256_maskstore_ps(y + 8 * i, tail_mask(left - 8u * i), a[i]);
+    }
+}
+
+void duck_host_gemv_t_h_avx2(const float *p, const uint16_t *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
+{
+    uint32_t c0 = 0;
+    for (; c0 + 64 <= n; c0 += 64)
+        gemv_t_h_block(p, v + c0, ldv, rows, y + c0, 64);
+    if (c0 < n)
+        gemv_t_h_block(p, v + c0, ldv, rows, y + c0, n - c0);
+}
+
+void duck_host_to_half_avx2(const float *x, uint32_t n, uint16_t *out)
+{
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++)
+        out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+void duck_host_to_float_avx2(const uint16_t *h, uint32_t n, float *out)
+{
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++)
+        out[i] = _cvtsh_ss(h[i]);
+}
+
 /* e^x, x <= 0 here (a score less the largest): Cephes' expf in 8 lanes. x = n ln2 + r
  * with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r a degree-7 polynomial,
  * 2^n put into the exponent; x below -87.3 gives 2^-126 where expf underflows,
@@ -384,8 +444,15 @@ float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale)
 
 #pragma GCC pop_options
 
-static const duck_host_kernels k_avx2 = {"avx2", gemm_avx2, dot_avx2, gemv_t_avx2, duck_host_gemm_h_avx2,
-                                         duck_host_softmax_exp_avx2};
+static const duck_host_kernels k_avx2 = {"avx2",
+                                         gemm_avx2,
+                                         dot_avx2,
+                                         gemv_t_avx2,
+                                         duck_host_gemm_h_avx2,
+                                         duck_host_softmax_exp_avx2,
+                                         duck_host_gemv_t_h_avx2,
+                                         duck_host_to_half_avx2,
+                                         duck_host_to_float_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx2(void)
 {

@@ -23,6 +23,25 @@ float duck_half_to_float(uint16_t h)
     return f;
 }
 
+uint16_t duck_float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u)                  /* NaN: quiet, the payload's top bits kept */
+        return sign | 0x7E00u | (uint16_t)((ax >> 13) & 0x3FFu);
+    if (ax >= 0x477FF000u)                 /* 65520 and up (ties to even go up): infinity */
+        return sign | 0x7C00u;
+    if (ax < 0x38800000u) {                /* below 2^-14: a subnormal half, man * 2^-24 */
+        float v;
+        memcpy(&v, &ax, sizeof v);
+        return sign | (uint16_t)lrintf(v * 0x1p24f);   /* exact scaling; the default mode rounds ties to even */
+    }
+    const uint32_t h = ((ax >> 23) - 112u) << 10 | (ax >> 13 & 0x3FFu), rest = ax & 0x1FFFu;
+    return sign | (uint16_t)(h + (rest > 0x1000u || (rest == 0x1000u && (h & 1u))));   /* a carry rounds into the exponent */
+}
+
 static float dot_ref(const float *a, const float *b, uint32_t n)
 {
     float acc = 0.0f;
@@ -83,6 +102,28 @@ static void gemv_t_ref(const float *p, const float *v, size_t ldv, uint32_t rows
     }
 }
 
+static void gemv_t_h_ref(const float *p, const uint16_t *v, size_t ldv, uint32_t rows, uint32_t n, float *y)
+{
+    for (uint32_t c = 0; c < n; c++) {
+        float acc = 0.0f;
+        for (uint32_t r = 0; r < rows; r++)
+            acc += p[r] * duck_half_to_float(v[r * ldv + c]);
+        y[c] = acc;
+    }
+}
+
+static void to_half_ref(const float *x, uint32_t n, uint16_t *out)
+{
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = duck_float_to_half(x[i]);
+}
+
+static void to_float_ref(const uint16_t *h, uint32_t n, float *out)
+{
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = duck_half_to_float(h[i]);
+}
+
 static float softmax_exp_ref(float *s, uint32_t n, float scale)
 {
     float top = -INFINITY;
@@ -98,6 +139,7 @@ static float softmax_exp_ref(float *s, uint32_t n, float scale)
     return sum;
 }
 
-static const duck_host_kernels k_ref = {"ref", gemm_ref, dot_ref, gemv_t_ref, gemm_h_ref, softmax_exp_ref};
+static const duck_host_kernels k_ref = {"ref",           gemm_ref,     dot_ref,      gemv_t_ref, gemm_h_ref,
+                                        softmax_exp_ref, gemv_t_h_ref, to_half_ref, to_float_ref};
 
 const duck_host_kernels *duck_host_kernels_ref(void) { return &k_ref; }

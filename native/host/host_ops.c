@@ -48,15 +48,31 @@ void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32
     }
 }
 
-void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, const float *keys,
-                      const float *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
-                      float *out)
+void duck_host_attend(const duck_host_kernels *k, uint32_t kv_type, const float *q, uint32_t nq, const void *keys,
+                      const void *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
+                      float *widen, float *out)
 {
-    k->gemm(keys, ld, n_ctx, head_dim, nq, q, head_dim, scores, n_ctx);   /* scores[h * n_ctx + j] */
+    if (kv_type == DUCK_HOST_F16) {   /* scores[h * n_ctx + j], DUCK_HOST_ATTN_ROWS keys at a time */
+        const uint16_t *kh = keys;
+        for (uint32_t j0 = 0; j0 < n_ctx; j0 += DUCK_HOST_ATTN_ROWS) {
+            const uint32_t n = n_ctx - j0 < DUCK_HOST_ATTN_ROWS ? n_ctx - j0 : DUCK_HOST_ATTN_ROWS;
+            if (ld == head_dim)
+                k->to_float(kh + j0 * ld, n * head_dim, widen);
+            else
+                for (uint32_t j = 0; j < n; j++)
+                    k->to_float(kh + (j0 + j) * ld, head_dim, widen + (size_t)j * head_dim);
+            k->gemm(widen, head_dim, n, head_dim, nq, q, head_dim, scores + j0, n_ctx);
+        }
+    } else {
+        k->gemm(keys, ld, n_ctx, head_dim, nq, q, head_dim, scores, n_ctx);
+    }
     for (uint32_t h = 0; h < nq; h++) {
         float *s = scores + (size_t)h * n_ctx, *o = out + (size_t)h * head_dim;
         const float sum = k->softmax_exp(s, n_ctx, scale);
-        k->gemv_t(s, values, ld, n_ctx, head_dim, o);
+        if (kv_type == DUCK_HOST_F16)
+            k->gemv_t_h(s, values, ld, n_ctx, head_dim, o);
+        else
+            k->gemv_t(s, values, ld, n_ctx, head_dim, o);
         for (uint32_t i = 0; i < head_dim; i++)
             o[i] /= sum;
     }

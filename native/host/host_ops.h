@@ -33,13 +33,20 @@ void duck_host_rope(const duck_host_kernels *k, float *x, uint32_t heads, uint32
 /* nq query heads (q: nq consecutive vectors of head_dim; GQA: the heads of one
  * kv head) over the same cached positions [0, n_ctx): out (nq consecutive
  * vectors) = softmax(scale * q K^T) V per head, the softmax in fp32. keys /
- * values point at this kv head's vector of position 0; ld floats lie between
+ * values point at this kv head's vector of position 0; ld elements lie between
  * positions. scores: nq * n_ctx floats of scratch. The keys are read once for
  * all nq heads, and each head's result is the one it gets alone (the kernels
- * form each sum the same way whatever the number of heads). */
-void duck_host_attend(const duck_host_kernels *k, const float *q, uint32_t nq, const float *keys,
-                      const float *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
-                      float *out);
+ * form each sum the same way whatever the number of heads).
+ *
+ * kv_type DUCK_HOST_F16: keys and values are IEEE halves (a half KV cache, ld
+ * halves between positions); the keys are widened DUCK_HOST_ATTN_ROWS
+ * positions at a time into widen (DUCK_HOST_ATTN_ROWS * head_dim floats of
+ * scratch), the values as gemv_t_h reads them: the result is the fp32 one on
+ * the widened cache, bit for bit. */
+#define DUCK_HOST_ATTN_ROWS 64u
+void duck_host_attend(const duck_host_kernels *k, uint32_t kv_type, const float *q, uint32_t nq, const void *keys,
+                      const void *values, size_t ld, uint32_t n_ctx, uint32_t head_dim, float scale, float *scores,
+                      float *widen, float *out);
 
 /* The softmax router of one token: probabilities of n logits, the topk largest
  * (ties: the lower id first) as ids and weights, renormalized to sum 1 when

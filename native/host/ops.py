@@ -158,8 +158,40 @@ def attend(q, keys, values, scale: float, kernel_set: str = "best", head: int = 
     if values.shape != keys.shape or q.shape != (d,) or not 0 <= head < kvh:
         raise ValueError(f"attend: q {q.shape}, keys {keys.shape}, values {values.shape}, head {head}")
     scores, out = _poisoned(s), _poisoned(d)
-    lib.duck_host_attend(host_kernels(kernel_set), _ptr(q), 1, _ptr(keys) + head * d, _ptr(values) + head * d,
-                         kvh * d, s, d, scale, _ptr(scores), _ptr(out))
+    lib.duck_host_attend(host_kernels(kernel_set), lib.DUCK_HOST_F32, _ptr(q), 1, _ptr(keys) + head * d,
+                         _ptr(values) + head * d, kvh * d, s, d, scale, _ptr(scores), ffi.NULL, _ptr(out))
+    return out
+
+
+def attend_half(q, keys, values, scale: float, kernel_set: str = "best") -> np.ndarray:
+    """q [NQ, D] (the query heads of one kv head) over float16 keys / values [S, D]
+    (a half cache's head, its positions one run): softmax(scale q K^T) V per head."""
+    q = _f32(q).reshape(-1, keys.shape[-1])
+    keys, values = np.ascontiguousarray(keys, np.float16), np.ascontiguousarray(values, np.float16)
+    (s, d), nq = keys.shape, q.shape[0]
+    if values.shape != keys.shape:
+        raise ValueError(f"attend_half: keys {keys.shape}, values {values.shape}")
+    scores, widen, out = _poisoned(nq * s), _poisoned(lib.DUCK_HOST_ATTN_ROWS * d), _poisoned((nq, d))
+    lib.duck_host_attend(host_kernels(kernel_set), lib.DUCK_HOST_F16, _ptr(q), nq, _ptr(keys, "void *"),
+                         _ptr(values, "void *"), d, s, d, scale, _ptr(scores), _ptr(widen), _ptr(out))
+    return out
+
+
+def gemv_t_h(p, v, kernel_set: str, pad: int = 0) -> np.ndarray:
+    """gemv_t over float16 values v [R, N] (rows `pad` halves longer than N)."""
+    p = _f32(p)
+    v16 = np.zeros((v.shape[0], v.shape[1] + pad), np.float16)
+    v16[:, :v.shape[1]] = v
+    y = _poisoned(v.shape[1] + pad)
+    host_kernels(kernel_set).gemv_t_h(_ptr(p), _ptr(v16, "uint16_t *"), v16.shape[1], v.shape[0], v.shape[1], _ptr(y))
+    return y
+
+
+def to_half(x, kernel_set: str) -> np.ndarray:
+    """x rounded to float16 by the kernel set's to_half."""
+    x = _f32(x).ravel()
+    out = np.empty(x.size, np.float16)
+    host_kernels(kernel_set).to_half(_ptr(x), x.size, _ptr(out, "uint16_t *"))
     return out
 
 

@@ -71,6 +71,77 @@ static void test_half_to_float(void)
     CHECK(bad == 0, "duck_half_to_float: %d of 65536 halves wrong", bad);
 }
 
+/* duck_float_to_half exhaustively around every half: each half's own value, the
+ * midpoints between neighbours (ties to even) and the floats next to them;
+ * then each set's to_half on the same floats, and its to_float on every half. */
+static void test_float_to_half(const duck_host_kernels *const *sets, size_t n_sets)
+{
+    enum { PER = 5 };
+    float *in = malloc(sizeof(float) * 0x10000u * PER);
+    uint16_t *want = malloc(sizeof(uint16_t) * 0x10000u * PER), *got = malloc(sizeof(uint16_t) * 0x10000u * PER);
+    size_t n = 0;
+    int bad = 0;
+    for (uint32_t h = 0; h < 0x10000u; h++) {
+        const float f = duck_half_to_float((uint16_t)h);
+        if (isnan(f)) {
+            bad += !isnan(duck_half_to_float(duck_float_to_half(f)));
+            continue;
+        }
+        in[n] = f, want[n++] = (uint16_t)h;
+        if ((h & 0x7FFFu) >= 0x7C00u)   /* infinity: no neighbour above */
+            continue;
+        /* above the largest half (65504) the next would be 65536: the tie at 65520 goes to infinity */
+        const double next = (h & 0x7FFFu) == 0x7BFFu ? copysign(65536.0, f) : duck_half_to_float((uint16_t)(h + 1));
+        const float mid = (float)((f + next) / 2);
+        in[n] = mid, want[n++] = (h & 1u) ? (uint16_t)(h + 1) : (uint16_t)h;
+        in[n] = nextafterf(mid, 0.0f), want[n++] = (uint16_t)h;
+        in[n] = nextafterf(mid, 2 * mid), want[n++] = (uint16_t)(h + 1);
+    }
+    in[n] = 1e30f, want[n++] = 0x7C00u;
+    in[n] = -1e-30f, want[n++] = 0x8000u;
+    for (size_t i = 0; i < n; i++)
+        bad += duck_float_to_half(in[i]) != want[i];
+    CHECK(bad == 0, "duck_float_to_half: %d of %zu floats rounded wrong", bad, n);
+    for (size_t s = 0; s < n_sets; s++) {
+        if (!sets[s])
+            continue;
+        sets[s]->to_half(in, (uint32_t)n, got);
+        CHECK(memcmp(got, want, sizeof(uint16_t) * n) == 0, "%s to_half differs from duck_float_to_half",
+              sets[s]->name);
+        uint16_t all[0x10000];
+        float wide[0x10000];
+        for (uint32_t h = 0; h < 0x10000u; h++)
+            all[h] = (uint16_t)h;
+        sets[s]->to_float(all, 0x10000u - 3, wide);   /* a length off the vectors: the scalar tail too */
+        int off = 0;
+        for (uint32_t h = 0; h < 0x10000u - 3; h++) {
+            const float w = duck_half_to_float((uint16_t)h);
+            off += isnan(w) ? !isnan(wide[h]) : memcmp(&w, &wide[h], sizeof w) != 0;
+        }
+        CHECK(off == 0, "%s to_float: %d halves widened wrong", sets[s]->name, off);
+    }
+    free(in), free(want), free(got);
+}
+
+/* gemv_t_h on half values is gemv_t on them widened, bit for bit, whole and
+ * partial 64-column blocks, and writes nothing past column n. */
+static void test_gemv_t_h(const duck_host_kernels *k)
+{
+    static const uint32_t shapes[][2] = {{1, 1}, {7, 64}, {33, 65}, {74, 64}, {5, 130}, {3, 7}, {200, 128}};
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        const uint32_t rows = shapes[s][0], n = shapes[s][1];
+        float *wide, *p = padded_random(1, rows);
+        uint16_t *v = padded_random_half(rows, n, &wide);
+        float *z0 = padded_random(1, n), *z1 = padded_random(1, n);
+        k->gemv_t(p, wide, n + PAD, rows, n, z0);
+        k->gemv_t_h(p, v, n + PAD, rows, n, z1);
+        CHECK(memcmp(z0, z1, sizeof(float) * n) == 0, "%s gemv_t_h %ux%u differs from gemv_t widened", k->name,
+              rows, n);
+        CHECK(isnan(z1[n]), "%s gemv_t_h %ux%u wrote past column %u", k->name, rows, n, n);
+        free(wide), free(p), free(v), free(z0), free(z1);
+    }
+}
+
 /* halves [rows, cols] (ldw apart) packed into gemm_h's panels (a new buffer) */
 static uint16_t *packed_half(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t cols)
 {
@@ -188,9 +259,10 @@ static void decode(const duck_host_kernels *k, duck_pool *pool, const duck_host_
     duck_host_model m = *src;
     duck_host_layer layers[LAYERS];
     memcpy(layers, src->layer, sizeof layers);
-    for (int l = 0; l < LAYERS; l++) {   /* a fresh cache per run */
-        layers[l].k_cache = calloc(LEN * KV * HD, sizeof(float));
-        layers[l].v_cache = calloc(LEN * KV * HD, sizeof(float));
+    const size_t size = src->kv_type == DUCK_HOST_F16 ? sizeof(uint16_t) : sizeof(float);
+    for (int l = 0; l < LAYERS; l++) {   /* a fresh cache per run, in either order of its dimensions */
+        layers[l].k_cache = calloc(LEN * KV * HD, size);
+        layers[l].v_cache = calloc(LEN * KV * HD, size);
     }
     m.layer = layers;
     float ffn_in[3 * HIDDEN], weights[3 * TOPK], y[3 * HIDDEN];
@@ -294,6 +366,59 @@ static void test_decoder_half(const duck_host_model *src)
         free(owned[i]);
 }
 
+/* The cache with the heads outer gives the same bits as [max_len, kv_heads,
+ * head_dim], fp32 or half; a half cache stays within 1e-2 of the fp32 one (its
+ * keys and values rounded), and the best set on three threads within 2e-3 of
+ * the ref set on it (a key a set computes a bit apart may round to the next
+ * half); strides that overlap and unknown cache types are refused. */
+static void test_decoder_caches(const duck_host_model *src)
+{
+    static float want[3 * 3 * VOCAB], got[3 * 3 * VOCAB], half[3 * 3 * VOCAB], ref_half[3 * 3 * VOCAB];
+    int32_t want_ids[3 * TOPK], got_ids[3 * TOPK], half_ids[3 * TOPK];
+    duck_host_model outer = *src, h = *src;
+    outer.pos_stride = HD, outer.head_stride = LEN * HD;
+    duck_pool *pool = duck_pool_create(3, 0, 0);
+    for (int best = 0; best < 2; best++) {
+        const duck_host_kernels *k = best ? duck_host_kernels_best() : duck_host_kernels_ref();
+        duck_pool *p = best ? pool : NULL;
+        outer.kv_type = DUCK_HOST_F32;
+        decode(k, p, src, want, want_ids);
+        decode(k, p, &outer, got, got_ids);
+        CHECK(memcmp(want, got, sizeof want) == 0, "%s: heads outer differ from [max_len, kv_heads, head_dim]",
+              k->name);
+        h.kv_type = outer.kv_type = DUCK_HOST_F16;
+        decode(k, p, &h, half, half_ids);
+        decode(k, p, &outer, got, got_ids);
+        CHECK(memcmp(half, got, sizeof half) == 0, "%s: a half cache with the heads outer differs", k->name);
+        float worst = 0.0f, top = 0.0f;
+        for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+            worst = fmaxf(worst, fabsf(want[i] - half[i])), top = fmaxf(top, fabsf(want[i]));
+        CHECK(worst <= 1e-2f * top, "%s: the half cache's logits are %g off the fp32 cache's (of %g)", k->name,
+              worst, top);
+        if (!best) {
+            memcpy(ref_half, half, sizeof half);
+            continue;
+        }
+        /* the sets' keys and values differ in their last bits, which may round to neighbouring halves */
+        worst = 0.0f;
+        for (size_t i = 0; i < sizeof half / sizeof *half; i++)
+            worst = fmaxf(worst, fabsf(ref_half[i] - half[i]));
+        CHECK(worst <= 2e-3f * top, "half cache, best set vs ref: %g of %g", worst, top);
+    }
+    duck_pool_destroy(pool);
+    char err[256];
+    float ffn_in[HIDDEN];
+    int32_t ids[TOPK];
+    float weights[TOPK];
+    duck_host_io io = {ffn_in, ids, weights};
+    outer.head_stride = HD;
+    CHECK(!duck_host_decoder_create(&outer, &io, duck_host_kernels_ref(), NULL, err, sizeof err) &&
+              strstr(err, "strides"), "overlapping cache strides are refused");
+    h.kv_type = 9;
+    CHECK(!duck_host_decoder_create(&h, &io, duck_host_kernels_ref(), NULL, err, sizeof err) &&
+              strstr(err, "kv_type"), "an unknown cache type is refused");
+}
+
 static void test_decoder(void)
 {
     duck_host_layer layers[LAYERS];
@@ -324,6 +449,7 @@ static void test_decoder(void)
     duck_pool_destroy(pool);
     check_close(want, got, sizeof want / sizeof *want, want_ids, got_ids, "decoder, best set on 3 threads");
     test_decoder_half(&m);
+    test_decoder_caches(&m);
     m.heads = 3;
     char err[256];
     float ffn_in[HIDDEN];
@@ -344,11 +470,15 @@ int main(void)
 {
     test_half_to_float();
     test_gemm_h(duck_host_kernels_ref());
+    test_gemv_t_h(duck_host_kernels_ref());
     const duck_host_kernels *sets[] = {duck_host_kernels_avx2(), duck_host_kernels_avx512()};
+    const duck_host_kernels *all[] = {duck_host_kernels_ref(), sets[0], sets[1]};
+    test_float_to_half(all, 3);
     for (size_t i = 0; i < 2; i++) {
         if (sets[i]) {
             test_kernels(sets[i]);
             test_gemm_h(sets[i]);
+            test_gemv_t_h(sets[i]);
         } else
             printf("skipped: this CPU lacks the %s host kernels' instructions\n", i ? "avx512" : "avx2");
     }

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cpu.decode import CpuDecoder, NativeDecodeError, cpu_decoder
+from engine.cpu.decode import CpuDecoder, NativeDecodeError, cpu_decoder, decoder_on_own_cache, native_cache
 from engine.cpu.host_model import UnsupportedModel
 from engine.ffn import TorchFfn, install
 from engine.generate import SamplingParams, generate
@@ -195,6 +195,7 @@ def test_results_do_not_depend_on_the_thread_count():
 
 def test_generate_decodes_natively_with_the_torch_path_answers(tiny, monkeypatch):
     monkeypatch.setenv("DUCK_CPU_WEIGHTS", "float32")   # a random tiny model has near-ties float16 may flip
+    monkeypatch.setenv("DUCK_CPU_KV", "float32")
     lm = tiny("llama")
     prompt, params = _prompt(TINY["llama"]["vocab_size"], seed=2), SamplingParams(max_tokens=24, ignore_eos=True)
     calls = []
@@ -206,6 +207,78 @@ def test_generate_decodes_natively_with_the_torch_path_answers(tiny, monkeypatch
     torch_path = generate(lm.model, lm.tokenizer, prompt, params)
     assert len(calls) == params.max_tokens - 1, "DUCK_CPU_NATIVE=0 keeps the torch path"
     assert native.token_ids == torch_path.token_ids
+
+
+# -- the native decoder's own cache: float16, heads outer -----------------------------------
+HALF_KV_RTOL = 5e-3   # max |logits| error relative to the largest: keys and values rounded to 2^-11
+
+
+@torch.inference_mode()
+def _own_cache_steps(model, kv: str, monkeypatch, steps: int = STEPS) -> tuple[list[float], torch.Tensor]:
+    """The prompt prefilled natively into native_cache (DUCK_CPU_KV=kv), then decode steps,
+    against torch on an fp32 cache: each step's relative logits error, and the native logits."""
+    monkeypatch.setenv("DUCK_CPU_KV", kv)
+    prompt = _prompt(model.config.vocab_size)
+    n = len(prompt)
+    decoder, cache = decoder_on_own_cache(model, n + steps, weights="float32", max_tokens=n)
+    assert decoder is not None and cache.k.dtype == getattr(torch, kv)
+    assert cache.k.stride(-2) == (n + steps) * model.config.head_dim, "the heads outer in memory"
+    ref_cache = model.make_cache(n + steps)
+    ids, positions = torch.tensor(prompt), torch.arange(n)
+    ref = model.compute_logits(model(ids, positions, ref_cache))[-1:]
+    nat = decoder(ids, positions)[-1:]
+    errors, logits = [], [nat]
+    for s in range(steps):
+        errors.append(((nat - ref).abs().max() / ref.abs().max()).item())
+        token = torch.tensor([int(ref[-1].argmax())])
+        positions = torch.tensor([n + s])
+        ref, nat = model.compute_logits(model(token, positions, ref_cache)), decoder(token, positions)
+        logits.append(nat)
+    return errors, torch.cat(logits)
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_the_own_cache_of_halves_stays_close_to_torch(kind, tiny, monkeypatch, report):
+    errors, _ = _own_cache_steps(tiny(kind).model, "float16", monkeypatch)
+    report(f"tiny {kind}: native on its float16 cache vs torch (fp32 cache), worst of {STEPS} steps "
+           f"{max(errors):.1e}")
+    assert max(errors) <= HALF_KV_RTOL, errors
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_a_cache_with_the_heads_outer_gives_the_same_bits(kind, tiny, monkeypatch):
+    """Only where the cache's elements lie changes: the float32 cache with the heads outer
+    against the plain one, on the same native decoder."""
+    model = tiny(kind).model
+    _, outer = _own_cache_steps(model, "float32", monkeypatch)
+    prompt = _prompt(model.config.vocab_size)
+    decoder = CpuDecoder(model, model.make_cache(len(prompt) + STEPS), weights="float32", max_tokens=len(prompt))
+    plain = [decoder(torch.tensor(prompt), torch.arange(len(prompt)))[-1:]]
+    # the same tokens _own_cache_steps fed: the torch path's argmax at each step
+    ref_cache = model.make_cache(len(prompt) + STEPS)
+    ref = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), ref_cache))[-1:]
+    for s in range(STEPS):
+        token, pos = torch.tensor([int(ref[-1].argmax())]), torch.tensor([len(prompt) + s])
+        ref = model.compute_logits(model(token, pos, ref_cache))
+        plain.append(decoder(token, pos))
+    assert torch.equal(torch.cat(plain), outer)
+
+
+def test_the_own_cache_type_is_named(tiny, monkeypatch):
+    model = tiny("llama").model
+    assert native_cache(model, 8).k.dtype == torch.float16
+    assert native_cache(model, 8, slots=3).k.shape == (3, 3, 8, 2, 16)
+    monkeypatch.setenv("DUCK_CPU_KV", "fp32")
+    assert native_cache(model, 8).k.dtype == torch.float32
+    monkeypatch.setenv("DUCK_CPU_KV", "int4")
+    with pytest.raises(ValueError, match="DUCK_CPU_KV='int4': expected float16"):
+        native_cache(model, 8)
+
+
+def test_a_model_the_native_decoder_does_not_run_keeps_its_own_cache(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], dtype="bfloat16").model
+    decoder, cache = decoder_on_own_cache(model, 8)
+    assert decoder is None and cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous()
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -154,6 +154,35 @@ def test_gemv_t_matches_float64(name, n, rows):
     _check_rel(y[:n], p64 @ v64, p64 @ np.abs(v64), f"{name} gemv_t {rows}x{n}")
 
 
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 74, 300])
+def test_gemv_t_h_is_gemv_t_on_the_values_widened(name, n, rows):
+    """Over a half cache's values: the same chains, so the same bits as gemv_t on them widened."""
+    p, v = np.abs(_data(rows, seed=rows)), _data(rows, n, seed=n).astype(np.float16)
+    y = ops.gemv_t_h(p, v, kernel_set(name), pad=5)
+    assert np.all(np.isnan(y[n:])), f"{name}: wrote past the output"
+    assert np.array_equal(y[:n], ops.gemv_t(p, v.astype(np.float32), kernel_set(name))[:n])
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_to_half_rounds_as_numpy_does(name):
+    """The half cache's writes: nearest, ties to even, beyond 65504 infinity, subnormals,
+    signed zeros; bit for bit what numpy's float16 conversion gives."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(20000) * np.exp2(rng.uniform(-30, 18, 20000))).astype(np.float32)
+    halves = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = ((halves[:-1] + halves[1:]) / 2).astype(np.float32)     # midpoints between neighbours, exact in fp32
+    edges = np.array([0.0, -0.0, 65504, 65519.996, 65520, -65520, 1e30, -np.inf, np.inf, 2.0 ** -25,
+                      2.0 ** -24, 3 * 2.0 ** -26, 6.1e-5, -6.1e-5], np.float32)
+    x = np.concatenate([x, ties, -ties, edges])
+    got = ops.to_half(x, kernel_set(name))
+    with np.errstate(over="ignore"):   # beyond 65504 numpy says so while it gives infinity, as it should
+        want = x.astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.isnan(ops.to_half(np.array([np.nan], np.float32), kernel_set(name))).all()
+
+
 # exp of the vector sets (a polynomial) against float64: Cephes' bound is 2 ulp.
 EXP_REL_TOL = 3e-7
 

@@ -106,6 +106,37 @@ def test_attend_matches_float64_on_a_strided_cache(name, n_ctx, head_dim):
     assert np.max(np.abs(out - want)) / np.max(np.abs(v64)) <= ATTEND_TOL
 
 
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n_ctx", [1, 63, 64, 65, 300])
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
+def test_attend_on_a_half_cache_matches_float64(name, n_ctx, head_dim):
+    """Three query heads of one kv head over float16 keys and values (a half cache's
+    head, its positions one run; keys widened 64 positions at a time): the float64
+    attention over the same halves, and each head the bits it gets alone."""
+    keys = _data(n_ctx, head_dim, seed=n_ctx).astype(np.float16)
+    values = _data(n_ctx, head_dim, seed=head_dim).astype(np.float16)
+    q = _data(3, head_dim, seed=n_ctx + head_dim) * 2
+    scale = head_dim ** -0.5
+    out = ops.attend_half(q, keys, values, scale, kernel_set(name))
+    k64, v64 = keys.astype(np.float64), values.astype(np.float64)
+    for h in range(3):
+        s = k64 @ q[h].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        assert np.max(np.abs(out[h] - (p / p.sum()) @ v64)) / np.max(np.abs(v64)) <= ATTEND_TOL, h
+        assert np.array_equal(ops.attend_half(q[h], keys, values, scale, kernel_set(name))[0], out[h]), h
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_a_half_cache_gives_the_bits_of_its_values_widened(name):
+    """Attention on a half cache is the fp32 attention on the same values widened, bit for bit."""
+    keys = _data(200, 64, seed=1).astype(np.float16)
+    values = _data(200, 64, seed=2).astype(np.float16)
+    q = _data(64, seed=3)
+    half = ops.attend_half(q, keys, values, 0.125, kernel_set(name))[0]
+    assert np.array_equal(half, ops.attend(q, keys.astype(np.float32), values.astype(np.float32), 0.125,
+                                           kernel_set(name)))
+
+
 def test_attend_matches_torch_sdpa():
     keys, values, q = _data(50, 64, seed=1), _data(50, 64, seed=2), _data(64, seed=3)
     want = F.scaled_dot_product_attention(torch.from_numpy(q)[None, None], torch.from_numpy(keys)[None],
