@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -176,6 +177,9 @@ class LocalDucks:
         key_file = self.workdir / "key"
         self.key = write_key_file(key_file)
         self.procs, self.addresses = [], []
+        # stopped when this object goes, or at the interpreter's exit: a script that never calls
+        # stop() (or close() of its fleet) must not leave its ducks running after it
+        self._stop = weakref.finalize(self, _stop_ducks, self.procs, self.workdir if self._own_workdir else None)
         try:
             for i in range(n):
                 port_file = self.workdir / f"port{i}"
@@ -205,14 +209,19 @@ class LocalDucks:
             raise
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        self.procs = []
-        if self._own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        self._stop()
+
+
+def _stop_ducks(procs: list[subprocess.Popen], workdir: Path | None) -> None:
+    """LocalDucks' processes terminated (killed after 10 s), and its own folder removed."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    procs.clear()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)

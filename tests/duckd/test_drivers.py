@@ -130,3 +130,33 @@ def test_wol_driver_sends_magic_packets_then_waits_for_hello(tmp_path):
         daemon.stop()
         hw.stop()
         capture.close()
+
+
+def test_local_ducks_stop_with_a_script_that_never_stops_them(tmp_path):
+    """engine.fleet.LocalDucks (what a script's local_ducks starts) ends its duckfw processes at
+    the interpreter's exit even when the script forgets stop(): none is left behind."""
+    import sys
+
+    script = ("from engine.fleet import LocalDucks\n"
+              "ducks = LocalDucks(2)\n"
+              "print(' '.join(str(p.pid) for p in ducks.procs), ducks.workdir, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    *pids, workdir = out.stdout.split()
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    deadline = time.monotonic() + 15
+    while any(alive(int(p)) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(int(p))]
+    for p in left:
+        os.kill(int(p), 9)
+    assert not left, f"ducks {left} outlived the script that started them"
+    assert not os.path.exists(workdir), "the ducks' temporary folder outlived the script"
