@@ -108,8 +108,8 @@ class Fleet:
     """The default model on n local ducks, with a batch of N slots and (unless one_decoder) one of 1."""
 
     def __init__(self, n: int, args):
+        from engine.loader import load_model   # first: engine sets torch's OpenMP wait policy before torch loads
         from bench.timed_ffn import TimedFfn
-        from engine.loader import load_model
 
         self.n, self.args = n, args
         self.lm = load_model("default", device="cpu", backend="fleet", backend_options={"local_ducks": n})

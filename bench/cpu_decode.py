@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # runs from a checkout, installed or not
 
+import engine  # noqa: E402,F401  (before torch: it sets torch's OpenMP wait policy, engine/__init__.py)
 import torch  # noqa: E402
 
 log = logging.getLogger("duck.bench.cpu_decode")
