@@ -190,9 +190,8 @@ class BatchDecoder:
         wants.sort(key=lambda w: w[1])
         y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
         rows = [r for _, first, n in wants for r in range(first, first + n)]
-        logits = self.decoder.logits(y, rows) if rows else None
+        logits, greedy = self._logits(y, rows, wants)
         self.steps += 1
-        greedy = _greedy_tokens(wants, logits)
         now = time.perf_counter()
         at, ended = 0, []
         for seq, first, n in wants:
@@ -216,6 +215,18 @@ class BatchDecoder:
             self._end(seq)
             finished.append(seq)
         return finished
+
+    def _logits(self, y: torch.Tensor, rows: list[int], wants) -> tuple[torch.Tensor | None, dict[int, int]]:
+        """The logits of rows, and {logits row: its argmax} of the greedy ones: one argmax per
+        row where the decoder computes the logits (the native decoder's in C), not a call per
+        sequence (the first of equal maxima either way, so the tokens are push()'s)."""
+        if not rows:
+            return None, {}
+        greedy = _greedy_rows(wants)
+        if not greedy:
+            return self.decoder.logits(y, rows), {}
+        logits, top = self.decoder.logits_argmax(y, rows)
+        return logits, {r: top[r] for r in greedy}
 
     def _unread(self, seq: Sequence, hidden: torch.Tensor, pos: int, follow: list[int]) -> None:
         """Main hidden states at pos.. and the tokens after them: the MTP layer's next input."""
@@ -282,19 +293,15 @@ class BatchDecoder:
         return ended
 
 
-def _greedy_tokens(wants, logits) -> dict[int, int]:
-    """{logits row: its argmax} for the one-row sequences whose next token is just that
-    (TokenStream.plain_greedy): one argmax over all their rows, not one call per sequence
-    (torch.argmax takes the first of equal maxima either way, so the tokens are push()'s)."""
+def _greedy_rows(wants) -> list[int]:
+    """The logits rows of the one-row sequences whose next token is their argmax and nothing
+    else (TokenStream.plain_greedy): the decoder finds those tokens with the logits."""
     rows, at = [], 0
     for seq, _, n in wants:
         if n == 1 and seq.out.plain_greedy:
             rows.append(at)
         at += n
-    if not rows:
-        return {}
-    picked = logits if len(rows) == logits.shape[0] else logits[rows]   # every row: no copy of [T, V] first
-    return dict(zip(rows, picked.argmax(dim=-1).tolist()))
+    return rows
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,

@@ -101,6 +101,11 @@ class TorchSlotDecoder:
             y = y[torch.tensor(rows, dtype=torch.int64, device=y.device)]
         return self.model.compute_logits(y).float()
 
+    def logits_argmax(self, y: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """logits(y, rows) and each row's argmax (the greedy token)."""
+        logits = self.logits(y, rows)
+        return logits, logits.argmax(dim=-1).tolist()
+
 
 def cache_tensors(cache) -> list[torch.Tensor]:
     """The tensors of a slot cache (a dataclass of tensors and of such dataclasses)."""

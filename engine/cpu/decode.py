@@ -229,6 +229,19 @@ class CpuDecoder:
                                               ffi.cast("float *", out.data_ptr())))
         return out
 
+    def logits_argmax(self, y: torch.Tensor, rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """logits(y, rows) and each row's argmax, the greedy token (torch.argmax's: the first
+        of equal maxima), found in C on the pool right after the lm_head."""
+        if tuple(y.shape) != (self._ntok, self.hidden):
+            raise ValueError(f"logits need the step's last FFN output [{self._ntok}, {self.hidden}], "
+                             f"got {tuple(y.shape)}")
+        n = self._ntok if rows is None else len(rows)
+        out, top = torch.empty(n, self.vocab, dtype=torch.float32), ffi.new("int32_t[]", n)
+        picked = ffi.new("uint32_t[]", rows) if rows else ffi.NULL
+        self._check(lib.duck_host_finish_argmax(self._d, self._out_ptr(y), picked, n,
+                                                ffi.cast("float *", out.data_ptr()), top))
+        return out, list(top)
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """A prompt (or its rest) in steps of chunk tokens (at most, and by default,

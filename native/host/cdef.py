@@ -20,10 +20,11 @@ typedef void (*duck_host_gemv_t_h_fn)(const float *p, const uint16_t *v, size_t 
                                       float *y);
 typedef void (*duck_host_to_half_fn)(const float *x, uint32_t n, uint16_t *out);
 typedef void (*duck_host_to_float_fn)(const uint16_t *h, uint32_t n, float *out);
+typedef uint32_t (*duck_host_argmax_fn)(const float *x, uint32_t n);
 typedef struct duck_host_kernels {
     const char *name; duck_host_gemm_fn gemm; duck_host_dot_fn dot; duck_host_gemv_t_fn gemv_t;
     duck_host_gemm_h_fn gemm_h; duck_host_softmax_exp_fn softmax_exp; duck_host_gemv_t_h_fn gemv_t_h;
-    duck_host_to_half_fn to_half; duck_host_to_float_fn to_float; ...;
+    duck_host_to_half_fn to_half; duck_host_to_float_fn to_float; duck_host_argmax_fn argmax; ...;
 } duck_host_kernels;
 float duck_half_to_float(uint16_t h);
 uint16_t duck_float_to_half(float f);
@@ -82,4 +83,6 @@ int duck_host_layer_step(duck_host_decoder *d, uint32_t layer, const float *ffn_
 int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
 int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
                           float *logits);
+int duck_host_finish_argmax(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                            float *logits, int32_t *argmax);
 """

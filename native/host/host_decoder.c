@@ -24,6 +24,8 @@ struct duck_host_decoder {
     const duck_host_layer *cur;
     const float *ffn_out;        /* the previous FFN's output [ntok, hidden], or NULL */
     const uint32_t *rows;        /* finish: the tokens that get logits (NULL: all) */
+    const float *logits;         /* finish: where they go, and where argmax reads them */
+    int32_t *argmax;             /* finish: each row's largest logit's index, or NULL */
     duck_host_phase phases[8];
     duck_host_gemm_job gemm_o, gemm_router, gemm_lm_head;
     int64_t positions[DUCK_HOST_MAX_TOKENS];
@@ -300,6 +302,14 @@ static void final_norm_item(void *ctx, uint32_t i, unsigned worker)
     duck_host_add_rmsnorm(d->k, d->x + t * H, d->ffn_out + t * H, d->m.final_norm, H, d->m.eps, d->h + i * H);
 }
 
+/* Item i: the index of row i's largest logit. */
+static void argmax_item(void *ctx, uint32_t i, unsigned worker)
+{
+    (void)worker;
+    duck_host_decoder *d = ctx;
+    d->argmax[i] = (int32_t)d->k->argmax(d->logits + (size_t)i * d->m.vocab, d->m.vocab);
+}
+
 static duck_host_phase *add_phase(duck_host_phase *p, uint32_t n, duck_host_body_fn body, void *ctx)
 {
     p->n = n;
@@ -350,6 +360,12 @@ int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits)
 int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
                           float *logits)
 {
+    return duck_host_finish_argmax(d, ffn_out, rows, nrows, logits, NULL);
+}
+
+int duck_host_finish_argmax(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                            float *logits, int32_t *argmax)
+{
     const duck_host_model *m = &d->m;
     if (d->next_layer != m->layers)
         return fail(d, "finish before the last layer step (layer %u comes next of %u)", d->next_layer, m->layers);
@@ -363,9 +379,13 @@ int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint
                         rows[i]);
     d->ffn_out = ffn_out;
     d->rows = rows;
+    d->logits = logits;
+    d->argmax = argmax;
     d->gemm_lm_head = (duck_host_gemm_job){d->k, m->lm_head, d->h, logits, m->vocab, m->hidden, nrows, m->wtype, 0};
     duck_host_phase *p = add_phase(d->phases, nrows, final_norm_item, d);
     duck_host_gemm_phase(&d->gemm_lm_head, p++);
+    if (argmax)
+        p = add_phase(p, nrows, argmax_item, d);
     duck_host_run_phases(d->pool, d->phases, (uint32_t)(p - d->phases));
     d->next_layer = m->layers + 1;
     return 0;

@@ -10,7 +10,8 @@
  *                                                  sequences, each in its slot of a batched cache)
  *   for layer: duck_host_layer_step(d, layer, y)   y: the previous layer's FFN output (NULL at layer 0)
  *              ... caller runs the FFN on io.ffn_in -> y
- *   duck_host_finish(d, y, logits)                 final norm + lm_head: logits [ntok, vocab]
+ *   duck_host_finish(d, y, logits)                 final norm + lm_head: logits [ntok, vocab] (_argmax:
+ *                                                  and each row's argmax)
  */
 #ifndef DUCK_HOST_DECODER_H
 #define DUCK_HOST_DECODER_H
@@ -97,6 +98,10 @@ int duck_host_finish(duck_host_decoder *d, const float *ffn_out, float *logits);
  * of each sequence's last token, a prefill chunk of its last one or none. */
 int duck_host_finish_rows(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
                           float *logits);
+/* The same, and each row's argmax (its largest logit's index, the first of equal ones:
+ * torch.argmax's) into argmax [nrows]: a greedy token without reading the logits again. */
+int duck_host_finish_argmax(duck_host_decoder *d, const float *ffn_out, const uint32_t *rows, uint32_t nrows,
+                            float *logits, int32_t *argmax);
 
 #ifdef __cplusplus
 }

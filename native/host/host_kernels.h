@@ -46,6 +46,9 @@ typedef void (*duck_host_gemv_t_h_fn)(const float *p, const uint16_t *v, size_t 
 typedef void (*duck_host_to_half_fn)(const float *x, uint32_t n, uint16_t *out);
 /* out[i] = h[i] widened to fp32 (exact). */
 typedef void (*duck_host_to_float_fn)(const uint16_t *h, uint32_t n, float *out);
+/* The index of the largest of x[0..n), n >= 1: the first of equal maxima, and the first
+ * NaN where there is one (torch.argmax's answer, the greedy token). */
+typedef uint32_t (*duck_host_argmax_fn)(const float *x, uint32_t n);
 
 /* Attention's softmax numerators: s[j] = exp(scale * s[j] - m) for j < n, m the
  * largest scale * s[j]; returns their sum. The reference calls expf; the vector
@@ -62,6 +65,7 @@ typedef struct duck_host_kernels {
     duck_host_gemv_t_h_fn gemv_t_h;
     duck_host_to_half_fn to_half;
     duck_host_to_float_fn to_float;
+    duck_host_argmax_fn argmax;
 } duck_host_kernels;
 
 /* IEEE half -> fp32, exact (subnormals, infinities and NaN included) */
@@ -82,6 +86,7 @@ float duck_host_softmax_exp_avx2(float *s, uint32_t n, float scale);
 void duck_host_gemv_t_h_avx2(const float *p, const uint16_t *v, size_t ldv, uint32_t rows, uint32_t n, float *y);
 void duck_host_to_half_avx2(const float *x, uint32_t n, uint16_t *out);
 void duck_host_to_float_avx2(const uint16_t *h, uint32_t n, float *out);
+uint32_t duck_host_argmax_avx2(const float *x, uint32_t n);
 /* NULL where the build or the CPU lacks AVX2+FMA+F16C */
 const duck_host_kernels *duck_host_kernels_avx2(void);
 /* NULL where the build or the CPU lacks AVX-512F */

@@ -385,6 +385,45 @@ void duck_host_to_float_avx2(const uint16_t *h, uint32_t n, float *out)
         out[i] = _cvtsh_ss(h[i]);
 }
 
+/* Two passes: the largest value (four chains of maxima, NaN noted on the way: then
+ * the first NaN is the answer), then the first index holding it. */
+uint32_t duck_host_argmax_avx2(const float *x, uint32_t n)
+{
+    const uint32_t full = n & ~31u;
+    __m256 m[4], nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++)
+        m[j] = _mm256_set1_ps(-INFINITY);
+    for (uint32_t i = 0; i < full; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            m[j] = _mm256_max_ps(m[j], v);
+        }
+    const __m256 m4 = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m4), _mm256_extractf128_ps(m4, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (uint32_t i = full; i < n; i++) {
+        any_nan |= isnan(x[i]);
+        top = x[i] > top ? x[i] : top;
+    }
+    if (any_nan)
+        for (uint32_t i = 0; i < n; i++)
+            if (isnan(x[i]))
+                return i;
+    const __m256 t = _mm256_set1_ps(top);
+    for (uint32_t i = 0; i < full; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ));
+        if (hit)
+            return i + (uint32_t)__builtin_ctz((unsigned)hit);
+    }
+    for (uint32_t i = full; i < n; i++)
+        if (x[i] == top)
+            return i;
+    return 0;   /* not reached: top is one of x */
+}
+
 /* e^x, x <= 0 here (a score less the largest): Cephes' expf in 8 lanes. x = n ln2 + r
  * with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r a degree-7 polynomial,
  * 2^n put into the exponent; x below -87.3 gives 2^-126 where expf underflows,
@@ -452,7 +491,8 @@ static const duck_host_kernels k_avx2 = {"avx2",
                                          duck_host_softmax_exp_avx2,
                                          duck_host_gemv_t_h_avx2,
                                          duck_host_to_half_avx2,
-                                         duck_host_to_float_avx2};
+                                         duck_host_to_float_avx2,
+                                         duck_host_argmax_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx2(void)
 {

@@ -116,7 +116,7 @@ static void gemv_t_avx512(const float *p, const float *v, size_t ldv, uint32_t r
 #pragma GCC pop_options
 
 /* Half weights: the AVX2 set's packed kernel (a panel of sixteen rows is two 8-lane vectors there);
- * half values and the conversions: the AVX2 set's too (gemv_t_h's chains are gemv_t's here as there). */
+ * half values, the conversions and argmax: the AVX2 set's too (gemv_t_h's chains are gemv_t's here as there). */
 static const duck_host_kernels k_avx512 = {"avx512",
                                            gemm_avx512,
                                            dot_avx512,
@@ -125,7 +125,8 @@ static const duck_host_kernels k_avx512 = {"avx512",
                                            duck_host_softmax_exp_avx2,
                                            duck_host_gemv_t_h_avx2,
                                            duck_host_to_half_avx2,
-                                           duck_host_to_float_avx2};
+                                           duck_host_to_float_avx2,
+                                           duck_host_argmax_avx2};
 
 const duck_host_kernels *duck_host_kernels_avx512(void)
 {

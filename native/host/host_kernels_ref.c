@@ -124,6 +124,18 @@ static void to_float_ref(const uint16_t *h, uint32_t n, float *out)
         out[i] = duck_half_to_float(h[i]);
 }
 
+static uint32_t argmax_ref(const float *x, uint32_t n)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (isnan(x[i]))
+            return i;
+        if (x[i] > x[best])
+            best = i;
+    }
+    return best;
+}
+
 static float softmax_exp_ref(float *s, uint32_t n, float scale)
 {
     float top = -INFINITY;
@@ -140,6 +152,6 @@ static float softmax_exp_ref(float *s, uint32_t n, float scale)
 }
 
 static const duck_host_kernels k_ref = {"ref",           gemm_ref,     dot_ref,      gemv_t_ref, gemm_h_ref,
-                                        softmax_exp_ref, gemv_t_h_ref, to_half_ref, to_float_ref};
+                                        softmax_exp_ref, gemv_t_h_ref, to_half_ref, to_float_ref, argmax_ref};
 
 const duck_host_kernels *duck_host_kernels_ref(void) { return &k_ref; }

@@ -187,6 +187,12 @@ def gemv_t_h(p, v, kernel_set: str, pad: int = 0) -> np.ndarray:
     return y
 
 
+def argmax(x, kernel_set: str) -> int:
+    """The kernel set's argmax of x [N]."""
+    x = _f32(x).ravel()
+    return host_kernels(kernel_set).argmax(_ptr(x), x.size)
+
+
 def to_half(x, kernel_set: str) -> np.ndarray:
     """x rounded to float16 by the kernel set's to_half."""
     x = _f32(x).ravel()

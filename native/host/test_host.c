@@ -287,7 +287,16 @@ static void decode(const duck_host_kernels *k, duck_pool *pool, const duck_host_
             if (routed)
                 memcpy(ids_out, ids, sizeof ids);
         }
-        CHECK(duck_host_finish(d, y, logits + s * 3 * VOCAB) == 0, "finish: %s", duck_host_decoder_error(d));
+        int32_t top[3];
+        float *out = logits + s * 3 * VOCAB;
+        CHECK(duck_host_finish_argmax(d, y, NULL, (uint32_t)ntoks[s], out, top) == 0, "finish: %s",
+              duck_host_decoder_error(d));
+        for (int t = 0; t < ntoks[s]; t++) {   /* each row's argmax: its largest logit, the first of equal ones */
+            int32_t want = 0;
+            for (int v = 1; v < VOCAB; v++)
+                want = out[t * VOCAB + v] > out[t * VOCAB + want] ? v : want;
+            CHECK(top[t] == want, "%s: row %d's argmax %d, its largest logit is at %d", k->name, t, top[t], want);
+        }
         pos += ntoks[s];
     }
     int64_t bad = LEN;

@@ -281,6 +281,24 @@ def test_a_model_the_native_decoder_does_not_run_keeps_its_own_cache(tiny_checkp
     assert decoder is None and cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous()
 
 
+def test_logits_argmax_gives_the_logits_and_torchs_argmax(tiny):
+    """The batch's greedy tokens: found in C right after the lm_head, the same as torch.argmax
+    of the same logits, which are logits()'s bit for bit."""
+    model = tiny("qwen3").model
+    prompt = _prompt(model.config.vocab_size)
+    outs = []
+    for _ in range(2):
+        decoder = CpuDecoder(model, model.make_cache(16), max_tokens=len(prompt))
+        y = decoder.layers(torch.tensor(prompt), torch.arange(len(prompt)))
+        outs.append((decoder, y))
+    (a, ya), (b, yb) = outs
+    rows = [0, 3, 10]
+    plain = a.logits(ya, rows)
+    logits, top = b.logits_argmax(yb, rows)
+    assert torch.equal(plain, logits)
+    assert top == logits.argmax(dim=-1).tolist()
+
+
 # -- errors ---------------------------------------------------------------------------------
 def test_a_cache_too_short_is_named(tiny):
     model = tiny("llama").model
@@ -371,3 +389,19 @@ def test_smollm2_greedy_answers_are_those_of_the_torch_path(prompt, smollm2, mon
            f"{torch_path.stats.decode_tps:.1f} tok/s (torch FFNs), answers "
            f"{'identical' if native.token_ids == torch_path.token_ids else 'DIFFERENT'}")
     assert native.token_ids == torch_path.token_ids
+
+
+@pytest.mark.parametrize("preset,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_engine_puts_torchs_openmp_workers_to_sleep_unless_told(preset, want):
+    """engine/__init__.py sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp (its spinning
+    workers held a core the ducks and the native decoder needed); a value already set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    out = subprocess.run([sys.executable, "-c", "import engine, os, torch; print(os.environ['OMP_WAIT_POLICY'])"],
+                         capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert out.stdout.strip() == want

@@ -183,6 +183,31 @@ def test_to_half_rounds_as_numpy_does(name):
     assert np.isnan(ops.to_half(np.array([np.nan], np.float32), kernel_set(name))).all()
 
 
+@pytest.mark.parametrize("name", SETS)
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 100, 49152])
+def test_argmax_is_torchs(name, n):
+    """The greedy token: the first of equal maxima, the first NaN where there is one, every
+    position of the maximum (vectors and tail), all -inf; what torch.argmax answers."""
+    import torch
+
+    rng = np.random.default_rng(n)
+    cases = [rng.standard_normal(n).astype(np.float32), np.full(n, -np.inf, np.float32),
+             np.zeros(n, np.float32), np.round(rng.standard_normal(n)).astype(np.float32)]
+    for at in sorted({0, n // 2, n - 1}):
+        x = rng.standard_normal(n).astype(np.float32)
+        x[at] = 100.0
+        cases.append(x)
+        y = x.copy()
+        y[at] = np.nan
+        y[-1] = np.nan
+        cases.append(y)
+    signed = np.zeros(n, np.float32)
+    signed[: n // 2] = -0.0
+    cases.append(signed)
+    for x in cases:
+        assert ops.argmax(x, kernel_set(name)) == int(torch.from_numpy(x).argmax()), x[:8]
+
+
 # exp of the vector sets (a polynomial) against float64: Cephes' bound is 2 ulp.
 EXP_REL_TOL = 3e-7
 
