@@ -141,3 +141,41 @@ def test_the_torch_path_batches_in_the_daemon(tmp_path):
         assert "continuous batching (torch path)" in d.log_path.read_text(errors="replace")
     finally:
         d.stop()
+
+
+def test_a_burst_of_tokens_wakes_the_event_loop_once_and_keeps_each_requests_order():
+    """duckd.chat's outbox: items put from a generation thread while the loop is busy (a batch
+    step's tokens for every request) arrive in one delivery, each queue's in order."""
+    import threading
+
+    from duckd.chat import _Outbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        outbox, queues = _Outbox(loop), [asyncio.Queue() for _ in range(4)]
+        deliveries = []
+        deliver = outbox._deliver
+        outbox._deliver = lambda: deliveries.append(1) or deliver()
+        produced = threading.Event()
+
+        def produce():
+            for i in range(32):
+                outbox.put(queues[i % 4], i)
+            produced.set()
+
+        def busy_loop():   # the loop is held here until the burst is in
+            threading.Thread(target=produce).start()
+            produced.wait(10)
+        loop.call_soon(busy_loop)
+        await asyncio.sleep(0.05)
+        for _ in range(100):
+            if sum(q.qsize() for q in queues) == 32:
+                break
+            await asyncio.sleep(0.01)
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        assert got == [list(range(k, 32, 4)) for k in range(4)]
+        assert len(deliveries) == 1
+        outbox.put(queues[0], "later")   # after a delivery, the next item schedules another
+        assert await asyncio.wait_for(queues[0].get(), 5) == "later"
+        assert len(deliveries) == 2
+    asyncio.run(main())
