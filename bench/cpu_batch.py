@@ -70,8 +70,8 @@ class Timed:
         self.lm, self.ffn = lm, timed_ffn
         self.batch = BatchDecoder(lm.model, lm.tokenizer, slots=slots, max_model_len=max_model_len)
         dec, self.t = self.batch.decoder, {"layers": 0.0, "logits": 0.0}
-        for name in ("layers", "logits"):
-            setattr(dec, name, self._timed(getattr(dec, name), name))
+        for name, part in (("layers", "layers"), ("logits", "logits"), ("logits_argmax", "logits")):
+            setattr(dec, name, self._timed(getattr(dec, name), part))
 
     def _timed(self, fn, name):
         def call(*a, **k):
