@@ -16,7 +16,6 @@ stops, held-back text (a stop string's prefix) or not."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import threading
@@ -93,45 +92,15 @@ class ActiveRequest:
         return (self.generated - 1) / dt if self.generated > 1 and dt > 0 else 0.0
 
 
-class _Outbox:
-    """What generation threads hand the event loop's request queues, delivered in one loop
-    callback per burst: a batch step's tokens for 32 requests wake the loop once, not 32
-    times (each wake-up a write to the loop's self-pipe, and a hand-over of the interpreter
-    lock between the batch thread and the loop in the middle of the step's bookkeeping).
-    Each queue's items keep their order."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._items: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._pending = False   # a delivery is scheduled on the loop and has not started draining
-
-    def put(self, queue: asyncio.Queue, item) -> None:
-        """From any thread."""
-        self._items.append((queue, item))
-        with self._lock:
-            if self._pending:
-                return
-            self._pending = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self._lock:
-            self._pending = False   # cleared before draining: an item put from now on schedules another
-        while self._items:
-            queue, item = self._items.popleft()
-            queue.put_nowait(item)
-
-
 class _Call:
     """One request's plumbing between the generation thread and the event loop: the event
     queue, cancel, the text counters and its ActiveRequest record."""
 
     def __init__(self, service: "ChatService", prompt: list[int]):
-        outbox = service._outbox_of(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
-        self.put = lambda item: outbox.put(self.queue, item)
+        self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
         self.emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
         self.record = ActiveRequest(next(service._ids), len(prompt), time.monotonic())
 
@@ -192,12 +161,6 @@ class ChatService:
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
         self._batch = None               # engine.batch.BatchRunner, made at the first request where it applies
         self._batch_checked = False
-        self._outbox: _Outbox | None = None
-
-    def _outbox_of(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
-        if self._outbox is None or self._outbox.loop is not loop:
-            self._outbox = _Outbox(loop)
-        return self._outbox
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
         with self._count:
