@@ -57,16 +57,27 @@ class Endpoint:
     address: str
     token: str
     source: str      # where it came from, for messages
+    http_address: str = ""   # the OpenAI-compatible HTTP API's host:port, where known
 
 
-def _from_config(path: Path) -> tuple[str | None, str | None, Path | None]:
+def _from_config(path: Path) -> tuple[str | None, str | None, Path | None, str]:
     data = tomllib.loads(path.read_text())
     daemon = data.get("daemon", {})
     token = daemon.get("token") or None
     if not token and daemon.get("token_file"):
         token = Path(daemon["token_file"]).expanduser().read_text().strip()
     state = Path(daemon["state_dir"]).expanduser() if daemon.get("state_dir") else None
-    return daemon.get("listen"), token, state
+    http = daemon.get("http_listen", "")
+    return daemon.get("listen"), token, state, http if isinstance(http, str) and not http.endswith(":0") else ""
+
+
+def _runtime_http(runtime: Path, address: str) -> str:
+    """The HTTP address in a daemon's runtime file, if that file is the daemon at `address`."""
+    try:
+        info = json.loads(runtime.read_text())
+    except (OSError, ValueError):
+        return ""
+    return info.get("http_address", "") if isinstance(info, dict) and info.get("address") == address else ""
 
 
 def discover(address: str | None = None, token: str | None = None, config: str | None = None,
@@ -76,8 +87,9 @@ def discover(address: str | None = None, token: str | None = None, config: str |
     source = "arguments/environment"
     config = config or os.environ.get("DUCK_CONFIG")
     state = Path(state_dir) if state_dir else None
+    http = ""
     if config and (not address or not token):
-        cfg_addr, cfg_token, cfg_state = _from_config(Path(config))
+        cfg_addr, cfg_token, cfg_state, http = _from_config(Path(config))
         state = state or cfg_state
         runtime = (state or default_state_dir()) / RUNTIME_FILE
         if not runtime.exists() or (cfg_addr and not cfg_addr.endswith(":0")):
@@ -94,12 +106,16 @@ def discover(address: str | None = None, token: str | None = None, config: str |
             address = address or info["address"]
             token = token or Path(info["token_file"]).read_text().strip()
             source = f"runtime file {runtime}"
+            if info["address"] == address:
+                http = info.get("http_address", "")
         except FileNotFoundError:
             raise DiscoveryError(f"no running duckd found: {runtime} does not exist; start duckd, or pass "
                                  "--address and --token (or DUCK_ADDRESS / DUCK_TOKEN)") from None
         except (KeyError, ValueError, OSError) as e:
             raise DiscoveryError(f"cannot read the daemon's runtime file {runtime}: {e}") from None
-    return Endpoint(address, token, source)
+    if not http:     # address and token given: the runtime file still tells the HTTP port of that daemon
+        http = _runtime_http((state or default_state_dir()) / RUNTIME_FILE, address)
+    return Endpoint(address, token, source, http)
 
 
 def channel(endpoint: Endpoint) -> grpc.aio.Channel:

@@ -5,6 +5,9 @@
     duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
     duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
+    duckctl bench e2e --api openai [--streams N] [--flood N] [--json]
+                                                  (the serving bar through the openai client:
+                                                   bench/e2e_openai.py)
     duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
                                                    against the GPU-only and torch CPU baselines)
     duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: bench/plan_cli.py)
@@ -147,6 +150,10 @@ def cmd_bench(args, rest: list[str]) -> int:
     if any(a == "--synthetic" or a.startswith("--synthetic=") for a in rest):
         from bench.e2e_synthetic import main as synthetic_main
         return synthetic_main(rest)
+    if any(a == "--api" or a.startswith("--api=") for a in rest):
+        from bench.e2e_openai import main as openai_main
+        endpoint = discover(args.address, args.token, args.config)
+        return openai_main(rest, endpoint, sync_channel(endpoint))
     from bench.e2e import main as bench_main
     return bench_main(rest, _stubs(args))
 

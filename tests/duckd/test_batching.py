@@ -141,3 +141,30 @@ def test_the_torch_path_batches_in_the_daemon(tmp_path):
         assert "continuous batching (torch path)" in d.log_path.read_text(errors="replace")
     finally:
         d.stop()
+
+
+def test_duckctl_bench_e2e_through_the_openai_client(daemon):
+    """`duckctl bench e2e --api openai`: the serving bar's benchmark (texts together equal
+    texts alone, the ratio while all decode, a flood past max_seqs + max_queued that
+    completes or gets 429), daemon and HTTP address found from the runtime file."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "duckd.ctl", "bench", "e2e", "--api", "openai", "--streams", "4",
+                        "--tokens", "8", "--runs", "1", "--rounds", "1", "--flood", "30", "--json"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "XDG_STATE_HOME": str(daemon.state_dir.parent)})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["api"] == "openai" and out["all_identical"] and out["alone"]["prompts"] == 4
+    (c,) = out["rounds"]
+    assert c["identical_to_alone"] == 4 and c["errors"] == 0 and c["differ"] == [] and c["tokens_out"] > 4
+    assert 0 < c["ttft_p50_s"] <= c["ttft_p99_s"] and c["one_stream_decode_tok_s"] > 0
+    f = out["flood"]   # max_seqs 8 + max_queued 16: at least 24 complete, the rest get 429
+    assert not f["hung"] and f["other"] == 0 and f["completed"] + f["busy_429"] == 30 and f["completed"] >= 24
+    bad = subprocess.run([sys.executable, "-m", "duckd.ctl", "--address", daemon.address, "--token", daemon.token,
+                          "bench", "e2e", "--api", "openai", "--tokens", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--tokens must be at least 2" in bad.stderr

@@ -1,0 +1,191 @@
+"""`duckctl bench e2e --api openai`: the serving bar as a user meets it, through the
+official `openai` client on the daemon's OpenAI-compatible HTTP API.
+
+    1. every prompt alone, one after another (greedy, `--tokens` each): the texts the
+       concurrent run must reproduce, and one stream's decode rate;
+    2. `--rounds` times: a few single streams (this round's one-stream rate), then
+       all `--streams` prompts at once: texts compared with the alone pass, the rate
+       while all decode (bench.e2e.all_decoding) over the round's one-stream rate,
+       TTFT quantiles, the slowest `status` (gRPC ListDucks, every 0.2 s) meanwhile;
+    3. with `--flood N`: N streams at once, each must complete or get 429 (the bounded
+       queue), within `--flood-timeout` seconds: nothing hangs, nothing is lost.
+
+A stream's decode rate is measured by the client: (completion tokens - 1) over the time
+from its first content chunk to its last. Exit status 3 when a concurrent text differs
+from its alone text, a stream failed, or the flood lost or hung a request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+from bench.e2e import all_decoding
+from duck_proto import duck_pb2 as pb
+from duck_proto import duck_pb2_grpc as rpc
+
+TOPICS = ["ducks", "rivers", "bread", "the moon", "trains", "music", "snow", "bees", "clocks", "tea", "maps",
+          "boats", "paper", "stars", "salt", "glass"]
+
+
+def prompt(i: int) -> str:
+    return f"Write a short story about {TOPICS[i % len(TOPICS)]} and the number {i}."
+
+
+def _quantile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
+
+
+async def _stream(client, model: str, i: int, tokens: int) -> dict:
+    """One greedy streamed chat: its text, chunk times, TTFT and client-side decode rate."""
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt(i)}], max_tokens=tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    parts, stamps, usage = [], [], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            parts.append(chunk.choices[0].delta.content)
+    n = usage.completion_tokens if usage is not None else len(stamps)
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {"text": "".join(parts), "stamps": stamps, "tokens": n, "ttft_s": stamps[0] - t0 if stamps else None,
+            "decode_tok_s": (n - 1) / span if span > 0 else None}
+
+
+async def _status_while(fleet, tasks) -> list[float]:
+    """Times `status` (ListDucks over gRPC) every 0.2 s until the tasks are done."""
+    times = []
+    while not all(t.done() for t in tasks):
+        s0 = time.perf_counter()
+        await asyncio.to_thread(fleet.List, pb.ListDucksRequest(), timeout=30)
+        times.append(time.perf_counter() - s0)
+        await asyncio.sleep(0.2)
+    return times
+
+
+async def _concurrent(client, model: str, fleet, n: int, tokens: int, alone: list[str]) -> dict:
+    tasks = [asyncio.create_task(_stream(client, model, i, tokens)) for i in range(n)]
+    t0 = time.perf_counter()
+    status = await _status_while(fleet, tasks)
+    wall = time.perf_counter() - t0
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [f"{type(r).__name__}: {str(r)[:200]}" for r in done if isinstance(r, BaseException)]
+    ok = [r for r in done if not isinstance(r, BaseException)]
+    differ = [i for i, r in enumerate(done) if isinstance(r, BaseException) or r["text"] != alone[i]]
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tokens_out = sum(r["tokens"] for r in ok)
+    return {"streams": n, "wall_s": wall, "tokens_out": tokens_out, "aggregate_tok_s": tokens_out / wall,
+            **all_decoding([r["stamps"] for r in ok] if not errors else [[] for _ in done]),
+            "identical_to_alone": n - len(differ), "differ": differ,
+            "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
+            "errors": len(errors), "error_examples": errors[:3], "status_max_s": max(status, default=0.0)}
+
+
+async def _flood(client, model: str, n: int, tokens: int, timeout: float) -> dict:
+    import openai
+
+    async def one(i: int) -> str:
+        try:
+            r = await _stream(client, model, i, tokens)
+            return "completed" if r["tokens"] > 0 else "empty"
+        except openai.RateLimitError:
+            return "busy"
+        except Exception as e:  # noqa: BLE001 - counted and reported
+            return f"error: {type(e).__name__}: {str(e)[:160]}"
+    t0 = time.perf_counter()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), timeout)
+        hung = False
+    except asyncio.TimeoutError:
+        results, hung = [], True
+    other = [r for r in results if r not in ("completed", "busy")]
+    return {"streams": n, "completed": results.count("completed"), "busy_429": results.count("busy"),
+            "other": len(other), "other_examples": other[:3], "hung": hung, "wall_s": time.perf_counter() - t0}
+
+
+async def run(args, endpoint, fleet) -> dict:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"http://{endpoint.http_address}/v1", api_key=endpoint.token,
+                                  max_retries=0, timeout=args.flood_timeout) as client:
+        model = (await client.models.list()).data[0].id
+        print(f"{model} at http://{endpoint.http_address}/v1: {args.streams} prompts alone, then together "
+              f"({args.rounds} rounds of {args.runs} single streams + {args.streams} at once)", file=sys.stderr)
+        alone = [await _stream(client, model, i, args.tokens) for i in range(args.streams)]
+        texts = [r["text"] for r in alone]
+        result = {"api": "openai", "model": model, "tokens": args.tokens,
+                  "alone": {"prompts": len(alone),
+                            "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in alone
+                                                                     if r["decode_tok_s"]),
+                            "ttft_s_median": statistics.median(r["ttft_s"] for r in alone if r["ttft_s"])}}
+        rounds = []
+        for _ in range(args.rounds):
+            singles = [await _stream(client, model, i, args.tokens) for i in range(args.runs)]
+            one = statistics.median(r["decode_tok_s"] for r in singles if r["decode_tok_s"])
+            c = await _concurrent(client, model, fleet, args.streams, args.tokens, texts)
+            c["one_stream_decode_tok_s"] = one
+            both = c["all_decoding_tok_s"]
+            c["all_decoding_over_one_stream"] = both / one if both is not None else None
+            c["aggregate_over_one_stream"] = c["aggregate_tok_s"] / one
+            rounds.append(c)
+            print(f"round {len(rounds)}: one stream {one:.1f} tok/s; {args.streams} at once: "
+                  f"{c['identical_to_alone']}/{args.streams} identical to alone, while all decode "
+                  + (f"{both:.1f} tok/s ({c['all_decoding_over_one_stream']:.2f}x)" if both else "(no overlap)")
+                  + f", TTFT p99 {c['ttft_p99_s']:.2f} s, status <= {c['status_max_s']:.3f} s, "
+                  f"{c['errors']} errors", file=sys.stderr)
+        result["rounds"] = rounds
+        ratios = [c["all_decoding_over_one_stream"] for c in rounds if c["all_decoding_over_one_stream"]]
+        result["median_all_decoding_over_one_stream"] = statistics.median(ratios) if ratios else None
+        result["all_identical"] = all(c["identical_to_alone"] == args.streams for c in rounds)
+        if args.flood:
+            f = result["flood"] = await _flood(client, model, args.flood, args.tokens, args.flood_timeout)
+            print(f"flood of {args.flood}: {f['completed']} completed, {f['busy_429']} got 429, {f['other']} other"
+                  f"{', HUNG' if f['hung'] else ''} ({f['wall_s']:.1f} s)", file=sys.stderr)
+    return result
+
+
+def main(argv: list[str], endpoint, channel) -> int:
+    ap = argparse.ArgumentParser(prog="duckctl bench e2e --api openai")
+    ap.add_argument("--api", choices=["openai"], required=True)
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens of every request")
+    ap.add_argument("--streams", type=int, default=32, help="concurrent streams, each its own prompt")
+    ap.add_argument("--runs", type=int, default=3, help="single streams a round, for its one-stream rate")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--flood", type=int, default=0, help="then this many streams at once: completed or 429")
+    ap.add_argument("--flood-timeout", type=float, default=600.0, help="seconds before the flood counts as hung")
+    ap.add_argument("--http", help="the daemon's HTTP address host:port (default: from its runtime file)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.tokens < 2 or args.streams < 1 or args.runs < 1 or args.rounds < 1 or args.flood < 0:
+        ap.error("--tokens must be at least 2, --streams, --runs and --rounds positive, --flood not negative")
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        print("duckctl: bench e2e --api openai needs the openai package (pip install openai)", file=sys.stderr)
+        return 1
+    if args.http:
+        endpoint.http_address = args.http
+    if not endpoint.http_address:
+        print("duckctl: the daemon's HTTP address is unknown (no runtime file names it): pass --http HOST:PORT",
+              file=sys.stderr)
+        return 1
+    result = asyncio.run(run(args, endpoint, rpc.FleetStub(channel)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        r = result["median_all_decoding_over_one_stream"]
+        print(f"{result['model']} via openai: {args.streams} streams, all identical to alone: "
+              f"{result['all_identical']}; " + (f"median ratio while all decode {r:.2f}x one stream" if r
+                                                 else "no round overlapped enough for a ratio"))
+    ok = result["all_identical"] and not any(c["errors"] for c in result["rounds"])
+    if args.flood:
+        f = result["flood"]
+        ok = ok and not f["hung"] and f["completed"] + f["busy_429"] == args.flood
+    return 0 if ok else 3
