@@ -76,9 +76,6 @@ uint16_t duck_float_to_half(float f);
  * duck_host_packed_halves(rows, k) of them (the last panel's missing rows zero). */
 size_t duck_host_packed_halves(uint32_t rows, uint32_t k);
 void duck_host_pack_half(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint16_t *out);
-/* The AVX2+FMA+F16C gemm_h, which the AVX-512 set shares. */
-void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
-                           const float *x, size_t ldx, float *y, size_t ldy);
 
 const duck_host_kernels *duck_host_kernels_ref(void);
 /* The AVX2+FMA+F16C kernels the AVX-512 set shares (every AVX-512F CPU has these). */

@@ -258,8 +258,8 @@ static void gemv_panels_h(const uint16_t *p, size_t panel, uint32_t k, const flo
         _mm256_storeu_ps(y + 8 * i, a[i]);
 }
 
-void duck_host_gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
-                           const float *x, size_t ldx, float *y, size_t ldy)
+static void gemm_h_avx2(const uint16_t *w, size_t ldw, uint32_t rows, uint32_t k, uint32_t ntok,
+                        const float *x, size_t ldx, float *y, size_t ldy)
 {
     const size_t panel = (size_t)DUCK_HOST_PANEL * ldw;
     uint32_t r = 0;
@@ -487,7 +487,7 @@ static const duck_host_kernels k_avx2 = {"avx2",
                                          gemm_avx2,
                                          dot_avx2,
                                          gemv_t_avx2,
-                                         duck_host_gemm_h_avx2,
+                                         gemm_h_avx2,
                                          duck_host_softmax_exp_avx2,
                                          duck_host_gemv_t_h_avx2,
                                          duck_host_to_half_avx2,

@@ -239,3 +239,16 @@ def test_fast_softmax_exp_agrees_with_ref(n):
             assert np.allclose(fast, ref, rtol=2 * EXP_REL_TOL, atol=0), name
             assert abs(fast_sum - ref_sum) <= n * 2.0 ** -24 * ref_sum, name
 
+
+
+@pytest.mark.parametrize("n, k", [(5, 17), (37, 33), (1027, 576), (300, 1500), (48, 64)])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 11, 12, 13, 32, 40])
+def test_half_weights_avx512_tiles_give_the_avx2_bits(n, k, t):
+    """AVX-512's gemm_h (a panel per vector, tiles of up to four panels by twelve tokens, eight
+    panels for one token) forms each (row, token) sum as the AVX2 set's one chain over the
+    columns: the same bits for every tile shape and tail, so which set a host runs does not
+    change its tokens."""
+    w16, x = _data(n, k, seed=n * k + t).astype(np.float16), _data(t, k, seed=t + 7)
+    wide = _kernel_gemm_h(w16, x, kernel_set("avx512"), pad=5)
+    assert np.all(np.isnan(wide[:, n:])), "avx512: gemm_h wrote past the output rows"
+    assert np.array_equal(wide, _kernel_gemm_h(w16, x, kernel_set("avx2"), pad=5), equal_nan=True)
