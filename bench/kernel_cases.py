@@ -20,7 +20,7 @@ class Case:
     def key(self) -> tuple:
         return (self.name, str(self.info.get("shape")),
                 self.info.get("kernels") or self.info.get("isa") or self.info.get("mode"), self.info.get("tokens"),
-                self.info.get("part"))
+                self.info.get("part"), self.info.get("activations"))
 
     def run(self, min_seconds: float) -> None:
         self.seconds.append(timed_call(self.fn, min_seconds))

@@ -197,7 +197,8 @@ def build_cases(threads: int, rng: np.random.Generator, cold_bytes: int, moe_exp
     for model in gemm["models"]:
         n_experts, hidden, width = GEMM_LAYERS[model]
         layer = _moe_layer(model, n_experts, hidden, width, rng, shared)
-        cases += kernels_gemm.gemm_cases(layer, model, pool, threads, sets, rng, gemm["tokens"], gemm["parts"])
+        cases += kernels_gemm.gemm_cases(layer, model, pool, threads, sets, rng, gemm["tokens"], gemm["parts"],
+                                         gemm["activations"])
         cases += kernels_gemm.moe_prefill_cases(layer, model, pool, ws, threads, sets, rng, gemm["tokens"],
                                                 gemm["parts"])
     return cases
@@ -223,9 +224,10 @@ def pool_wake(threads: int, runs: int = 200, gap_us: int = 300, spin_us: int = 1
 def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int, cold_mib: int,
         moe_experts: int, sets: list[str] | None = None, gemm: dict | None = None, moe_width: int = 64) -> dict:
     """gemm: the prefill GEMM's cases: models (GEMM_LAYERS' names), tokens per expert,
-    parts (the amx GEMM's parts timed too), only (no GEMV and MoE cases)."""
+    parts (the amx GEMM's parts timed too), only (no GEMV and MoE cases), activations
+    (bf16: a GPU host's; fp32: a CPU host's)."""
     gemm = {"models": ["qwen3-30b-a3b"], "tokens": kernels_gemm.GEMM_TOKENS, "parts": False, "only": False,
-            **(gemm or {})}
+            "activations": ("bf16",), **(gemm or {})}
     rng = np.random.default_rng(1234)
     sets = sets or kernel_sets_to_compare()
     log.info("allocating a %d MiB read buffer", read_mib)
@@ -246,7 +248,7 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
     for t in threads_list:
         med = {c.key: statistics.median(c.seconds) for c in by_threads[t]}
         gbps_of = {c.key: c.work_bytes / med[c.key] / 1e9 for c in by_threads[t]}
-        read = gbps_of[("read", "None", None, None, None)]
+        read = gbps_of[("read", "None", None, None, None, None)]
         result["read_gbps"][str(t)] = round(read, 3)
         compute = kernels_gemm.entries(by_threads[t], med, t)
         if gemm["parts"]:
@@ -263,7 +265,7 @@ def run(threads_list: list[int], rounds: int, min_seconds: float, read_mib: int,
             entry.update(compute.get(c.key, {}))   # fp9_gemm: GFLOP/s, share of the FMA peak
             if c.name == "fp9_gemv":
                 isa = ISA_NAMES[lib.duck_bench_isa(ISA_OF_KERNELS[c.info["kernels"]])]
-                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None, None)]
+                peer = gbps_of[("int8_gemv", str(c.info["shape"]), isa, None, None, None)]
                 entry["int8_peer_isa"] = isa
                 entry["ratio_to_int8"] = round(gbps / peer, 3)
                 entry["ratio_to_int8_params"] = round(entry["gparams"] / peer, 3)
@@ -354,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"layer slices of the prefill GEMM cases (of: {', '.join(GEMM_LAYERS)})")
     ap.add_argument("--gemm-tokens", default=",".join(map(str, kernels_gemm.GEMM_TOKENS)),
                     help="tokens per expert of the prefill GEMM cases")
+    ap.add_argument("--gemm-activations", default="bf16",
+                    help="activations of the prefill GEMM cases: bf16 (a GPU host's), fp32 (a CPU host's), or both "
+                         "comma-separated")
     ap.add_argument("--gemm-only", action="store_true", help="only the read, the peaks and the prefill GEMM")
     ap.add_argument("--amx-parts", action="store_true",
                     help="time the amx GEMM with each of its parts left out, against the whole")
@@ -385,7 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens = ()
     if not tokens or any(t < 1 or t > 1024 for t in tokens):
         ap.error(f"--gemm-tokens {args.gemm_tokens}: comma-separated token counts from 1 to 1024")
-    gemm = {"models": models, "tokens": tokens, "parts": args.amx_parts, "only": args.gemm_only}
+    activations = tuple(a.strip() for a in args.gemm_activations.split(",") if a.strip())
+    if not activations or any(a not in ("bf16", "fp32") for a in activations):
+        ap.error(f"--gemm-activations {args.gemm_activations}: bf16, fp32 or both comma-separated")
+    gemm = {"models": models, "tokens": tokens, "parts": args.amx_parts, "only": args.gemm_only,
+            "activations": activations}
     if args.moe_width < 64 or args.moe_width % 64 or args.moe_width > 2048:
         ap.error(f"--moe-width {args.moe_width}: a multiple of 64 from 64 to 2048")
     result = run(threads, args.rounds, args.seconds, args.read_mib, args.cold_mib, args.moe_experts, sets, gemm,

@@ -74,37 +74,43 @@ def _with_parts(fn, parts: int):
 
 
 def gemm_cases(layer: MoeSlice, model: str, pool, threads: int, sets: list[str], rng,
-               tokens: tuple[int, ...] = GEMM_TOKENS, parts: bool = False) -> list[Case]:
+               tokens: tuple[int, ...] = GEMM_TOKENS, parts: bool = False,
+               activations: tuple[str, ...] = ("bf16",)) -> list[Case]:
     """What prefill does with the experts of a chunk: each one's gate/up and
     down slices streamed once over all of its tokens, rows split over the
     pool (duck_bench_gemm: GEMMs only, one pool run per GEMM_EXPERTS
-    experts), rotating over the layer so that the weights come from memory."""
+    experts), rotating over the layer so that the weights come from memory.
+    activations: bf16 values (a GPU host's fleet), fp32 (a CPU host's), or both."""
     hidden, width, n = layer.hidden, layer.experts[0].down.shape[1], len(layer.experts)
     groups = [layer._table + i for i in range(0, n - GEMM_EXPERTS + 1, GEMM_EXPERTS)]
     cases = []
-    for ntok in tokens:
-        # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. Both
-        # inputs are bf16 values, as a GPU host's fleet has them: gate/up's x as sent, down's silu(gate) * up
-        # rounded to bf16 by the duck on bf16 activations (ffn.c); the avx512-bf16 and amx sets' case
-        x = _bf16((rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32))
-        h = _bf16((rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32))
-        gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
-        rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
-                                      for t in range(ntok)]) for a in (x, h, gu, y)]
-        for name in sets:
-            k = kernels(name)
-            calls = [(lambda g=g, k=k, n=ntok: lib.duck_bench_gemm(pool.ptr, k, g, GEMM_EXPERTS, n, *rows))
-                     for g in groups]
-            per_call = GEMM_EXPERTS * layer.experts[0].weight_bytes
-            case = Case("fp9_gemm", rotating(calls), per_call, GEMM_EXPERTS * 3 * width * hidden,
-                        flops=GEMM_EXPERTS * 2 * ntok * 3 * width * hidden, model=model,
-                        shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name)
-            case.keep = (x, h, gu, y, rows)
-            cases.append(case)
-            if parts and name in ("amx", "amx-emu"):
-                cases += [Case("amx_part", _with_parts(case.fn, mask), per_call, 0, flops=case.flops, model=model,
-                               shape=case.info["shape"], tokens=ntok, threads=threads, kernels=name, part=label)
-                          for label, mask in AMX_PARTS.items()]
+    for act in activations:
+        for ntok in tokens:
+            # prepared activations (x 2^64, as fp9_prepare_x_* gives them): outputs stay normal floats. bf16:
+            # both inputs are bf16 values, as a GPU host's fleet has them: gate/up's x as sent, down's
+            # silu(gate) * up rounded to bf16 by the duck on bf16 activations (ffn.c); the avx512-bf16 and
+            # amx sets' case. fp32: a CPU host's, the amx set's three-part case.
+            x = (rng.standard_normal((ntok, hidden)) * 2.0 ** 64).astype(np.float32)
+            h = (rng.standard_normal((ntok, width)) * 2.0 ** 64).astype(np.float32)
+            if act == "bf16":
+                x, h = _bf16(x), _bf16(h)
+            gu, y = np.empty((ntok, 2 * width), dtype=np.float32), np.empty((ntok, hidden), dtype=np.float32)
+            rows = [ffi.new("float *[]", [ffi.cast("float *", ffi.from_buffer(a[t], require_writable=True))
+                                          for t in range(ntok)]) for a in (x, h, gu, y)]
+            for name in sets:
+                k = kernels(name)
+                calls = [(lambda g=g, k=k, n=ntok: lib.duck_bench_gemm(pool.ptr, k, g, GEMM_EXPERTS, n, *rows))
+                         for g in groups]
+                per_call = GEMM_EXPERTS * layer.experts[0].weight_bytes
+                case = Case("fp9_gemm", rotating(calls), per_call, GEMM_EXPERTS * 3 * width * hidden,
+                            flops=GEMM_EXPERTS * 2 * ntok * 3 * width * hidden, model=model,
+                            shape=[n, 3, width, hidden], tokens=ntok, threads=threads, kernels=name, activations=act)
+                case.keep = (x, h, gu, y, rows)
+                cases.append(case)
+                if parts and act == "bf16" and name in ("amx", "amx-emu"):
+                    cases += [Case("amx_part", _with_parts(case.fn, mask), per_call, 0, flops=case.flops,
+                                   model=model, shape=case.info["shape"], tokens=ntok, threads=threads, kernels=name,
+                                   part=label) for label, mask in AMX_PARTS.items()]
     return cases
 
 
@@ -193,12 +199,14 @@ def entries(cases: list[Case], med: dict, threads: int) -> dict:
         elif c.name in ("amx_part", "moe_part"):   # its time over the whole GEMM's (forward's), round by round
             of = "fp9_gemm" if c.name == "amx_part" else "moe_prefill"
             whole = next(p for p in cases if p.name == of and p.info["kernels"] == c.info["kernels"]
-                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"])
+                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"]
+                         and p.info.get("activations", "bf16") == "bf16")
             out[c.key] = {"name": c.name, **c.info, "seconds": round(med[c.key], 6), "time_ratio": round(
                 statistics.median([s / w for s, w in zip(c.seconds, whole.seconds)]), 3)}
         elif c.name == "moe_prefill":   # and its rate over the GEMMs' alone, round by round
             gemm = next((p for p in cases if p.name == "fp9_gemm" and p.info["kernels"] == c.info["kernels"]
-                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"]), None)
+                         and p.info["tokens"] == c.info["tokens"] and p.info["shape"] == c.info["shape"]
+                         and p.info["activations"] == "bf16"), None)
             out[c.key] = {"gflops": round(gflops, 2), "gflops_per_core": round(gflops / threads, 2),
                           "seconds": round(med[c.key], 6)}
             if gemm is not None:
@@ -239,7 +247,7 @@ def format_line(c: dict) -> str | None:
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  {c['seconds'] * 1e3:8.3f} ms"
                 + (f"  ratio_to_gemm {c['ratio_to_gemm']:.3f}" if "ratio_to_gemm" in c else ""))
     if c["name"] == "fp9_gemm":
-        label = f"{c['model']} T{c['tokens']} {c['kernels']}"
+        label = f"{c['model']} T{c['tokens']} {c['kernels']}" + (" fp32" if c["activations"] == "fp32" else "")
         return (f"{c['name']:10s} {str(c['shape']):22s} {label:28s} threads {c['threads']:2d}  "
                 f"{c['gflops']:7.1f} GFLOP/s ({c['gflops_per_core']:.1f} per core)  "
                 f"ratio_to_fma_peak {c['ratio_to_fma_peak']:.3f} ({c['fma_peak_isa']})  {c['gbps']:.2f} GB/s"

@@ -139,7 +139,8 @@ typedef struct moe_task {
  * bf16 activations (a bf16 model: what a GPU host sends) it is rounded to bf16,
  * as the model's own FFN in bf16 rounds it, and the routing weight multiplies
  * the expert's output instead (down_block): the down projection then takes
- * bf16 values too, so the sets with a bf16 GEMM (amx, avx512-bf16) run it. */
+ * bf16 values too, so the sets with a bf16 GEMM (amx, avx512-bf16) run it (amx
+ * runs fp32 ones on its tiles too, in three bf16 parts). */
 static void gate_up_piece(const moe_task *t, const moe_piece *pc)
 {
     const moe_job *job = &t->jobs[pc->job];

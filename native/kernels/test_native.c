@@ -423,7 +423,9 @@ int main(void)
                 test_odd_shapes(amx_sets[i]);
             }
             duck_kernels_amx_parts(0);
-            bf16_tokens = 0;
+            bf16_tokens = 0;   /* fp32 activations: the same tiles on three bf16 parts of each value */
+            test_kernels_agree(amx_sets[i]);
+            test_odd_shapes(amx_sets[i]);
             CHECK((duck_kernels_amx_emulated_dots() > dots) == (i == 0), "%s: the emulated tiles ran %llu times",
                   amx_sets[i]->name, duck_kernels_amx_emulated_dots() - dots);
         } else

@@ -117,8 +117,24 @@ def test_bench_kernels_gemm_only_on_a_named_slice(capsys):
 
 @pytest.mark.parametrize("flag,value,says", [("--gemm-models", "llama", "known are qwen3-30b-a3b, deepseek-v3"),
                                              ("--gemm-tokens", "0,16", "token counts from 1 to 1024"),
-                                             ("--gemm-tokens", "x", "token counts from 1 to 1024")])
+                                             ("--gemm-tokens", "x", "token counts from 1 to 1024"),
+                                             ("--gemm-activations", "fp16", "bf16, fp32 or both")])
 def test_bench_kernels_refuses_bad_gemm_cases(flag, value, says, capsys):
     with pytest.raises(SystemExit):
         duckctl(["bench", "kernels", flag, value] + TINY)
     assert says in capsys.readouterr().err
+
+
+def test_bench_kernels_gemm_on_fp32_activations(capsys):
+    """--gemm-activations bf16,fp32: the prefill GEMM on a GPU host's activations and on a CPU
+    host's (amx runs the latter on its tiles in three bf16 parts), each its own case."""
+    sets = [k for k in ("amx-emu", "avx2-blend", "avx2-xor") if k in kernels_available()][:1]
+    args = ["bench", "kernels", "--threads", "1", "--json", "--gemm-only", "--gemm-models", "qwen3-30b-a3b",
+            "--gemm-tokens", "8", "--gemm-activations", "bf16,fp32", "--kernels", sets[0]] + TINY
+    assert duckctl(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    gemms = {c["activations"]: c for c in r["cases"] if c["name"] == "fp9_gemm"}
+    assert set(gemms) == {"bf16", "fp32"}
+    assert all(c["gflops"] > 0 and c["tokens"] == 8 and c["kernels"] == sets[0] for c in gemms.values())
+    (moe,) = [c for c in r["cases"] if c["name"] == "moe_prefill"]   # beside the bf16 GEMM, as before
+    assert moe["ratio_to_gemm"] > 0

@@ -106,8 +106,40 @@ def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales,
         if cols > 2048 and kset == "avx512-bf16":   # VDPBF16PS sums a pair in its own order
             assert not np.array_equal(y, gemm(t, x, "avx512")), "the bf16 dot products ran"
     x = rng.standard_normal((12, cols)).astype(np.float32)
-    assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
+    if kset == "avx512-bf16":
+        assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
+    else:   # amx: fp32 activations as three exact bf16 parts (test_amx_takes_fp32_activations_in_three_parts)
+        _check(t, x, gemm(t, x, kset), f"{kset} fp32 activations")
     x = _bf16(rng.standard_normal((3, cols)).astype(np.float32))
+    assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
+
+
+@pytest.mark.parametrize("kset", [pytest.param(k, marks=pytest.mark.skipif(k not in AVAILABLE,
+                                                                           reason=f"this CPU has no {NEEDS[k]}"))
+                                  for k in ("amx-emu", "amx")])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["plain", "block_scales"])
+@pytest.mark.parametrize("cols", [64, 192, 2048 + 64])
+@pytest.mark.parametrize("rows", [3, 33, 384])
+def test_amx_takes_fp32_activations_in_three_parts(rows, cols, block_scales, kset):
+    """fp32 activations (a CPU host's) on the tiles: each value split into three bf16 whose sum
+    is exactly it, so every product is exact and only the order of the fp32 sums differs from
+    the FMA sets'; as close to float64 as they are, over activations of widely different
+    magnitudes (the split's low part is then far below the high one). Fewer than five tokens
+    stay avx512's bit for bit."""
+    rng = np.random.default_rng(rows * 5 + cols + block_scales)
+    if block_scales:
+        t = _fp8_with_block_scales(rows, cols, rng)
+    else:
+        t = Fp9Tensor.from_float(rng.standard_normal((rows, cols)).astype(np.float32) * 0.03, "w")
+    for ntok in (5, 16, 33):
+        x = rng.standard_normal((ntok, cols)).astype(np.float32)
+        x *= np.float32(10.0) ** rng.integers(-6, 4, size=(ntok, cols)).astype(np.float32)
+        dots = lib.duck_kernels_amx_emulated_dots()
+        y = gemm(t, x, kset)
+        _check(t, x, y, f"{kset} fp32 ntok {ntok}")
+        if kset == "amx-emu":
+            assert lib.duck_kernels_amx_emulated_dots() > dots, "the emulated tile program ran"
+    x = rng.standard_normal((4, cols)).astype(np.float32)
     assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
 
 
