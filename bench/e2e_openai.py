@@ -110,9 +110,33 @@ async def _flood(client, model: str, n: int, tokens: int, timeout: float) -> dic
             "other": len(other), "other_examples": other[:3], "hung": hung, "wall_s": time.perf_counter() - t0}
 
 
+def _ready(http_address: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{http_address}/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):   # 503 while the fleet or the model loads, or not listening yet
+        return False
+
+
+async def _wait_ready(http_address: str, timeout: float) -> None:
+    """Until duckd's /health says ready."""
+    deadline, said = time.monotonic() + timeout, False
+    while not await asyncio.to_thread(_ready, http_address):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"duckd at {http_address} was not ready within {timeout:.0f} s")
+        if not said:
+            print("waiting for duckd to be ready (fleet, model)", file=sys.stderr)
+            said = True
+        await asyncio.sleep(0.5)
+
+
 async def run(args, endpoint, fleet) -> dict:
     import openai
 
+    await _wait_ready(endpoint.http_address, args.ready_timeout)
     async with openai.AsyncOpenAI(base_url=f"http://{endpoint.http_address}/v1", api_key=endpoint.token,
                                   max_retries=0, timeout=args.flood_timeout) as client:
         model = (await client.models.list()).data[0].id
@@ -160,6 +184,8 @@ def main(argv: list[str], endpoint, channel) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flood", type=int, default=0, help="then this many streams at once: completed or 429")
     ap.add_argument("--flood-timeout", type=float, default=600.0, help="seconds before the flood counts as hung")
+    ap.add_argument("--ready-timeout", type=float, default=300.0,
+                    help="seconds to wait for a starting daemon to be ready")
     ap.add_argument("--http", help="the daemon's HTTP address host:port (default: from its runtime file)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -176,7 +202,11 @@ def main(argv: list[str], endpoint, channel) -> int:
         print("duckctl: the daemon's HTTP address is unknown (no runtime file names it): pass --http HOST:PORT",
               file=sys.stderr)
         return 1
-    result = asyncio.run(run(args, endpoint, rpc.FleetStub(channel)))
+    try:
+        result = asyncio.run(run(args, endpoint, rpc.FleetStub(channel)))
+    except TimeoutError as e:
+        print(f"duckctl: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
