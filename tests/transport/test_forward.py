@@ -287,11 +287,12 @@ def test_a_forward_longer_than_the_deadline_is_neither_resent_nor_failed(tmp_pat
     from native.transport.session import Session
 
     rng = np.random.default_rng(9)
-    hidden, inter, deadline_ms = 2048, 8192, 30
+    # 128 tokens through 2048 x 8192 x 3: about 45 ms on AMX tiles, several times that on FMAs
+    hidden, inter, deadline_ms, ntok = 2048, 8192, 20, 128
     per_duck = split_experts([(grid_weights(rng, (inter, hidden)), grid_weights(rng, (inter, hidden)),
                                grid_weights(rng, (hidden, inter)))], tp=1)
-    x = (rng.standard_normal((64, hidden)) * 0.1).astype(np.float32)
-    ones = (np.zeros((64, 1), np.int32), np.ones((64, 1), np.float32))
+    x = (rng.standard_normal((ntok, hidden)) * 0.1).astype(np.float32)
+    ones = (np.zeros((ntok, 1), np.int32), np.ones((ntok, 1), np.float32))
     with Ducks(1, tmp_path, deadline_ms=5000) as ducks:
         ducks.fleet.upload(flat(per_duck))
         session = ducks.fleet.open_session({0: per_duck}, hidden)
