@@ -50,6 +50,8 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
     c->send_ctx = send_ctx;
     c->rng = 0x9E3779B97F4A7C15ull ^ cfg->fault_seed;
     c->kernels = duck_kernels_best();
+    const char *inv = getenv("DUCK_BATCH_INVARIANT");   /* kernels.h: on unless "0" */
+    duck_kernels_set_batch_invariant(!(inv && strcmp(inv, "0") == 0));
     c->cfg.key.has_link = 0;   /* no run until a host opens one for this start's challenge */
     run_new_challenge(c);
     c->ws = duck_ffn_workspace_create();
@@ -70,7 +72,8 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
             return -1;
         }
     }
-    dlog(DLOG_INFO, "kernels %s, %u worker thread(s)%s, idle %s (%u us)", c->kernels->name, cfg->threads,
+    dlog(DLOG_INFO, "kernels %s%s, %u worker thread(s)%s, idle %s (%u us)", c->kernels->name,
+         duck_kernels_batch_invariant() ? "" : " (batch invariance off)", cfg->threads,
          cfg->pin ? " pinned" : "", cfg->spin_us ? "spin-then-block" : "block", cfg->spin_us);
     return 0;
 }

@@ -46,6 +46,8 @@ const duck_kernels *duck_kernels_avx512(void);
 unsigned long long duck_kernels_amx_emulated_dots(void);
 const duck_kernels *duck_kernels_best(void);
 const duck_kernels *duck_kernels_named(const char *name);
+void duck_kernels_set_batch_invariant(int on);
+int duck_kernels_batch_invariant(void);
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);
 void fp9_prepare_x_bf16(const uint16_t *x, uint32_t n, uint32_t n_padded, float *out);
 

@@ -41,6 +41,22 @@ def kernels_available() -> list[str]:
     return [n for n in KERNEL_SETS[1:] if lib.duck_kernels_named(n.encode()) != ffi.NULL]
 
 
+# Batch invariance of fp32 activations (native/kernels/kernels.h): on unless
+# DUCK_BATCH_INVARIANT=0, as in the firmware.
+lib.duck_kernels_set_batch_invariant(int(os.environ.get("DUCK_BATCH_INVARIANT", "1") != "0"))
+BATCH_INVARIANT_SETS = ("ref", "avx2-xor", "avx2-blend", "avx512", "avx512-bf16", "amx", "amx-emu")
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels sum a token's rows in one order whatever the token count (fp32 activations)."""
+    return bool(lib.duck_kernels_batch_invariant())
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Process-wide: off lets avx2, avx512 and amx take their faster many-token GEMMs on fp32 activations."""
+    lib.duck_kernels_set_batch_invariant(int(bool(on)))
+
+
 def kernels_name(k) -> str:
     return ffi.string(k.name).decode()
 

@@ -1,6 +1,8 @@
 /* Run-time choice of the kernel set. */
 #include "kernels.h"
 
+#include <stdatomic.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,3 +57,9 @@ const duck_kernels *duck_kernels_best(void)
     const duck_kernels *k = want && strcmp(want, "best") != 0 ? duck_kernels_named(want) : NULL;
     return k ? k : fastest();
 }
+
+static atomic_int batch_invariant = 1;
+
+void duck_kernels_set_batch_invariant(int on) { atomic_store(&batch_invariant, on != 0); }
+
+int duck_kernels_batch_invariant(void) { return atomic_load_explicit(&batch_invariant, memory_order_relaxed); }

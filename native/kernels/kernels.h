@@ -84,6 +84,17 @@ const duck_kernels *duck_kernels_best(void);
  * or the name is unknown. */
 const duck_kernels *duck_kernels_named(const char *name);
 
+/* Batch invariance of fp32 activations (a CPU host's), on by default: every set
+ * sums a token's rows in one order whatever the call's token count (the
+ * GEMV's: kernels_avx2.c, kernels_avx512.c; ref's own), so a sequence's results
+ * do not depend on which sequences share its step. Off, the avx2, avx512 and amx
+ * sets take their faster many-token GEMMs on fp32 activations too (FMA tiles,
+ * AMX tiles in three bf16 parts), whose sums depend on the token count. bf16
+ * activations (a GPU host's) take those GEMMs either way. Process-wide; the
+ * firmware turns it off where DUCK_BATCH_INVARIANT=0 is in its environment. */
+void duck_kernels_set_batch_invariant(int on);
+int duck_kernels_batch_invariant(void);
+
 /* Activation in kernel form: x * 2^FP9_ACT_SHIFT, zero-padded to n_padded
  * (a multiple of 64, >= n). */
 void fp9_prepare_x_f32(const float *x, uint32_t n, uint32_t n_padded, float *out);

@@ -1,8 +1,9 @@
 /* The amx kernel set: avx512, with the many-token GEMM (5 tokens or more) on AMX
  * tiles. Where every activation of the call is exactly a bf16 (what a GPU host
  * sends: a prefill chunk's gate/up, and on bf16 activations the down projection
- * too, ffn.c) they are the B operand as they stand; fp32 activations (a CPU
- * host's) are split into three bf16 parts whose sum is each value exactly, and
+ * too, ffn.c) they are the B operand as they stand. Other fp32 activations (a
+ * CPU host's) take avx512's batch-invariant GEMM (kernels.h); with batch
+ * invariance off they are split into three bf16 parts whose sum is each value exactly, and
  * every A tile is multiplied with the three (split3_rows): the products stay
  * exact, so the result is an fp32 GEMM's in another order of sums. The tiles
  * are not what bounds the GEMM (the decode is), so three times the tile
@@ -448,7 +449,7 @@ static void gemm_amx_with(const fp9_matrix *m, uint32_t pair_begin, uint32_t pai
     uint32_t *xb;
     float *acc;
     if (ntok >= AMX_MIN_TOKENS && pair_begin < pair_end &&
-        !(rows = duck_bf16_rows(x, ntok, 16 /* a tile's rows */, cols, NULL)))
+        !(rows = duck_bf16_rows(x, ntok, 16 /* a tile's rows */, cols, NULL)) && !duck_kernels_batch_invariant())
         rows = split3_rows(x, ntok, 16, cols), nparts = 3;
     const size_t part = (size_t)ntt * 16 * cols / 2;   /* dwords of a part's rows, and of its B tiles */
     if (rows && (xb = duck_thread_scratch(1, nparts * part * sizeof(uint32_t))) &&

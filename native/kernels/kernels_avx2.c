@@ -1,7 +1,7 @@
 /* AVX2+FMA fp9 kernels. Decoding is integer work: zero-extend the magnitude
  * bytes, shift them into the fp32 exponent/mantissa position, XOR the sign
  * bit in; the rebias lives in the prepared activation and the output scale,
- * so there is no add. A row pair shares every activation load. */
+ * so there is no add. The rows of a GEMV share every activation load. */
 #include "kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -47,81 +47,15 @@ static inline __attribute__((always_inline)) __m256 fma_signed(int blend, __m256
     return _mm256_fmadd_ps(decode8(mag, sign_half, counts, sign_bit), x, acc);
 }
 
-static inline float hsum(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline void store_out(float *y, uint32_t row, uint32_t rows, float v, int accumulate)
 {
     if (row < rows)
         y[row] = accumulate ? y[row] + v : v;
 }
 
-/* One token: each block is decoded into registers and consumed at once. */
-static inline __attribute__((always_inline)) void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin,
-                                                            uint32_t pair_end, const float *x, float *y,
-                                                            int accumulate, int blend)
-{
-    const __m256i c0 = SIGN_COUNTS(0), c1 = SIGN_COUNTS(1), c2 = SIGN_COUNTS(2), c3 = SIGN_COUNTS(3);
-    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
-    const float out_scale = m->prescale * 0x1p48f;
-    const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
-    /* panel by panel (fp9.h): the panel's activations stay in L1 */
-    for (uint32_t g0 = 0; g0 < groups; g0 += FP9_PANEL_GROUPS) {
-        const uint32_t g1 = g0 + fp9_panel_groups(groups, g0);
-        const int add = accumulate || g0 > 0;
-        for (uint32_t p = pair_begin; p < pair_end; p++) {
-            const fp9_block *run = fp9_pair_run(m, p, g0);
-            const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            __m256 t0 = _mm256_setzero_ps(), t1 = _mm256_setzero_ps();
-            for (uint32_t g = g0; g < g1; g++) {
-                const fp9_block *blk = &run[g - g0];
-                const float *xg = x + (size_t)g * FP9_GROUP;
-                for (int l = 0; l < 3; l++)   /* the 144-byte block DUCK_PREFETCH_BYTES ahead */
-                    _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
-                __m256i r0lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[0]);
-                __m256i r0hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[0] >> 32));
-                __m256i r1lo = _mm256_set1_epi32((int)(uint32_t)blk->sign[1]);
-                __m256i r1hi = _mm256_set1_epi32((int)(uint32_t)(blk->sign[1] >> 32));
-#define STEP(j, half0, half1, cnt, acc0, acc1)                                          \
-    do {                                                                                 \
-        __m256 xv = _mm256_loadu_ps(xg + 8 * (j));                                       \
-        __m256 xn = _mm256_xor_ps(xv, _mm256_castsi256_ps(sign_bit));                    \
-        acc0 = fma_signed(blend, acc0, blk->mag[0] + 8 * (j), xv, xn, half0, cnt, sign_bit); \
-        acc1 = fma_signed(blend, acc1, blk->mag[1] + 8 * (j), xv, xn, half1, cnt, sign_bit); \
-    } while (0)
-                STEP(0, r0lo, r1lo, c0, a0, a2);
-                STEP(1, r0lo, r1lo, c1, a1, a3);
-                STEP(2, r0lo, r1lo, c2, a0, a2);
-                STEP(3, r0lo, r1lo, c3, a1, a3);
-                STEP(4, r0hi, r1hi, c0, a0, a2);
-                STEP(5, r0hi, r1hi, c1, a1, a3);
-                STEP(6, r0hi, r1hi, c2, a0, a2);
-                STEP(7, r0hi, r1hi, c3, a1, a3);
-#undef STEP
-                if (s0 && ((g & 1) || g + 1 == groups)) {   /* end of a 128-column scale block */
-                    t0 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s0[g / 2]), t0);
-                    t1 = _mm256_fmadd_ps(_mm256_add_ps(a2, a3), _mm256_set1_ps(s0[sc + g / 2]), t1);
-                    a0 = a1 = a2 = a3 = _mm256_setzero_ps();
-                }
-            }
-            if (!s0) {
-                t0 = _mm256_add_ps(a0, a1);
-                t1 = _mm256_add_ps(a2, a3);
-            }
-            store_out(y, 2 * p, m->rows, hsum(t0) * out_scale, add);
-            store_out(y, 2 * p + 1, m->rows, hsum(t1) * out_scale, add);
-        }
-    }
-}
-
-/* Sums of eight accumulators, one per lane: [hsum(a[0]), ..., hsum(a[7])]. */
+/* Sums of eight accumulators, one per lane: [hsum8 of a[0], ..., of a[7]]. Each
+ * lane's sum is (l0 + l1) + (l2 + l3) plus (l4 + l5) + (l6 + l7), whichever
+ * lane the row takes. */
 static inline __m256 hsum8(const __m256 a[8])
 {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -129,54 +63,168 @@ static inline __m256 hsum8(const __m256 a[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Narrow matrices (the down slices: K = 64 .. 256) have too few columns to
- * hide a per-row horizontal sum, so four pairs go together and their eight
- * sums are reduced in one vector. No block scales (the general path has them). */
-#define NARROW_MAX_GROUPS 4
+/* Batch invariance (kernels.h): a row's sum for a token is taken in one order
+ * whatever the call's token count. Per 2048-column panel, one FMA chain of 8
+ * lanes per row over the panel's groups, each group's columns 8j .. 8j + 7 for
+ * j = 0 .. 7 in turn; where there are block scales the chain is cut every 128
+ * columns and folded into a second one, times the block's scale; then hsum8's
+ * sum of the lanes, times the output scale, added to y panel by panel. The GEMV
+ * (one token) and gemm_invariant (more) both take it. */
 
-static inline __attribute__((always_inline)) void gemv_narrow(const fp9_matrix *m, uint32_t pair_begin,
-                                                              uint32_t pair_end, const float *x, float *y,
-                                                              int accumulate, int blend)
+/* y rows of pairs [p, p + NP) (NP <= 4; 2 with block scales) for one token and
+ * one panel: eight chains (four with scales), each activation load shared by
+ * every row. */
+static inline __attribute__((always_inline)) void gemv_rows(const fp9_matrix *m, uint32_t p, const int NP,
+                                                            uint32_t g0, uint32_t ng, const float *x, float *y,
+                                                            int add, int blend)
 {
     const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
     const __m256i sign_int = _mm256_set1_epi32((int)0x80000000u);
-    const __m256 sign_bit = _mm256_castsi256_ps(sign_int);
-    const __m256 out_scale = _mm256_set1_ps(m->prescale * 0x1p48f);
-    const uint32_t groups = m->groups;
-    uint32_t p = pair_begin;
-    for (; p + 4 <= pair_end; p += 4) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++)
-            a[r] = _mm256_setzero_ps();
-        for (uint32_t off = 0; off < 4 * groups * sizeof(fp9_block); off += 64)
-            _mm_prefetch((const char *)fp9_pair_run(m, p, 0) + off + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
-        for (uint32_t g = 0; g < groups; g++) {
-            const fp9_block *blk = fp9_pair_run(m, p, 0) + g;   /* pair p + i at blk + i * groups */
-            for (int j = 0; j < 8; j++) {
-                __m256 xv = _mm256_loadu_ps(x + (size_t)g * FP9_GROUP + 8 * j);
-                __m256 xn = _mm256_xor_ps(xv, sign_bit);
-                for (int r = 0; r < 8; r++) {
-                    const fp9_block *b = blk + (size_t)(r >> 1) * groups;
-                    __m256i half = _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2))));
-                    a[r] = fma_signed(blend, a[r], b->mag[r & 1] + 8 * j, xv, xn, half, c[j & 3], sign_int);
+    const uint32_t sc = fp9_scale_cols(m);
+    const int scaled = m->block_scales != NULL;
+    const fp9_block *run = fp9_pair_run(m, p, g0);   /* pair p + i at run + i * ng */
+    __m256 a[8], t[8];
+    for (int r = 0; r < 8; r++)
+        a[r] = t[r] = _mm256_setzero_ps();
+    for (uint32_t g = 0; g < ng; g++) {
+        for (int i = 0; i < NP; i++)
+            for (int l = 0; l < 3; l++)   /* each 144-byte block DUCK_PREFETCH_BYTES ahead */
+                _mm_prefetch((const char *)(run + (size_t)i * ng + g) + DUCK_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        const float *xg = x + (size_t)g * FP9_GROUP;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256 xv = _mm256_loadu_ps(xg + 8 * j);
+            __m256 xn = _mm256_xor_ps(xv, _mm256_castsi256_ps(sign_int));
+#pragma GCC unroll 8
+            for (int r = 0; r < 2 * NP; r++) {
+                const fp9_block *b = run + (size_t)(r >> 1) * ng + g;
+                __m256i half = _mm256_set1_epi32((int)(uint32_t)(b->sign[r & 1] >> (32 * (j >> 2))));
+                a[r] = fma_signed(blend, a[r], b->mag[r & 1] + 8 * j, xv, xn, half, c[j & 3], sign_int);
+            }
+        }
+        const uint32_t gg = g0 + g;
+        if (scaled && ((gg & 1) || gg + 1 == m->groups))   /* end of a 128-column scale block */
+            for (int r = 0; r < 2 * NP; r++) {
+                t[r] = _mm256_fmadd_ps(a[r], _mm256_set1_ps(m->block_scales[(size_t)(2 * p + r) * sc + gg / 2]), t[r]);
+                a[r] = _mm256_setzero_ps();
+            }
+    }
+    float sums[8] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, _mm256_mul_ps(hsum8(scaled ? t : a), _mm256_set1_ps(m->prescale * 0x1p48f)));
+    for (int r = 0; r < 2 * NP; r++)
+        store_out(y, 2 * p + r, m->rows, sums[r], add);
+}
+
+static inline __attribute__((always_inline)) void gemv_avx2(const fp9_matrix *m, uint32_t pair_begin,
+                                                            uint32_t pair_end, const float *x, float *y,
+                                                            int accumulate, int blend)
+{
+    const uint32_t step = m->block_scales ? 2 : 4;
+    for (uint32_t g0 = 0; g0 < m->groups; g0 += FP9_PANEL_GROUPS) {
+        const uint32_t ng = fp9_panel_groups(m->groups, g0);
+        const int add = accumulate || g0 > 0;
+        for (uint32_t p = pair_begin; p < pair_end; p += step)
+            switch (pair_end - p < step ? pair_end - p : step) {
+            case 1: gemv_rows(m, p, 1, g0, ng, x + (size_t)g0 * FP9_GROUP, y, add, blend); break;
+            case 2: gemv_rows(m, p, 2, g0, ng, x + (size_t)g0 * FP9_GROUP, y, add, blend); break;
+            case 3: gemv_rows(m, p, 3, g0, ng, x + (size_t)g0 * FP9_GROUP, y, add, blend); break;
+            default: gemv_rows(m, p, 4, g0, ng, x + (size_t)g0 * FP9_GROUP, y, add, blend); break;
+            }
+    }
+}
+
+/* Many tokens in the GEMV's order: a micro-panel of two row pairs is decoded
+ * once per panel into an L1 buffer (per group and j: each row's eight signed
+ * weights), then tiles of its four rows by up to two tokens (one with block
+ * scales) run the GEMV's chains on it, each activation load shared by the four
+ * rows. At most INV_BLOCK tokens per pass. */
+#define INV_ROWS 4
+#define INV_BLOCK 32
+
+static inline __attribute__((always_inline)) void inv_tile(const float *wd, uint32_t g0, uint32_t ng,
+                                                           const float *const *x, const int R, const int NT,
+                                                           const fp9_matrix *m, uint32_t p, float *const *y,
+                                                           int add)
+{
+    const uint32_t sc = fp9_scale_cols(m);
+    const int scaled = m->block_scales != NULL;
+    __m256 a[8], t[8];   /* chain i * R + r: token i, row 2p + r */
+    for (int k = 0; k < 8; k++)
+        a[k] = t[k] = _mm256_setzero_ps();
+    for (uint32_t g = 0; g < ng; g++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const float *w = wd + ((size_t)g * 8 + j) * 8 * INV_ROWS;
+            __m256 xv[2];
+#pragma GCC unroll 2
+            for (int i = 0; i < NT; i++)
+                xv[i] = _mm256_loadu_ps(x[i] + (size_t)(g0 + g) * FP9_GROUP + 8 * j);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256 wv = _mm256_load_ps(w + 8 * r);
+#pragma GCC unroll 2
+                for (int i = 0; i < NT; i++)
+                    a[i * R + r] = _mm256_fmadd_ps(wv, xv[i], a[i * R + r]);
+            }
+        }
+        const uint32_t gg = g0 + g;
+        if (scaled && ((gg & 1) || gg + 1 == m->groups))
+            for (int r = 0; r < R; r++) {
+                const __m256 k = _mm256_set1_ps(m->block_scales[(size_t)(2 * p + r) * sc + gg / 2]);
+                for (int i = 0; i < NT; i++) {
+                    t[i * R + r] = _mm256_fmadd_ps(a[i * R + r], k, t[i * R + r]);
+                    a[i * R + r] = _mm256_setzero_ps();
+                }
+            }
+    }
+    float sums[8] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, _mm256_mul_ps(hsum8(scaled ? t : a), _mm256_set1_ps(m->prescale * 0x1p48f)));
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < R; r++)
+            store_out(y[i], 2 * p + r, m->rows, sums[i * R + r], add);
+}
+
+static void gemm_invariant(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                           const float *const *x, float *const *y, int accumulate)
+{
+    float wd[FP9_PANEL_GROUPS * 8 * 8 * INV_ROWS] __attribute__((aligned(32)));
+    const __m256i c[4] = {SIGN_COUNTS(0), SIGN_COUNTS(1), SIGN_COUNTS(2), SIGN_COUNTS(3)};
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const uint32_t tmax = m->block_scales ? 1 : 2;
+    for (uint32_t b0 = 0; b0 < ntok; b0 += INV_BLOCK) {
+        const uint32_t nb = ntok - b0 < INV_BLOCK ? ntok - b0 : INV_BLOCK;
+        for (uint32_t g0 = 0; g0 < m->groups; g0 += FP9_PANEL_GROUPS) {
+            const uint32_t ng = fp9_panel_groups(m->groups, g0);
+            const int add = accumulate || g0 > 0;
+            for (uint32_t p = pair_begin; p < pair_end; p += INV_ROWS / 2) {
+                const uint32_t np = pair_end - p < INV_ROWS / 2 ? pair_end - p : INV_ROWS / 2;
+                for (uint32_t q = 0; q < np; q++) {
+                    const fp9_block *run = fp9_pair_run(m, p + q, g0);
+                    for (uint32_t g = 0; g < ng; g++) {
+                        for (int l = 0; l < 3; l++)
+                            _mm_prefetch((const char *)&run[g] + DUCK_PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+                        for (int r = 0; r < 2; r++) {
+                            const uint64_t sign = run[g].sign[r];
+                            for (int j = 0; j < 8; j++) {
+                                __m256i half = _mm256_set1_epi32((int)(uint32_t)(sign >> (32 * (j >> 2))));
+                                _mm256_store_ps(wd + ((size_t)g * 8 + j) * 8 * INV_ROWS + 8 * (2 * q + r),
+                                                decode8(run[g].mag[r] + 8 * j, half, c[j & 3], sign_bit));
+                            }
+                        }
+                    }
+                }
+                for (uint32_t t = 0; t < nb; t += tmax) {
+                    const uint32_t nt = nb - t < tmax ? nb - t : tmax;
+                    const float *const *xt = x + b0 + t;
+                    float *const *yt = y + b0 + t;
+                    if (np == 2)
+                        nt == 2 ? inv_tile(wd, g0, ng, xt, 4, 2, m, p, yt, add) : inv_tile(wd, g0, ng, xt, 4, 1, m, p, yt, add);
+                    else
+                        nt == 2 ? inv_tile(wd, g0, ng, xt, 2, 2, m, p, yt, add) : inv_tile(wd, g0, ng, xt, 2, 1, m, p, yt, add);
                 }
             }
         }
-        __m256 sums = _mm256_mul_ps(hsum8(a), out_scale);
-        uint32_t row = 2 * p;
-        if (row + 8 <= m->rows) {
-            if (accumulate)
-                sums = _mm256_add_ps(sums, _mm256_loadu_ps(y + row));
-            _mm256_storeu_ps(y + row, sums);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            for (int r = 0; r < 8; r++)
-                store_out(y, row + r, m->rows, tmp[r], accumulate);
-        }
     }
-    if (p < pair_end)
-        gemv_avx2(m, p, pair_end, x, y, accumulate, blend);
 }
 
 #define GEMM_PAIRS 8    /* rows per tile: 16, two vectors */
@@ -310,14 +358,12 @@ static inline __attribute__((always_inline)) void gemm_variant(
     const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
     const float *const *x, float *const *y, int accumulate, int blend)
 {
-    if (ntok == 1) {
-        if (m->groups <= NARROW_MAX_GROUPS && !m->block_scales)
-            gemv_narrow(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
-        else
-            gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
-        return;
-    }
-    gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
+    if (ntok == 1)
+        gemv_avx2(m, pair_begin, pair_end, x[0], y[0], accumulate, blend);
+    else if (duck_kernels_batch_invariant())
+        gemm_invariant(m, pair_begin, pair_end, ntok, x, y, accumulate);
+    else
+        gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
 }
 
 static void gemm_avx2_xor(const fp9_matrix *m, uint32_t pb, uint32_t pe, uint32_t ntok,

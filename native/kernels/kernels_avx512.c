@@ -84,25 +84,23 @@ static inline void store_out(float *y, uint32_t row, uint32_t rows, float v, int
         y[row] = accumulate ? y[row] + v : v;
 }
 
-static inline __attribute__((always_inline)) __m512 chain_sum(const __m512 *a, int n)
-{
-    if (n == 4)
-        return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-    return n == 2 ? _mm512_add_ps(a[0], a[1]) : a[0];
-}
-
-/* NT tokens (1 .. GEMV_MAX_TOKENS) at once: each block is decoded into
- * registers once and used for every token. Panel by panel (fp9.h), so the
- * panel's activations stay in L1 and the weights stream front to back. */
+/* Batch invariance. On fp32 activations (a CPU host's) every row's sum for a
+ * token is taken in one order whatever the call's token count, so a sequence's
+ * bits never depend on which sequences share its step (the host step is
+ * batch-invariant too: tests/engine/test_batch.py). The order is the GEMV's:
+ * per 2048-column panel, one FMA chain of 16 lanes over the panel's groups (of
+ * each 32 columns the even ones, then the odd ones; where there are block
+ * scales the chain is cut every 128 columns and folded into a second chain,
+ * times the block's scale), then hsum16 times the output scale, added to y
+ * panel by panel. gemv_tokens (1 .. 4 tokens, the weights decoded in
+ * registers), gemv_narrow (one token, few columns) and gemm_invariant (more:
+ * the weights decoded once into L1 for every token) all take it. */
 #define GEMV_MAX_TOKENS 4
 
 static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *m, uint32_t pair_begin,
                                                               uint32_t pair_end, const float *const *x,
                                                               float *const *y, int accumulate, const int NT)
 {
-    /* FMA chains per row and token: 8 or more in flight hide the FMA
-     * latency; few enough that everything stays in the 32 registers */
-    const int A = NT == 1 ? 4 : NT == 2 ? 2 : 1;
     float xs[GEMV_MAX_TOKENS][FP9_PANEL_GROUPS * FP9_GROUP] __attribute__((aligned(64)));
     const float out_scale = m->prescale * 0x1p48f;
     const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
@@ -116,13 +114,10 @@ static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *
         for (uint32_t p = pair_begin; p < pair_end; p++) {
             const fp9_block *run = fp9_pair_run(m, p, g0);
             const float *s0 = m->block_scales ? &m->block_scales[(size_t)(2 * p) * sc] : NULL;
-            __m512 a[GEMV_MAX_TOKENS][2][4], t[GEMV_MAX_TOKENS][2];
+            __m512 a[GEMV_MAX_TOKENS][2], t[GEMV_MAX_TOKENS][2];
             for (int i = 0; i < NT; i++)
-                for (int r = 0; r < 2; r++) {
-                    t[i][r] = _mm512_setzero_ps();
-                    for (int c = 0; c < A; c++)
-                        a[i][r][c] = _mm512_setzero_ps();
-                }
+                for (int r = 0; r < 2; r++)
+                    a[i][r] = t[i][r] = _mm512_setzero_ps();
             for (uint32_t g = 0; g < ng; g++) {
                 const fp9_block *blk = &run[g];
                 _mm_prefetch((const char *)blk + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
@@ -136,10 +131,8 @@ static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *
                     for (int i = 0; i < NT; i++) {
                         __m512 xe = _mm512_load_ps(xs[i] + g * FP9_GROUP + 32 * h);
                         __m512 xo = _mm512_load_ps(xs[i] + g * FP9_GROUP + 32 * h + 16);
-                        a[i][0][(2 * h) % A] = _mm512_fmadd_ps(e0, xe, a[i][0][(2 * h) % A]);
-                        a[i][0][(2 * h + 1) % A] = _mm512_fmadd_ps(o0, xo, a[i][0][(2 * h + 1) % A]);
-                        a[i][1][(2 * h) % A] = _mm512_fmadd_ps(e1, xe, a[i][1][(2 * h) % A]);
-                        a[i][1][(2 * h + 1) % A] = _mm512_fmadd_ps(o1, xo, a[i][1][(2 * h + 1) % A]);
+                        a[i][0] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, a[i][0]));
+                        a[i][1] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, a[i][1]));
                     }
                 }
                 const uint32_t gg = g0 + g;
@@ -147,20 +140,130 @@ static inline __attribute__((always_inline)) void gemv_tokens(const fp9_matrix *
                     __m512 k0 = _mm512_set1_ps(s0[gg / 2]), k1 = _mm512_set1_ps(s0[sc + gg / 2]);
                     for (int i = 0; i < NT; i++)
                         for (int r = 0; r < 2; r++) {
-                            t[i][r] = _mm512_fmadd_ps(chain_sum(a[i][r], A), r ? k1 : k0, t[i][r]);
-                            for (int c = 0; c < A; c++)
-                                a[i][r][c] = _mm512_setzero_ps();
+                            t[i][r] = _mm512_fmadd_ps(a[i][r], r ? k1 : k0, t[i][r]);
+                            a[i][r] = _mm512_setzero_ps();
                         }
                 }
             }
             for (int i = 0; i < NT; i++)
-                for (int r = 0; r < 2; r++) {
-                    __m512 sum = s0 ? t[i][r] : chain_sum(a[i][r], A);
-                    store_out(y[i], 2 * p + r, m->rows, hsum16(sum) * out_scale, add);
-                }
+                for (int r = 0; r < 2; r++)
+                    store_out(y[i], 2 * p + r, m->rows, hsum16(s0 ? t[i][r] : a[i][r]) * out_scale, add);
         }
     }
 }
+
+/* Many tokens in the GEMV's order: a micro-panel of INV_PAIRS row pairs is
+ * decoded once per panel into an L1 buffer (per group and half: each row's
+ * even, then odd columns, as decode32 gives them), then tiles of its rows by up
+ * to INV_TOKENS tokens run the same chains as gemv_tokens, the weights loaded
+ * from that buffer; a tile's sixteen (or fewer) sums come out of one
+ * hsum16x16, which sums each row as hsum16 does. The activations of every
+ * token are permuted once per panel (even_odd) into scratch slot 3. */
+#define INV_PAIRS 2
+#define INV_TOKENS 4          /* plain: 4 rows x 4 tokens, 16 chains */
+#define INV_TOKENS_SCALED 2   /* block scales: a second chain each */
+#define INV_BLOCK 32          /* tokens per pass: 256 KiB of activations at most */
+
+static inline __attribute__((always_inline)) void inv_tile(const float *wd, uint32_t g0, uint32_t ng,
+                                                           const float *xs, size_t xstride, const int R,
+                                                           const int NT, const fp9_matrix *m, uint32_t p,
+                                                           float *const *y, int add)
+{
+    const uint32_t groups = m->groups, sc = fp9_scale_cols(m);
+    __m512 a[16], t[16];   /* chain i * R + r: token i, row 2p + r */
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        a[j] = t[j] = _mm512_setzero_ps();
+    for (uint32_t g = 0; g < ng; g++) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const float *w = wd + (size_t)(2 * g + h) * (32 * 2 * INV_PAIRS);
+            const float *xg = xs + g * FP9_GROUP + 32 * h;
+#pragma GCC unroll 4
+            for (int i = 0; i < NT; i++) {
+                __m512 xe = _mm512_load_ps(xg + i * xstride), xo = _mm512_load_ps(xg + i * xstride + 16);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    a[i * R + r] = _mm512_fmadd_ps(_mm512_load_ps(w + 32 * r + 16), xo,
+                                                   _mm512_fmadd_ps(_mm512_load_ps(w + 32 * r), xe, a[i * R + r]));
+            }
+        }
+        const uint32_t gg = g0 + g;
+        if (m->block_scales && ((gg & 1) || gg + 1 == groups))
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512 k = _mm512_set1_ps(m->block_scales[(size_t)(2 * p + r) * sc + gg / 2]);
+#pragma GCC unroll 4
+                for (int i = 0; i < NT; i++) {
+                    t[i * R + r] = _mm512_fmadd_ps(a[i * R + r], k, t[i * R + r]);
+                    a[i * R + r] = _mm512_setzero_ps();
+                }
+            }
+    }
+    float sums[16] __attribute__((aligned(64)));
+    _mm512_store_ps(sums, _mm512_mul_ps(hsum16x16(m->block_scales ? t : a), _mm512_set1_ps(m->prescale * 0x1p48f)));
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < R; r++)
+            store_out(y[i], 2 * p + r, m->rows, sums[i * R + r], add);
+}
+
+#define INV_TILE(R, T) \
+    case T: inv_tile(wd, g0, ng, xs + (size_t)t * cols, cols, R, T, m, p, y + c0 + t, add); break;
+
+static void gemm_invariant(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_end, uint32_t ntok,
+                           const float *const *x, float *const *y, int accumulate)
+{
+    float wd[FP9_PANEL_GROUPS * 2 * 32 * 2 * INV_PAIRS] __attribute__((aligned(64)));
+    float stack_xs[GEMV_MAX_TOKENS * FP9_PANEL_GROUPS * FP9_GROUP] __attribute__((aligned(64)));
+    const uint32_t groups = m->groups;
+    const uint32_t tmax = m->block_scales ? INV_TOKENS_SCALED : INV_TOKENS;
+    const uint32_t cols_max = fp9_panel_groups(groups, 0) * FP9_GROUP;
+    float *xs = duck_thread_scratch(3, (size_t)(ntok < INV_BLOCK ? ntok : INV_BLOCK) * cols_max * sizeof(float));
+    /* at most INV_BLOCK tokens per pass (their activations within L2); out of
+     * memory, as many as the stack holds (the same bits either way) */
+    const uint32_t chunk = xs ? (ntok < INV_BLOCK ? ntok : INV_BLOCK) : GEMV_MAX_TOKENS;
+    if (!xs)
+        xs = stack_xs;
+    for (uint32_t c0 = 0; c0 < ntok; c0 += chunk) {
+        const uint32_t nc = ntok - c0 < chunk ? ntok - c0 : chunk;
+        const uint32_t ntiles = (nc + tmax - 1) / tmax;
+        for (uint32_t g0 = 0; g0 < groups; g0 += FP9_PANEL_GROUPS) {
+            const uint32_t ng = fp9_panel_groups(groups, g0), cols = ng * FP9_GROUP;
+            const int add = accumulate || g0 > 0;
+            for (uint32_t i = 0; i < nc; i++)
+                even_odd(x[c0 + i] + (size_t)g0 * FP9_GROUP, cols, xs + (size_t)i * cols);
+            for (uint32_t p = pair_begin; p < pair_end; p += INV_PAIRS) {
+                const uint32_t np = pair_end - p < INV_PAIRS ? pair_end - p : INV_PAIRS;
+                for (uint32_t q = 0; q < np; q++) {
+                    const fp9_block *run = fp9_pair_run(m, p + q, g0);
+                    for (uint32_t g = 0; g < ng; g++) {
+                        _mm_prefetch((const char *)&run[g] + DUCK_PREFETCH_BYTES, _MM_HINT_T0);
+                        _mm_prefetch((const char *)&run[g] + DUCK_PREFETCH_BYTES + 64, _MM_HINT_T0);
+                        _mm_prefetch((const char *)&run[g] + DUCK_PREFETCH_BYTES + 128, _MM_HINT_T0);
+                        for (int h = 0; h < 2; h++)
+                            for (int r = 0; r < 2; r++) {
+                                __m512 e, o;
+                                float *w = wd + (size_t)(2 * g + h) * (32 * 2 * INV_PAIRS) + 32 * (2 * q + r);
+                                decode32(run[g].mag[r], &run[g].sign[r], h, &e, &o);
+                                _mm512_store_ps(w, e);
+                                _mm512_store_ps(w + 16, o);
+                            }
+                    }
+                }
+                for (uint32_t j = 0, t = 0; j < ntiles; j++) {
+                    const uint32_t nt = nc / ntiles + (j < nc % ntiles);
+                    if (np == INV_PAIRS)
+                        switch (nt) { INV_TILE(4, 1) INV_TILE(4, 2) INV_TILE(4, 3) INV_TILE(4, 4) default: break; }
+                    else
+                        switch (nt) { INV_TILE(2, 1) INV_TILE(2, 2) INV_TILE(2, 3) INV_TILE(2, 4) default: break; }
+                    t += nt;
+                }
+            }
+        }
+    }
+}
+
+#undef INV_TILE
 
 /* Narrow matrices (the down slices: K = 64 .. 256 columns, one token) have
  * too few columns to hide a horizontal sum per row: eight pairs go
@@ -282,7 +385,10 @@ static void gemm_avx512(const fp9_matrix *m, uint32_t pair_begin, uint32_t pair_
     case 4: gemv_tokens(m, pair_begin, pair_end, x, y, accumulate, 4); return;
     default: break;
     }
-    gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
+    if (duck_kernels_batch_invariant())
+        gemm_invariant(m, pair_begin, pair_end, ntok, x, y, accumulate);
+    else
+        gemm_tokens(m, pair_begin, pair_end, ntok, x, y, accumulate);
 }
 
 #pragma GCC pop_options

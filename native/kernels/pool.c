@@ -315,7 +315,7 @@ void duck_pool_destroy(duck_pool *pool)
 
 /* A thread's scratch buffers (duck_thread_scratch), freed when the thread ends:
  * a pool's threads come and go with the pool. */
-#define SCRATCH_SLOTS 3
+#define SCRATCH_SLOTS 4
 
 typedef struct scratch {
     void *mem[SCRATCH_SLOTS];

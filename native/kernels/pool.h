@@ -70,8 +70,8 @@ static inline void duck_split_aligned(unsigned long n, unsigned w, unsigned nw, 
 }
 
 /* A buffer of at least bytes (64-byte aligned) of the calling thread, one per
- * slot (0: duck_bf16_rows; 1, 2: the amx GEMM), kept and reused until the thread
- * ends; NULL when out of memory or slot >= 3. */
+ * slot (0: duck_bf16_rows; 1, 2: the amx GEMM; 3: avx512's many-token GEMM), kept
+ * and reused until the thread ends; NULL when out of memory or slot >= 4. */
 void *duck_thread_scratch(unsigned slot, size_t bytes);
 
 #ifdef __cplusplus

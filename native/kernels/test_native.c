@@ -398,8 +398,12 @@ int main(void)
     } else
         printf("note: no AVX2+FMA on this CPU; only the reference was tested\n");
     if (duck_kernels_avx512()) {
-        test_kernels_agree(duck_kernels_avx512());
-        test_odd_shapes(duck_kernels_avx512());
+        for (int inv = 1; inv >= 0; inv--) {   /* the batch-invariant GEMM, then the FMA tiles */
+            duck_kernels_set_batch_invariant(inv);
+            test_kernels_agree(duck_kernels_avx512());
+            test_odd_shapes(duck_kernels_avx512());
+        }
+        duck_kernels_set_batch_invariant(1);
     } else
         printf("note: no AVX-512 F/BW/VL on this CPU; the avx512 kernels were not tested\n");
     if (duck_kernels_avx512_bf16()) {
@@ -423,11 +427,17 @@ int main(void)
                 test_odd_shapes(amx_sets[i]);
             }
             duck_kernels_amx_parts(0);
-            bf16_tokens = 0;   /* fp32 activations: the same tiles on three bf16 parts of each value */
+            bf16_tokens = 0;   /* fp32 activations, batch invariance off: the same tiles on three bf16 parts */
+            duck_kernels_set_batch_invariant(0);
+            dots = duck_kernels_amx_emulated_dots();
             test_kernels_agree(amx_sets[i]);
             test_odd_shapes(amx_sets[i]);
             CHECK((duck_kernels_amx_emulated_dots() > dots) == (i == 0), "%s: the emulated tiles ran %llu times",
                   amx_sets[i]->name, duck_kernels_amx_emulated_dots() - dots);
+            duck_kernels_set_batch_invariant(1);   /* on: avx512's GEMM, no tile */
+            dots = duck_kernels_amx_emulated_dots();
+            test_kernels_agree(amx_sets[i]);
+            CHECK(duck_kernels_amx_emulated_dots() == dots, "%s: fp32 activations ran on the tiles", amx_sets[i]->name);
         } else
             printf("note: no %s on this CPU; that kernel set was not tested\n", i ? "AMX-BF16" : "AVX512_BF16");
     test_bf16_rounding();

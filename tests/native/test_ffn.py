@@ -9,7 +9,7 @@ import torch
 
 from native._native import lib
 from native.fp9 import Fp9Error, Fp9Tensor, pack_gate_up
-from native.kernels import MAX_TOKENS, ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
+from native.kernels import BATCH_INVARIANT_SETS, MAX_TOKENS, ExpertSlice, MoeSlice, Pool, Workspace, kernels_available
 
 # Relative to the output's scale (max |y| of the float64 result): the fp32
 # kernels and the fp32 silu stay well inside this.
@@ -141,6 +141,31 @@ def test_decode_shape_is_cut_into_pieces_and_stays_exact(kernel_set, ntok):
         pool, ws = Pool(threads), Workspace()
         for _ in range(20):
             assert np.array_equal(layer.forward(x, ids, w, pool, ws, kernel_set=kernel_set), one), threads
+
+
+INVARIANT_SETS = [pytest.param(n, marks=pytest.mark.skipif(n not in kernels_available(), reason=f"this CPU has no {n}"))
+                  for n in BATCH_INVARIANT_SETS]
+
+
+@pytest.mark.parametrize("kernel_set", INVARIANT_SETS)
+def test_a_tokens_output_is_the_same_alone_and_in_a_batch(kernel_set):
+    """Batch invariance (fp32 activations, on by default): a token's MoE output is the same
+    bits whichever tokens share the call, though they change how many tokens each of its
+    experts takes (1 alone, up to 40 here: every GEMV and the many-token GEMM) and the
+    threads split the work: what makes a sequence's text the same alone and among others."""
+    rng = np.random.default_rng(41)
+    experts, _ = make_experts(8, 576, 192, rng)
+    layer = MoeSlice(experts, 576)
+    x = rng.standard_normal((48, 576)).astype(np.float32)
+    ids = np.stack([rng.choice(8, size=4, replace=False) for _ in range(48)]).astype(np.int32)
+    w = rng.uniform(0.05, 0.3, size=ids.shape).astype(np.float32)
+    pool = Pool(2)
+    alone = np.concatenate([layer.forward(x[i:i + 1], ids[i:i + 1], w[i:i + 1], None, kernel_set=kernel_set)
+                            for i in range(48)])
+    for n in (2, 5, 7, 16, 48):
+        together = np.concatenate([layer.forward(x[i:i + n], ids[i:i + n], w[i:i + n], pool, kernel_set=kernel_set)
+                                   for i in range(0, 48, n)])
+        assert np.array_equal(together, alone), f"{kernel_set}, {n} tokens a call"
 
 
 def _bf16_bits(y: np.ndarray) -> np.ndarray:

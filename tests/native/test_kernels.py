@@ -11,7 +11,8 @@ import torch
 
 from native.fp9 import Fp9Tensor
 from native._native import lib
-from native.kernels import Pool, gemm, kernels, kernels_available, kernels_name, matmul
+from native.kernels import (BATCH_INVARIANT_SETS, Pool, batch_invariant, gemm, kernels, kernels_available,
+                            kernels_name, matmul, set_batch_invariant)
 
 # Error of an fp32 dot product of K terms, relative to sum |w| |x|: both
 # kernels accumulate in fp32 in blocks, so it stays far below K * 2^-24.
@@ -120,12 +121,12 @@ def test_the_bf16_gemm_matches_ref_on_bf16_activations(rows, cols, block_scales,
 @pytest.mark.parametrize("block_scales", [False, True], ids=["plain", "block_scales"])
 @pytest.mark.parametrize("cols", [64, 192, 2048 + 64])
 @pytest.mark.parametrize("rows", [3, 33, 384])
-def test_amx_takes_fp32_activations_in_three_parts(rows, cols, block_scales, kset):
-    """fp32 activations (a CPU host's) on the tiles: each value split into three bf16 whose sum
-    is exactly it, so every product is exact and only the order of the fp32 sums differs from
-    the FMA sets'; as close to float64 as they are, over activations of widely different
-    magnitudes (the split's low part is then far below the high one). Fewer than five tokens
-    stay avx512's bit for bit."""
+def test_amx_takes_fp32_activations_in_three_parts(rows, cols, block_scales, kset, invariance_off):
+    """Batch invariance off (kernels.h): fp32 activations (a CPU host's) on the tiles, each value
+    split into three bf16 whose sum is exactly it, so every product is exact and only the order
+    of the fp32 sums differs from the FMA sets'; as close to float64 as they are, over
+    activations of widely different magnitudes (the split's low part is then far below the high
+    one). Fewer than five tokens stay avx512's bit for bit."""
     rng = np.random.default_rng(rows * 5 + cols + block_scales)
     if block_scales:
         t = _fp8_with_block_scales(rows, cols, rng)
@@ -141,6 +142,57 @@ def test_amx_takes_fp32_activations_in_three_parts(rows, cols, block_scales, kse
             assert lib.duck_kernels_amx_emulated_dots() > dots, "the emulated tile program ran"
     x = rng.standard_normal((4, cols)).astype(np.float32)
     assert np.array_equal(gemm(t, x, kset), gemm(t, x, "avx512"))
+
+
+@pytest.fixture
+def invariance_off():
+    set_batch_invariant(False)
+    yield
+    set_batch_invariant(True)
+
+
+INVARIANT_PARAMS = [pytest.param(n, marks=pytest.mark.skipif(n not in AVAILABLE and n != "ref",
+                                                              reason=f"this CPU has no {NEEDS.get(n)}"))
+                    for n in BATCH_INVARIANT_SETS]
+
+
+@pytest.mark.parametrize("kernel_set", INVARIANT_PARAMS)
+@pytest.mark.parametrize("shape", [(33, 2500, False), (40, 576, False), (17, 192, False), (9, 64, False),
+                                   (33, 2048 + 64, True), (17, 256, True)],
+                         ids=["two-panels", "one-panel", "narrow", "one-group", "two-panels-scaled", "scaled"])
+def test_a_tokens_bits_do_not_depend_on_the_tokens_beside_it(kernel_set, shape):
+    """Batch invariance (on by default): every token of a call of any size, at any place in it,
+    gets the bits it gets alone: the one-token GEMV, the 2-4 token GEMVs and the many-token GEMM
+    (its tiles of 1-4 tokens, its blocks of 32, odd row pairs at the end) sum a row in one
+    order. 41 activations cut into calls of every size from 1 to 41."""
+    rows, cols, scaled = shape
+    assert batch_invariant()
+    rng = np.random.default_rng(rows + cols)
+    t = (_fp8_with_block_scales(rows, cols, rng) if scaled
+         else Fp9Tensor.from_float(rng.standard_normal((rows, cols)).astype(np.float32) * 0.03, "w"))
+    x = rng.standard_normal((41, cols)).astype(np.float32)
+    alone = np.concatenate([gemm(t, x[i:i + 1], kernel_set) for i in range(41)])
+    _check(t, x, alone, f"{kernel_set} alone")
+    for n in list(range(2, 14)) + [31, 32, 33, 41]:
+        together = np.concatenate([gemm(t, x[i:i + n], kernel_set) for i in range(0, 41, n)])
+        diff = np.argwhere(together != alone)
+        assert diff.size == 0, f"{kernel_set}, calls of {n} tokens: {len(diff)} outputs differ, first {diff[0]}"
+
+
+@pytest.mark.parametrize("kernel_set", [pytest.param(n, marks=pytest.mark.skipif(
+    n not in AVAILABLE, reason=f"this CPU has no {NEEDS[n]}")) for n in ("avx2-xor", "avx512", "amx")])
+def test_batch_invariance_off_takes_the_faster_gemm(kernel_set, invariance_off):
+    """Off, the many-token GEMM is the FMA (or AMX) tile, whose sums follow the token count:
+    still within the dot-product tolerance, and the same bits for 1-4 tokens (the GEMVs)."""
+    rng = np.random.default_rng(3)
+    t = Fp9Tensor.from_float(rng.standard_normal((64, 2048)).astype(np.float32) * 0.03, "w")
+    x = rng.standard_normal((32, 2048)).astype(np.float32)
+    together = gemm(t, x, kernel_set)
+    _check(t, x, together, f"{kernel_set} invariance off")
+    alone = np.concatenate([gemm(t, x[i:i + 1], kernel_set) for i in range(32)])
+    assert not np.array_equal(together, alone), "the tile GEMM sums in its own order"
+    set_batch_invariant(True)
+    assert np.array_equal(gemm(t, x, kernel_set), alone)
 
 
 def _fp8_with_block_scales(rows: int, cols: int, rng: np.random.Generator) -> Fp9Tensor:
