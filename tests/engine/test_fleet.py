@@ -3,6 +3,7 @@ against the local fp9 backend and the fp32 reference on the tiny models."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.fleet import FleetFfn
 from engine.generate import SamplingParams, forward_logits, generate
@@ -70,3 +71,27 @@ def test_synthetic_layers_are_made_by_the_ducks(caplog):
             assert np.abs(y - ref).max() <= FLEET_VS_FP9_RTOL * np.abs(ref).max()
     finally:
         ffn.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_tokens_ffn_output_through_the_ducks_is_the_same_alone_and_in_a_batch(kind, tiny_checkpoint):
+    """Batch invariance end to end (native/kernels/kernels.h): a layer's FFN output for a token,
+    through real ducks (their kernels, the wire, the host's sum of their partials), is the same
+    bits alone and among 2-40 other tokens, which changes how many tokens each duck's GEMMs
+    take (a dense MLP: all of them; experts: those routed to each). What keeps a sequence's
+    text the same alone and in a batch."""
+    folder, _ = tiny_checkpoint(kind)
+    lm = load_model(folder, backend=FleetFfn(local_ducks=2))
+    try:
+        cfg = TINY[kind]
+        experts, k = cfg.get("num_experts", 1), cfg.get("num_experts_per_tok", 1)
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(40, cfg["hidden_size"], generator=g)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(40)]).to(torch.int32)
+        w = torch.rand(40, k, generator=g) if experts > 1 else torch.ones(40, 1)
+        alone = torch.cat([lm.ffn.forward(0, x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(40)])
+        for n in (2, 5, 13, 40):
+            together = torch.cat([lm.ffn.forward(0, x[i:i + n], ids[i:i + n], w[i:i + n]) for i in range(0, 40, n)])
+            assert torch.equal(together, alone), f"{kind}, calls of {n} tokens"
+    finally:
+        lm.ffn.close()
