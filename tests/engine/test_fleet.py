@@ -73,6 +73,19 @@ def test_synthetic_layers_are_made_by_the_ducks(caplog):
         ffn.close()
 
 
+def _alone_and_in_calls_of(ffn, kind: str, sizes) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Layer 0's FFN output for 40 tokens one by one, and in calls of each size."""
+    cfg = TINY[kind]
+    experts, k = cfg.get("num_experts", 1), cfg.get("num_experts_per_tok", 1)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, cfg["hidden_size"], generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(40)]).to(torch.int32)
+    w = torch.rand(40, k, generator=g) if experts > 1 else torch.ones(40, 1)
+    alone = torch.cat([ffn.forward(0, x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(40)])
+    return alone, {n: torch.cat([ffn.forward(0, x[i:i + n], ids[i:i + n], w[i:i + n]) for i in range(0, 40, n)])
+                   for n in sizes}
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_a_tokens_ffn_output_through_the_ducks_is_the_same_alone_and_in_a_batch(kind, tiny_checkpoint):
     """Batch invariance end to end (native/kernels/kernels.h): a layer's FFN output for a token,
@@ -83,15 +96,25 @@ def test_a_tokens_ffn_output_through_the_ducks_is_the_same_alone_and_in_a_batch(
     folder, _ = tiny_checkpoint(kind)
     lm = load_model(folder, backend=FleetFfn(local_ducks=2))
     try:
-        cfg = TINY[kind]
-        experts, k = cfg.get("num_experts", 1), cfg.get("num_experts_per_tok", 1)
-        g = torch.Generator().manual_seed(7)
-        x = torch.randn(40, cfg["hidden_size"], generator=g)
-        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(40)]).to(torch.int32)
-        w = torch.rand(40, k, generator=g) if experts > 1 else torch.ones(40, 1)
-        alone = torch.cat([lm.ffn.forward(0, x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(40)])
-        for n in (2, 5, 13, 40):
-            together = torch.cat([lm.ffn.forward(0, x[i:i + n], ids[i:i + n], w[i:i + n]) for i in range(0, 40, n)])
-            assert torch.equal(together, alone), f"{kind}, calls of {n} tokens"
+        alone, together = _alone_and_in_calls_of(lm.ffn, kind, (2, 5, 13, 40))
+        for n, y in together.items():
+            assert torch.equal(y, alone), f"{kind}, calls of {n} tokens"
     finally:
         lm.ffn.close()
+
+
+def test_ducks_started_with_batch_invariance_off_say_so_and_take_the_faster_gemm(tiny_checkpoint, monkeypatch):
+    """DUCK_BATCH_INVARIANT=0 in the environment of the process that starts local ducks (duckd's):
+    each duck's start line says so, and 40 tokens in one call (the tile GEMM) differ from the
+    tokens alone in their last bits, within the fp9 kernels' tolerance."""
+    monkeypatch.setenv("DUCK_BATCH_INVARIANT", "0")
+    folder, _ = tiny_checkpoint("llama")
+    lm = load_model(folder, backend=FleetFfn(local_ducks=2))
+    try:
+        alone, together = _alone_and_in_calls_of(lm.ffn, "llama", (40,))
+        logs = [(lm.ffn.local.workdir / f"duck{i}.log").read_text() for i in range(2)]
+    finally:
+        lm.ffn.close()
+    assert all("batch invariance off" in log for log in logs), logs
+    assert not torch.equal(together[40], alone)
+    torch.testing.assert_close(together[40], alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
