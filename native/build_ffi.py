@@ -1,5 +1,12 @@
-"""cffi out-of-line API build of native/: compiled by the install, never at import."""
+"""cffi out-of-line API build of native/: compiled by the install, never at import.
+
+Run by hand from the project root (`python native/build_ffi.py`, after editing
+native/) it writes the file the editable install writes, native/_native.abi3.so.
+cffi alone would name it for this interpreter (_native.cpython-311-....so), a
+name the import system tries before abi3's: that file would shadow every later
+install's build until deleted, and the tests would run stale code."""
 import importlib.util
+import os
 from pathlib import Path
 
 from cffi import FFI
@@ -137,4 +144,5 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    ffibuilder.compile(verbose=True)
+    built = Path(ffibuilder.compile(verbose=True))
+    os.replace(built, built.with_name("_native.abi3.so"))
