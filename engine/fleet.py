@@ -194,19 +194,23 @@ class LocalDucks:
                 mine = cpus[i % len(cpus)] if cpus else None
                 if mine:
                     cmd += ["--pin"]
-                with open(self.workdir / f"duck{i}.log", "ab") as out:
+                with open(self.log_path(i), "ab") as out:
                     self.procs.append(subprocess.Popen(
                         cmd, stdout=out, stderr=out,
                         preexec_fn=(lambda cpus=tuple(mine): os.sched_setaffinity(0, cpus)) if mine else None))
                 deadline = time.monotonic() + timeout
                 while not port_file.exists() or not port_file.read_text().strip():
                     if self.procs[-1].poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"local duck {i} did not start; see {self.workdir / f'duck{i}.log'}")
+                        raise RuntimeError(f"local duck {i} did not start; see {self.log_path(i)}")
                     time.sleep(0.01)
                 self.addresses.append(("127.0.0.1", int(port_file.read_text())))
         except BaseException:
             self.stop()
             raise
+
+    def log_path(self, i: int) -> Path:
+        """Duck i's output (its start line, its log)."""
+        return self.workdir / f"duck{i}.log"
 
     def stop(self) -> None:
         self._stop()

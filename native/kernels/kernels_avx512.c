@@ -202,13 +202,6 @@ static inline __attribute__((always_inline)) void inv_tile(const float *wd, uint
     }
     float sums[16] __attribute__((aligned(64)));
     _mm512_store_ps(sums, _mm512_mul_ps(hsum16x16(m->block_scales ? t : a), _mm512_set1_ps(m->prescale * 0x1p48f)));
-    if (R == 4 && 2 * p + 4 <= m->rows) {   /* a token's four rows in one store */
-        for (int i = 0; i < NT; i++) {
-            __m128 v = _mm_load_ps(sums + 4 * i);
-            _mm_storeu_ps(y[i] + 2 * p, add ? _mm_add_ps(_mm_loadu_ps(y[i] + 2 * p), v) : v);
-        }
-        return;
-    }
     for (int i = 0; i < NT; i++)
         for (int r = 0; r < R; r++)
             store_out(y[i], 2 * p + r, m->rows, sums[i * R + r], add);

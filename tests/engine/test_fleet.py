@@ -112,7 +112,7 @@ def test_ducks_started_with_batch_invariance_off_say_so_and_take_the_faster_gemm
     lm = load_model(folder, backend=FleetFfn(local_ducks=2))
     try:
         alone, together = _alone_and_in_calls_of(lm.ffn, "llama", (40,))
-        logs = [(lm.ffn.local.workdir / f"duck{i}.log").read_text() for i in range(2)]
+        logs = [lm.ffn.local.log_path(i).read_text() for i in range(2)]
     finally:
         lm.ffn.close()
     assert all("batch invariance off" in log for log in logs), logs
