@@ -30,6 +30,7 @@ log = logging.getLogger("duckd.chat")
 
 ROLES = ("system", "user", "assistant")
 COVER_HINT = " (fleet.host_cover_mb sets that budget)"
+TOKENIZE_OFF_LOOP_CHARS = 16 << 10
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +99,7 @@ class _Call:
 
     def __init__(self, service: "ChatService", prompt: list[int]):
         loop = asyncio.get_running_loop()
+        self.service = service
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -111,6 +113,7 @@ class _Call:
             emitted["ttft"] = time.perf_counter() - emitted["t0"]
             self.record.first_token = time.monotonic()
         emitted["n"] += 1
+        self.service.tokens_out += 1
         self.record.generated = emitted["n"]
         self.put(("token", text))
 
@@ -153,6 +156,7 @@ class ChatService:
         self.max_queued = max_queued
         self.queued = 0            # waiting for the model
         self.running = 0           # generating
+        self.tokens_out = 0        # text deltas sent to callers, all requests (duckd.health's progress)
         self.observers: list = []  # callables (DoneEvent) -> None, e.g. the metrics
         self.active: dict[int, ActiveRequest] = {}
         self._ids = itertools.count(1)
@@ -251,7 +255,10 @@ class ChatService:
         if self.queued - free >= self.max_queued:
             raise Busy(f"{self.queued - free} requests are queued (model.max_queued = {self.max_queued}); "
                        f"retry shortly")
-        prompt = self._prompt_ids(r)
+        text_len = len(r.prompt) if r.prompt is not None else sum(len(m.content) for m in r.messages)
+        # a long text is tokenized in a thread (0.45 s per MB): the event loop serves the others meanwhile
+        prompt = await asyncio.to_thread(self._prompt_ids, r) if text_len > TOKENIZE_OFF_LOOP_CHARS \
+            else self._prompt_ids(r)
         params = self._params(r, len(prompt))
         events = self._batched(runner, prompt, params) if runner is not None else self._one_at_a_time(prompt, params)
         async for event in events:

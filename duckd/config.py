@@ -33,6 +33,8 @@ class DaemonConfig:
     shutdown_grace_s: float = 10.0     # SIGTERM: time in-flight streams get to finish
     watch_interval_s: float = 1.0      # Watch stream period (at most 1 s)
     allow_remote: bool = False         # listen on a non-loopback address
+    stall_after_s: float = 5.0         # requests held and no progress this long: not serving (duckd.health)
+    max_request_mb: float = 4.0        # the largest request body (HTTP: 413 beyond) or gRPC message taken
 
     def __post_init__(self):
         self._check_listen("listen", self.listen)
@@ -41,8 +43,15 @@ class DaemonConfig:
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"daemon.log_level = {self.log_level!r}: expected debug, info, warning or error")
         _positive("daemon.shutdown_grace_s", self.shutdown_grace_s)
+        _positive("daemon.stall_after_s", self.stall_after_s)
+        if not 0.01 <= self.max_request_mb <= 1024:
+            raise ConfigError(f"daemon.max_request_mb = {self.max_request_mb!r}: expected 0.01 .. 1024")
         if not 0 < self.watch_interval_s <= 1.0:
             raise ConfigError(f"daemon.watch_interval_s = {self.watch_interval_s!r}: expected 0 < value <= 1")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 2**20)
 
     def _check_listen(self, key: str, value: str) -> None:
         host, _, port = value.rpartition(":")

@@ -16,6 +16,7 @@ from duck_proto.client import RUNTIME_FILE
 from duckd.drivers import make_driver
 from duckd.events import EventLog
 from duckd.fleet import FleetManager, State
+from duckd.health import StepWatch
 from duckd.lost import LostDucks
 from duckd.model_host import ModelHost
 from duckd.packcache import PackCache, model_key
@@ -53,6 +54,12 @@ class Daemon:
         self.roofline_gbps = 0.0
         self.chat = ChatService(self, cfg.model.max_queued)
         self.cache = CacheService(self)
+        self.health = StepWatch(self, cfg.daemon.stall_after_s)
+
+    @property
+    def serving(self) -> bool:
+        """Started, and not stalled (duckd.health): what /health and gRPC Health say."""
+        return self.ready and self.health.ok
 
     def _measure_roofline(self) -> None:
         """Ducks on this host (local, netns) share its memory: their roofline is the
@@ -88,6 +95,7 @@ class Daemon:
             for d in self.fleet.ducks:
                 self.fleet.set_state(d, State.SYNCING)
         await asyncio.to_thread(self.model.load, self.transport, self.packs)
+        await asyncio.to_thread(self.chat.batch_runner)   # its KV cache (GBs) is not allocated on the event loop
         if self.transport is not None:
             for d in self.fleet.ducks:
                 d.cache_hits = self.model.ffn.cache_hits[d.id]

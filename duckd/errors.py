@@ -29,5 +29,10 @@ class Unavailable(ServiceError):
     """Not now: starting, a duck not serving, the fleet failed mid-request. Retry later."""
 
 
+class TooLarge(ServiceError):
+    """The request is larger than the daemon takes (daemon.max_request_mb): HTTP 413; gRPC's own
+    limit answers RESOURCE_EXHAUSTED."""
+
+
 class Busy(ServiceError):
     """The queue is full: retry later (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""

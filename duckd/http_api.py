@@ -34,7 +34,8 @@ log = logging.getLogger("duckd.http")
 
 STATUS = {errors.InvalidArgument: (400, "invalid_request_error"), errors.NotFound: (404, "invalid_request_error"),
           errors.FailedPrecondition: (409, "invalid_request_error"), errors.Unavailable: (503, "server_error"),
-          errors.Busy: (429, "rate_limit_error")}
+          errors.Busy: (429, "rate_limit_error"), errors.TooLarge: (413, "invalid_request_error")}
+PARSE_OFF_LOOP_BYTES = 256 << 10   # a body this large is parsed in a thread: the loop serves the others meanwhile
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only at their neutral value
 # the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
@@ -160,8 +161,9 @@ def _sse(obj) -> bytes:
 
 
 class HttpApi:
-    def __init__(self, daemon, token: str, metrics):
+    def __init__(self, daemon, token: str, metrics, max_body_bytes: int = 4 << 20):
         self.daemon, self.metrics = daemon, metrics
+        self.max_body_bytes = max_body_bytes
         self._expected = f"Bearer {token}".encode()
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -184,7 +186,9 @@ class HttpApi:
         return self.daemon.model.name or "default"
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"ready": self.daemon.ready}, status_code=200 if self.daemon.ready else 503)
+        d = self.daemon
+        body = {"ready": d.serving} if d.health.ok else {"ready": False, "stalled": d.health.stalled}
+        return JSONResponse(body, status_code=200 if d.serving else 503)
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -207,7 +211,10 @@ class HttpApi:
         if not self._authorized(request):
             return self._denied()
         try:
-            body = json.loads(await request.body() or b"null")
+            raw = await self._read_body(request)
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_OFF_LOOP_BYTES else json.loads(raw)
+        except errors.TooLarge as e:
+            return error_response(e)
         except ValueError as e:
             return error_response(errors.InvalidArgument("body", f"the request body is not JSON: {e}"))
         try:
@@ -230,6 +237,23 @@ class HttpApi:
         finally:
             await events.aclose()
         return JSONResponse(shape.whole("".join(text), event))
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (TooLarge) past max_body_bytes before more of it is read: at once when its
+        Content-Length says so, else as soon as the bytes received pass the bound."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = lambda n: errors.TooLarge(  # noqa: E731
+            f"the request body is {n} bytes, more than daemon.max_request_mb allows ({limit} bytes)")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large(int(declared))
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"more than {size}")
+            parts.append(chunk)
+        return b"".join(parts) or b"null"
 
     async def _stream(self, shape: _Completion, event, events, include_usage: bool):
         try:

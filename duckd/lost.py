@@ -69,7 +69,10 @@ class LostDucks:
 
     # -- from the fleet manager (the event loop) ------------------------------
     def failed(self, duck) -> None:
-        """A health check failed the duck: its slices go elsewhere now, not at a forward's deadline."""
+        """A health check failed the duck: its slices go elsewhere now, not at a forward's deadline,
+        also in the forward in flight (a hint: set_lost waits for that forward to end)."""
+        if self.ffn is not None:
+            self.ffn.fleet.hint_lost(duck.id)
         if self.ffn is not None and duck.id not in self._busy:
             self.daemon.fleet._spawn(self._mark(duck.id))
 

@@ -4,11 +4,15 @@ OpenAI-compatible HTTP API with /metrics (daemon.http_listen), the fleet and the
 Signal handlers only set events. The first SIGTERM (or SIGINT) drains: no
 new calls, in-flight chats get shutdown_grace_s to finish (they are ended at
 the next token shortly before it runs out, so their streams still close
-cleanly), sessions close, spawned ducks stop, exit 0. A second one forces.
+cleanly), sessions close, spawned ducks stop, exit 0. A second one forces:
+the process ends within FORCED_EXIT_S (5 s), whatever its engine is doing
+(status 1 when it had to leave without the clean stop); a drain that has
+not ended DRAIN_OVERRUN_S after its grace is forced the same way.
 SIGHUP reloads what can change safely (log level, Watch interval, the chat
 token limit). READY=1 goes to systemd once the fleet is SERVING and the API
-is bound; WATCHDOG=1 keep-alives while the loop is healthy; STOPPING=1 on
-the way out.
+is bound; WATCHDOG=1 keep-alives while the engine makes progress on the work
+it holds (duckd.health: a stall turns the health checks to NOT_SERVING and
+stops the keep-alives, so systemd restarts it); STOPPING=1 on the way out.
 """
 from __future__ import annotations
 
@@ -19,11 +23,15 @@ import os
 import secrets
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from duckd.config import Config, ConfigError, load
 
 log = logging.getLogger("duckd")
+
+FORCED_EXIT_S = 5.0      # a second SIGTERM ends the process within this
+DRAIN_OVERRUN_S = 15.0   # a drain still running this long after its grace is forced
 
 
 def _setup_logging(level: str) -> None:
@@ -94,13 +102,13 @@ async def run(cfg: Config, config_path: str | None) -> int:
     state_lock = claim_state_dir(cfg.state_path)  # noqa: F841 (held until the process exits)
     token, token_file = resolve_token(cfg)
     daemon = Daemon(cfg)
-    server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s)
+    server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s, cfg.daemon.max_request_bytes)
     await server.start()
     http = None
     if cfg.daemon.http_listen:
         from duckd.http_api import HttpApi, HttpServer
         from duckd.metrics import Metrics
-        http = HttpServer(HttpApi(daemon, token, Metrics(daemon)), cfg.daemon.http_listen)
+        http = HttpServer(HttpApi(daemon, token, Metrics(daemon), cfg.daemon.max_request_bytes), cfg.daemon.http_listen)
         await http.start()
     runtime = daemon.write_runtime_file(server.address, token_file, http.address if http else "")
     loop = asyncio.get_running_loop()
@@ -108,11 +116,14 @@ async def run(cfg: Config, config_path: str | None) -> int:
 
     def on_term(signame: str):
         if stop.is_set():
-            log.warning("second %s: forcing shutdown", signame)
+            log.warning("second %s: forcing shutdown (the process ends within %.0f s)", signame, FORCED_EXIT_S)
             force.set()
+            _exit_after(FORCED_EXIT_S, f"the forced shutdown did not end within {FORCED_EXIT_S:.0f} s")
         else:
             log.info("%s: draining (grace %.0f s)", signame, cfg.daemon.shutdown_grace_s)
             stop.set()
+            bound = cfg.daemon.shutdown_grace_s + DRAIN_OVERRUN_S
+            _exit_after(bound, f"the drain did not end within {bound:.0f} s (grace + {DRAIN_OVERRUN_S:.0f} s)")
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term, sig.name)
     loop.add_signal_handler(signal.SIGHUP, hup.set)
@@ -129,7 +140,8 @@ async def run(cfg: Config, config_path: str | None) -> int:
         await server.set_serving(True)
         notifier.ready(f"serving {daemon.model.name} on {cfg.fleet.ducks} ducks at {server.address}")
         log.info("ready: %s on %d ducks, API at %s", daemon.model.name, cfg.fleet.ducks, server.address)
-    side = [asyncio.create_task(_watchdog(notifier)), asyncio.create_task(_reloader(hup, cfg, config_path))]
+    side = [asyncio.create_task(_watchdog(notifier, daemon, server, stop)),
+            asyncio.create_task(_reloader(hup, cfg, config_path))]
 
     await stop.wait()
     notifier.stopping()
@@ -155,12 +167,33 @@ async def run(cfg: Config, config_path: str | None) -> int:
     return code
 
 
-async def _watchdog(notifier) -> None:
-    if not notifier.watchdog_s:
-        return
+def _exit_after(seconds: float, why: str) -> None:
+    """Ends the process after `seconds` unless it has ended by itself: a timer thread, so a
+    stuck engine thread or an awaited stop that never returns cannot hold it. Spawned ducks
+    die with the daemon (drivers/local.py)."""
+    def exit_now():
+        log.error("%s: exiting now", why)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os._exit(1)
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+async def _watchdog(notifier, daemon, server, stop: asyncio.Event) -> None:
+    """About every second: the engine's health (duckd.health) to the health checks; the
+    systemd watchdog's keep-alive only while it is healthy."""
+    period = min(1.0, notifier.watchdog_s / 2) if notifier.watchdog_s else 1.0
     while True:
-        notifier.watchdog()
-        await asyncio.sleep(notifier.watchdog_s / 2)
+        try:
+            if daemon.health.check() and not stop.is_set():
+                await server.set_serving(daemon.serving)
+        except Exception:   # a broken check must not end the keep-alives silently: systemd would restart us
+            log.exception("the health check failed")
+        if notifier.watchdog_s and daemon.health.ok:
+            notifier.watchdog()
+        await asyncio.sleep(period)
 
 
 async def _reloader(hup: asyncio.Event, cfg: Config, config_path: str | None) -> None:

@@ -235,9 +235,12 @@ class ModelServicer(rpc.ModelServicer):
 class ApiServer:
     """The bound server; health says SERVING only while the core is ready."""
 
-    def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0):
+    def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0,
+                 max_message_bytes: int = 4 << 20):
         # no SO_REUSEPORT: a second daemon on this port is refused, not served beside this one
-        self.server = grpc.aio.server(interceptors=[TokenAuth(token)], options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(interceptors=[TokenAuth(token)],
+                                      options=[("grpc.so_reuseport", 0),
+                                               ("grpc.max_receive_message_length", max_message_bytes)])
         rpc.add_FleetServicer_to_server(FleetServicer(core, watch_interval_s), self.server)
         rpc.add_CacheServicer_to_server(CacheServicer(core), self.server)
         rpc.add_ChatServicer_to_server(ChatServicer(core), self.server)

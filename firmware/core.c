@@ -199,6 +199,11 @@ static void send_nack(duck_core *c, const duck_peer *to, const msg_key *k, const
     n.sequence = k->sequence;
     n.type = k->type;
     n.frag_count = s ? s->frag_count : 0;
+    /* A link-keyed request while no run is open: every copy of it would be dropped
+     * (no_run), so "send it all again" would go on for ever; the host hears that it
+     * must open a run here first (a restarted duck) */
+    if (!s && wire_mac_kind(k->type) == WIRE_MAC_LINK && needs_mac(c, k->type) && !c->cfg.key.has_link)
+        n.flags = WIRE_NACK_NO_RUN;
     memcpy(buf, &n, sizeof n);
     uint32_t bytes = s ? (s->frag_count + 7u) / 8u : 0;
     if (s)

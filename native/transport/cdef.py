@@ -11,8 +11,8 @@ WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM W
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
-WIRE_FWD_HOLD WIRE_HOLD_MAX
-DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
+WIRE_FWD_HOLD WIRE_HOLD_MAX WIRE_NACK_NO_RUN
+DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_T_ENORUN DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
 """.split()
 
@@ -93,7 +93,7 @@ typedef struct duck_call {
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
-             unauthenticated, mtu_fallbacks;
+             unauthenticated, mtu_fallbacks, no_run, lost_hints;
     int32_t last_errno; ...;
 } duck_transport_stats;
 typedef struct duck_transport duck_transport;
@@ -138,6 +138,8 @@ typedef struct duck_cover_config {
 int duck_transport_set_cover(duck_transport *t, const duck_cover_config *c, char *err, uint32_t errlen);
 int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *err, uint32_t errlen);
 int duck_transport_lost(const duck_transport *t, uint32_t duck);
+void duck_transport_hint_lost(duck_transport *t, uint32_t duck);
+uint64_t duck_transport_progress(const duck_transport *t);
 int32_t duck_transport_route(const duck_transport *t, uint32_t slice);
 const char *duck_transport_cover_error(const duck_transport *t);
 uint32_t duck_transport_lost_after_us(const duck_transport *t, uint32_t duck, uint32_t ntok);

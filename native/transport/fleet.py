@@ -180,6 +180,9 @@ class Fleet:
                                   f"({c.retransmits} retransmits; host saw {st['stale']} stale, "
                                   f"{st['malformed']} malformed, {st['unauthenticated']} unauthenticated "
                                   "datagrams in all)", duck)
+            if c.result == lib.DUCK_T_ENORUN:
+                raise DuckError(f"{self.name(duck)} holds no run of this host (it restarted): {what} needs "
+                                "the run opened on it again (Fleet.open_run)", duck)
             if c.result != lib.DUCK_T_OK:
                 raise DuckError(f"{self.name(duck)}: {what} failed with transport error {c.result}", duck)
             head = ffi.cast("wire_reply_head *", c.reply)
@@ -389,6 +392,18 @@ class Fleet:
             raise ValueError(ffi.string(err).decode())
         if rc != 0:
             raise DuckError(ffi.string(err).decode(), duck)
+
+    def hint_lost(self, duck: int) -> None:
+        """The caller knows this duck is gone (its process exited, its health checks failed): a
+        forward in flight on another thread gives up on it within 50 ms and its slices go elsewhere,
+        as set_lost(duck, True) does between forwards. Takes no lock (a forward may hold it for long)."""
+        if not 0 <= duck < self.n_ducks:
+            raise ValueError(f"no duck {duck} (the fleet has {self.n_ducks})")
+        lib.duck_transport_hint_lost(self._open(), duck)
+
+    def progress(self) -> int:
+        """A count that moves at every reply and every run's end, read without the lock (duckd's health)."""
+        return int(lib.duck_transport_progress(self._open()))
 
     def lost(self) -> list[int]:
         """The ducks marked lost now. Reads flags only, without waiting for a forward in flight

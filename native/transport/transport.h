@@ -43,6 +43,8 @@ typedef struct duck_transport_config {
 #define DUCK_T_ESOCKET -4        /* the socket failed (errno in the transport stats) */
 #define DUCK_T_EDUCK -5          /* the duck answered with an error status (forward) */
 #define DUCK_T_ECOVER -6         /* ducks are lost and neither a replica nor the host can compute their slices */
+#define DUCK_T_ENORUN -7         /* the duck holds no run of this host (it restarted): a link-keyed request
+                                    reaches it only once a run is opened on it again (RUN_OPEN) */
 
 /* One request to one duck. Calls that share payload, type and session in
  * one run are sealed once and share a sequence number (a forward's scatter). */
@@ -68,6 +70,8 @@ typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks;
     uint64_t timeouts, stale, malformed, unauthenticated;
     uint64_t mtu_fallbacks;      /* calls whose agreed datagram size did not get through */
+    uint64_t no_run;             /* calls a duck answered with NACK NO_RUN (DUCK_T_ENORUN) */
+    uint64_t lost_hints;         /* forward calls given up on at a lost hint (duck_transport_hint_lost) */
     int32_t last_errno;
     uint32_t reserved;
 } duck_transport_stats;
@@ -220,6 +224,15 @@ int duck_transport_set_cover(duck_transport *t, const duck_cover_config *c, char
  * cannot be computed (the duck stays marked; forwards fail until it is back). */
 int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *err, uint32_t errlen);
 int duck_transport_lost(const duck_transport *t, uint32_t duck);
+/* From any thread, also while a forward runs on another: the caller knows duck is gone (its process
+ * exited, its health checks failed). The forward in flight gives up on its calls to it within
+ * HINT_POLL_MS and, like every later forward, routes its slices elsewhere, as if it had been silent
+ * past its lost deadline; without a cover it has no effect. duck_transport_set_lost(t, duck, 0) clears it. */
+void duck_transport_hint_lost(duck_transport *t, uint32_t duck);
+/* A count that moves at every complete reply and at the end of every run, read from any thread
+ * without waiting for a run in flight: a caller that sees it still while requests wait knows the
+ * fleet makes no progress (duckd's health). */
+uint64_t duck_transport_progress(const duck_transport *t);
 /* Who computes slice s now: its duck, its replica (a duck index), -1: the host, -2: nobody. */
 #define DUCK_ROUTE_HOST -1
 #define DUCK_ROUTE_NONE -2

@@ -288,6 +288,9 @@ static int slot_failure(duck_transport *t, const fwd_run *run, uint32_t slot, du
                         "%u ms (%u retransmits, datagrams of %u bytes)", c->duck, a->layer,
                         (uint32_t)(tr_lost_ns(t, c->duck, c->work_ns) / 1000000u), c->retransmits,
                         t->link[c->duck].mtu);
+        if (c->result == DUCK_T_ENORUN)
+            return fail(res, (int32_t)c->duck, c->result, 0, "duck %u holds no run of this host (it restarted) at "
+                        "forward of layer %u: a run and the session must be opened on it again", c->duck, a->layer);
         if (c->result != DUCK_T_OK)
             return fail(res, (int32_t)c->duck, c->result, 0, "duck %u: transport error %d on forward of layer %u",
                         c->duck, c->result, a->layer);
@@ -390,6 +393,7 @@ int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_f
     memset(res, 0, sizeof *res);
     res->failed_duck = -1;
     for (;;) {
+        res->lost_new += tr_take_hints(t);
         for (uint32_t d = 0; t->route && d < t->cfg.n_ducks; d++)
             if (t->route[d] == DUCK_ROUTE_NONE)
                 return fail(res, (int32_t)d, DUCK_T_ECOVER, 0, "%s", t->cover_err);
@@ -397,7 +401,7 @@ int duck_transport_forward(duck_transport *t, const duck_forward_args *a, duck_f
         res->result = res->duck_status = 0;
         res->message[0] = 0;
         int rc = forward_once(t, a, res);
-        if ((rc != DUCK_T_ETIMEOUT && rc != DUCK_T_EDUCK) || !t->cover.forward)
+        if ((rc != DUCK_T_ETIMEOUT && rc != DUCK_T_EDUCK && rc != DUCK_T_ENORUN) || !t->cover.forward)
             return rc;   /* done, or failed before any call was made */
         uint32_t lost = tr_lose_failed(t, t->fcalls, res->pipeline * t->cfg.n_ducks);
         if (!lost)

@@ -22,6 +22,7 @@ typedef struct duck_link {
     uint64_t ns_per_token;        /* the duck's kernel time per forward token (smoothed over its replies); 0: none */
     uint64_t ns_per_token_var;    /* and its variation, as rttvar is the round trip's */
     int lost;                     /* its slices go to a replica or the host (transport_lost.c) */
+    uint32_t lost_hint;           /* set from another thread (duck_transport_hint_lost): read atomically */
 } duck_link;
 
 typedef struct call_state {
@@ -83,6 +84,7 @@ struct duck_transport {
     uint64_t rcvtimeo_us;         /* the socket's receive timeout now */
     int gathering;                /* replies of this run have started to arrive: poll briefly for the rest */
     duck_transport_stats stats;
+    uint64_t progress;            /* moves at every reply and at the end of every run: read from any thread */
     /* lost ducks (transport_lost.c) */
     duck_cover_config cover;      /* its arrays point at slice_bytes and replica below */
     uint64_t *slice_bytes;
@@ -154,6 +156,12 @@ uint64_t tr_work_ns(const duck_transport *t, uint32_t duck, uint32_t ntok);
 /* A forward call is lost only after this many retransmits went unanswered too: on a lossy link
  * (5 %) a few datagrams in a row are lost now and then, a duck is seldom silent to four. */
 #define LOST_RETRANSMITS 3
+/* A run with a cover wakes at least this often to take lost hints (duck_transport_hint_lost). */
+#define HINT_POLL_NS (50u * 1000000u)
+/* Whether another thread said that duck is gone (transport_lost.c). */
+int tr_hinted(const duck_transport *t, uint32_t duck);
+/* Marks lost every duck hinted so and not lost yet (with a cover); returns how many. */
+uint32_t tr_take_hints(duck_transport *t);
 /* When a call that is still open fails for silence (transport_timing.c). */
 uint64_t tr_fail_at(const duck_call *c, const call_state *s);
 /* The silence that marks a forward call's duck lost (cover set), else the failure deadline (timing). */

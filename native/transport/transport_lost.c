@@ -126,6 +126,8 @@ int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *er
         return DUCK_T_EARG;
     }
     t->link[duck].lost = lost != 0;
+    if (!lost)
+        __atomic_store_n(&t->link[duck].lost_hint, 0, __ATOMIC_RELAXED);
     int rc = tr_reroute(t);
     if (rc != DUCK_T_OK)
         say(err, errlen, "%s", t->cover_err);
@@ -135,6 +137,35 @@ int duck_transport_set_lost(duck_transport *t, uint32_t duck, int lost, char *er
 int duck_transport_lost(const duck_transport *t, uint32_t duck)
 {
     return duck < t->cfg.n_ducks && t->link[duck].lost;
+}
+
+void duck_transport_hint_lost(duck_transport *t, uint32_t duck)
+{
+    if (duck < t->cfg.n_ducks)
+        __atomic_store_n(&t->link[duck].lost_hint, 1, __ATOMIC_RELAXED);
+}
+
+uint64_t duck_transport_progress(const duck_transport *t)
+{
+    return __atomic_load_n(&t->progress, __ATOMIC_RELAXED);
+}
+
+int tr_hinted(const duck_transport *t, uint32_t duck)
+{
+    return __atomic_load_n(&t->link[duck].lost_hint, __ATOMIC_RELAXED) != 0;
+}
+
+uint32_t tr_take_hints(duck_transport *t)
+{
+    uint32_t found = 0;
+    for (uint32_t d = 0; t->route && d < t->cfg.n_ducks; d++)
+        if (!t->link[d].lost && tr_hinted(t, d)) {
+            t->link[d].lost = 1;
+            found++;
+        }
+    if (found)
+        tr_reroute(t);
+    return found;
 }
 
 const char *duck_transport_cover_error(const duck_transport *t)
@@ -149,14 +180,14 @@ int32_t duck_transport_route(const duck_transport *t, uint32_t slice)
     return t->route ? t->route[slice] : (int32_t)slice;
 }
 
-/* A forward call whose duck is gone: silent past its lost deadline, or
- * without its session (a restarted duck). */
+/* A forward call whose duck is gone: silent past its lost deadline (or said
+ * gone by a hint), without a run of ours or without its session (a restarted duck). */
 static int call_lost(const duck_call *c)
 {
     wire_reply_head head;
     if (c->local)
         return 0;
-    if (c->result == DUCK_T_ETIMEOUT)
+    if (c->result == DUCK_T_ETIMEOUT || c->result == DUCK_T_ENORUN)
         return 1;
     if (c->result != DUCK_T_OK || c->reply_len < sizeof head)
         return 0;

@@ -42,24 +42,47 @@ static int32_t find_call(const duck_transport *t, int32_t d, uint32_t seq)
     return -1;
 }
 
-static void on_nack(duck_transport *t, const duck_call *c, call_state *s, const wire_header *h, const uint8_t *p)
+/* A NACK: the duck lacks request fragments. It counts as hearing from the duck
+ * (t_heard) only when it holds some of them: a duck that holds none after the
+ * whole request went again (it evicted a taken request, or everything is
+ * lost on the way) is as good as silent, and its lost deadline runs. One
+ * that holds no run cannot take the request at all: the call fails now
+ * (DUCK_T_ENORUN; a forward's duck is lost). Returns 1 when it ended the call. */
+static int on_nack(duck_transport *t, duck_call *c, call_state *s, const wire_header *h, const uint8_t *p,
+                   uint64_t now)
 {
     wire_nack nk;
     if (h->frag_count != 1 || h->payload_len < sizeof nk) {
         t->stats.malformed++;
-        return;
+        return 0;
     }
     memcpy(&nk, p, sizeof nk);
     t->stats.nacks++;
+    if (nk.flags & WIRE_NACK_NO_RUN) {
+        if (!s->with_mac || wire_mac_kind(c->type) != WIRE_MAC_LINK || nk.frag_count) {
+            t->stats.malformed++;   /* a request it could have taken, or one it says it holds part of */
+            return 0;
+        }
+        c->result = DUCK_T_ENORUN;
+        s->done = 1;
+        t->stats.no_run++;
+        return 1;
+    }
     if (nk.frag_count == 0) {
         tr_send_request(t, c, s, NULL);
     } else if (nk.frag_count == s->req_frags && h->payload_len == sizeof nk + (nk.frag_count + 7) / 8) {
-        for (uint32_t i = 0; i < (nk.frag_count + 7) / 8 && !s->progress; i++)
-            s->progress = p[sizeof nk + i] != 0;   /* our datagrams get through */
+        int held = 0;
+        for (uint32_t i = 0; i < (nk.frag_count + 7) / 8 && !held; i++)
+            held = p[sizeof nk + i] != 0;
+        if (held) {   /* our datagrams get through */
+            s->progress = 1;
+            s->t_heard = now;
+        }
         tr_send_request(t, c, s, p + sizeof nk);
     } else {
         t->stats.malformed++;
     }
+    return 0;
 }
 
 /* A received datagram, checked (on a helper thread when the batch is large):
@@ -130,11 +153,9 @@ static int on_datagram(duck_transport *t, duck_call *calls, rx_item *it, uint64_
         t->stats.stale++;
         return 0;
     }
+    if (h.type == WIRE_T_NACK)
+        return on_nack(t, c, s, &h, it->p, now);
     s->t_heard = now;
-    if (h.type == WIRE_T_NACK) {
-        on_nack(t, c, s, &h, it->p);
-        return 0;
-    }
     if (h.type != c->type) {
         t->stats.stale++;
         return 0;
@@ -194,9 +215,12 @@ static int take_batch(duck_transport *t, duck_call *calls, int n, tr_done_fn don
         if (items[i].completes >= 0)
             tr_rtt_sample(&t->link[items[i].duck], &calls[items[i].completes], &t->st[items[i].completes], now);
     }
-    for (int i = 0; i < n && done; i++)
-        if (items[i].completes >= 0)
-            done(t, calls, (uint32_t)items[i].completes, ctx);
+    for (int i = 0; i < n; i++)
+        if (items[i].completes >= 0) {
+            __atomic_fetch_add(&t->progress, 1, __ATOMIC_RELAXED);
+            if (done)
+                done(t, calls, (uint32_t)items[i].completes, ctx);
+        }
     return finished;
 }
 
@@ -458,6 +482,12 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
             if (s->done)
                 continue;
             uint64_t fail_at = tr_fail_at(c, s);
+            if (c->type == WIRE_T_FORWARD && t->cover.forward && tr_hinted(t, c->duck)) {
+                c->result = DUCK_T_ETIMEOUT;   /* the caller knows it is gone: lost now, not at its deadline */
+                s->done = 1;
+                t->stats.lost_hints++;
+                continue;
+            }
             if (now >= fail_at) {
                 c->result = DUCK_T_ETIMEOUT;
                 s->done = 1;
@@ -487,6 +517,8 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
         }
         if (!remaining)
             break;
+        if (t->cover.forward && wake > now + HINT_POLL_NS)
+            wake = now + HINT_POLL_NS;
         if (receive(t, calls, wake > now ? wake - now : 0, 0, done, ctx) < 0) {
             fail_open(t, calls, n);
             break;
@@ -497,5 +529,6 @@ int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, voi
         if (calls[i].result != DUCK_T_OK && result == DUCK_T_OK)
             result = calls[i].result;
     }
+    __atomic_fetch_add(&t->progress, 1, __ATOMIC_RELAXED);
     return result;
 }

@@ -35,12 +35,12 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 6                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+#define WIRE_ABI 7                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
                                           size agreed per duck, partial dtype, wake-up time; 4: messages of
                                           up to 64 MiB, the duck's tokens per forward in HELLO; 5: RUN_OPEN,
                                           link-keyed Poly1305 MACs, replay window, hello's challenge and run,
                                           the drop counters bad_mac, replayed, no_run; 6: FORWARD's HOLD flag
-                                          and the reply's group_ntok) */
+                                          and the reply's group_ntok; 7: NACK's NO_RUN flag) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
@@ -358,15 +358,20 @@ typedef struct wire_resend {
 WIRE_STATIC_ASSERT(sizeof(wire_resend) == 16, "wire_resend must be 16 bytes");
 
 /* Duck -> host: the request fragments held (bitmap of frag_count bits);
- * frag_count 0 means the request is unknown: send it all again. */
+ * frag_count 0 means the request is unknown: send it all again, unless
+ * flags has WIRE_NACK_NO_RUN: the request's type carries the link MAC and
+ * the duck holds no run (it restarted), so no copy of it can be taken until
+ * the host opens a run on it again. */
 typedef struct wire_nack {
     uint32_t sequence;
     uint8_t type;
-    uint8_t reserved[3];
+    uint8_t flags;           /* WIRE_NACK_* */
+    uint8_t reserved[2];
     uint32_t frag_count;
     uint32_t reserved2;
 } wire_nack;
 WIRE_STATIC_ASSERT(sizeof(wire_nack) == 16, "wire_nack must be 16 bytes");
+#define WIRE_NACK_NO_RUN 0x1u
 WIRE_STATIC_ASSERT(sizeof(wire_nack) + WIRE_MAX_FRAGMENTS / 8 ==
                    WIRE_MTU_MIN - WIRE_IP_UDP_BYTES - WIRE_HEADER_BYTES - WIRE_MAC_BYTES &&
                    sizeof(wire_resend) == sizeof(wire_nack), "a NACK or RESEND bitmap fits one datagram");

@@ -169,3 +169,49 @@ def test_a_host_backend_starts_no_ducks(tmp_path):
         assert "Paris" in text and stats.output_len > 0
     finally:
         daemon.stop()
+
+
+def test_a_second_sigterm_ends_the_process_within_its_bound(tmp_path):
+    """Two SIGTERMs while 8 chats decode and every duck is stopped (SIGSTOP: the step waits on
+    them): the process is gone within main.FORCED_EXIT_S (+1 s for the interpreter's exit)."""
+    import os
+
+    from duckd.main import FORCED_EXIT_S
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_tokens": 400}),
+                           state).start()
+    req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Write a long story about a duck.")],
+                         max_tokens=400, temperature=0.0)
+    started = threading.Barrier(9)
+
+    def chat():
+        try:
+            stream = rpc.ChatStub(daemon.channel()).Chat(req, timeout=60)
+            next(stream)
+            started.wait(30)
+            for _ in stream:
+                pass
+        except Exception:
+            pass
+    threads = [threading.Thread(target=chat, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    pids = [daemon.duck_pid(i) for i in range(2)]
+    try:
+        started.wait(60)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        daemon.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.proc.wait(FORCED_EXIT_S + 5)
+        assert time.monotonic() - t0 <= FORCED_EXIT_S + 1.0
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        daemon.stop()
+    assert "second SIGTERM: forcing shutdown" in daemon.log()

@@ -186,3 +186,57 @@ def test_past_the_cover_budget_the_chat_names_the_ducks_and_the_memory(tmp_path)
         assert "Paris" in text
     finally:
         daemon.stop()
+
+
+def _chats_at_once(daemon, prompts, tokens, at=None, action=None):
+    """Greedy chats of `tokens` tokens, all at once: per prompt (tokens, error), and every token's arrival
+    time over all of them; action() runs in a thread `at` seconds after they start."""
+    out, arrivals = [None] * len(prompts), []
+
+    def one(i):
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=prompts[i])], max_tokens=tokens,
+                             temperature=0.0)
+        got = []
+        try:
+            for ev in rpc.ChatStub(daemon.channel()).Chat(req, timeout=240):
+                if ev.WhichOneof("event") == "token":
+                    got.append(ev.token)
+                    arrivals.append(time.monotonic())
+            out[i] = (got, None)
+        except grpc.RpcError as e:
+            out[i] = (got, f"{e.code().name}: {e.details()}")
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    if action is not None:
+        time.sleep(at)
+        action()
+    for t in threads:
+        t.join()
+    return out, sorted(arrivals)
+
+
+def test_kill9_during_a_batch_of_48_chats_wedges_nothing(tmp_path):
+    """The wedge of a batched daemon: 48 chats at once (32 decoding, 16 queued), a duck killed
+    2 s in, with the daemon's own timings (a failed duck restarts within ~2.5 s, often before a
+    prefill chunk's forward would have declared it lost). Its restarted self holds no run and
+    NACKs the forward's RESEND with NO_RUN: the forward covers it at once and the resync opens
+    a run on it between two steps. Every chat completes with the tokens of the undisturbed run;
+    tokens never stop for long, so the health checks have nothing to hide."""
+    state = tmp_path / "wedge"
+    config = write_config(tmp_path / "wedge.toml", state, ducks=4, model={"max_tokens": 48},
+                          fail_after_s=1.5, health_interval_s=0.5)
+    daemon = RunningDaemon(config, state).start()
+    prompts = [f"Tell story number {i} about a duck in three sentences." for i in range(48)]
+    try:
+        ref, _ = _chats_at_once(daemon, prompts, 48)
+        assert [e for _, e in ref if e] == [] and sum(len(toks) for toks, _ in ref) > 40 * 48 // 2
+        got, arrivals = _chats_at_once(daemon, prompts, 48, at=2.0, action=lambda: daemon.kill_duck(1))
+        restarts = daemon.ducks()[1].restarts
+        all_serving(daemon)
+    finally:
+        daemon.stop()
+    assert [e for _, e in got if e] == []
+    assert [toks for toks, _ in got] == [toks for toks, _ in ref]
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 5.0
+    assert restarts >= 1

@@ -183,3 +183,53 @@ def test_bad_cover_settings_are_refused(tmp_path):
             ducks.fleet.set_lost(0, True)
         with pytest.raises(ValueError, match="3 slices"):
             HostCover(ducks.fleet, _model(3), HIDDEN, 0)
+
+
+def test_a_restarted_duck_is_lost_at_its_first_nack_not_retried_for_ever(tmp_path):
+    """A duck restarted between two forwards holds no run: every fragment of a multi-datagram
+    request is dropped there (no_run), and its NACK to the host's RESEND says so. The call
+    ends at that NACK (the duck lost, the host covers it), instead of "send it all again" for
+    ever, a NACK counted as life each time: the wedge of a batched daemon."""
+    layers, inputs = _model(3, seed=21), _inputs(22, ntok=(40, 1, 3))   # a multi-datagram request first
+    with Ducks(3, tmp_path, mtu=1500, retransmit_ms=5, deadline_ms=20000) as ducks:
+        session, _ = _open(ducks, layers)
+        undisturbed = _run(session, inputs)
+        ducks[1].kill9()
+        ducks[1].start()                                     # the same port, a new challenge, no run
+        t0 = time.monotonic()
+        _same_bits(_run(session, inputs), undisturbed)
+        assert time.monotonic() - t0 < 5.0                  # the first lost verdict; the deadline is 20 s
+        assert ducks.fleet.lost() == [1]
+        assert ducks.fleet.transport_stats()["no_run"] >= 1
+        ducks.fleet.hello()                                  # opens a run on it again
+        session.reopen_duck(1)
+        ducks.fleet.set_lost(1, False)
+        _same_bits(_run(session, inputs), undisturbed)
+        assert ducks.fleet.lost() == []
+
+
+def test_a_lost_hint_ends_the_forward_in_flight(tmp_path):
+    """The daemon knows a duck is gone (its process exited) while a forward waits on it: the
+    hint, taken without the fleet's lock, ends that forward's calls to it at once, long before
+    the configured deadline, and its slice is covered with the same bits."""
+    import threading
+    layers, inputs = _model(3, seed=23), _inputs(24, ntok=(1, 40))
+    with Ducks(3, tmp_path, retransmit_ms=5, deadline_ms=20000) as ducks:
+        session, _ = _open(ducks, layers)
+        undisturbed = _run(session, inputs)
+        os.kill(ducks[2].proc.pid, signal.SIGSTOP)          # silent, its lost deadline far away: stopped
+        try:                                                 # before a measured lost deadline could pass
+            result, t0 = {}, time.monotonic()
+            worker = threading.Thread(target=lambda: result.update(y=_run(session, inputs)))
+            worker.start()
+            time.sleep(0.05)
+            ducks.fleet.hint_lost(2)
+            worker.join(10)
+            assert not worker.is_alive() and time.monotonic() - t0 < 5.0
+        finally:
+            os.kill(ducks[2].proc.pid, signal.SIGCONT)
+        _same_bits(result["y"], undisturbed)
+        assert ducks.fleet.lost() == [2]
+        ducks.fleet.set_lost(2, False)                       # clears the hint: its slices back
+        _same_bits(_run(session, inputs), undisturbed)
+        assert ducks.fleet.lost() == []
