@@ -123,13 +123,20 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
 
 # -- attention over the static cache ------------------------------------------------------
 def decode_attention_ref(q, k_cache, v_cache, positions, scale, masked: bool = True):
-    """masked False: every row attends every slot given (one token at the last of them)."""
+    """masked False: every row attends every slot given (one token at the last of them).
+    A run's positions are consecutive; when it fills the slots from 0 (as many slots as rows: a
+    prompt's first chunk) the mask is the causal one, which SDPA's flash kernels take without
+    building it (with a mask of 8192 x 8192 it fell back to materializing the scores)."""
     keys, values = k_cache.transpose(0, 1), v_cache.transpose(0, 1)   # [KVH, S, D]
     mask = None
-    if masked:
+    causal = masked and q.shape[0] > 1 and k_cache.shape[0] == q.shape[0]
+    if masked and not causal:
         mask = positions[:, None] >= torch.arange(k_cache.shape[0], device=q.device)[None, :]  # [T, S]
+    if causal and q.shape[1] != keys.shape[0]:   # the flash kernels take grouped heads only expanded
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[0], 0)
+        values = values.repeat_interleave(q.shape[1] // values.shape[0], 0)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)   # [H, T, D]
+                                         is_causal=causal, enable_gqa=not causal)   # [H, T, D]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 

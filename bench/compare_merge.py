@@ -1,0 +1,91 @@
+"""`python -m bench.compare_merge --duck duck.json --llama llama.jsonl --shape qwen3 --machine h100`:
+one comparison file from duck's side (bench.prefill_compare) and llama.cpp's (llama-bench's JSON
+lines, -ot exps=CPU, several -ub) of the same device call (scripts/device_compare.sh).
+
+Keys: commit, machine, read_gbps, pcie_gbps, duck_gb_per_token; for each of duck,
+duck_gpu_only, duck_fleet_only, llama_cpp (its best micro-batch at each length) and
+llama_cpp_ub512: decode_tok_s and prefill_tok_s {"512": .., "2048": .., "8192": ..}; duck also
+ttft_s_1024 and pcie_limit_tok_s; ratios of duck to llama.cpp at each length. Decode runs on the
+fleet in every duck mode (the modes differ in prefill only)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def llama_rows(lines) -> list[dict]:
+    return [json.loads(line) for line in lines if line.strip().startswith("{")]
+
+
+def llama_side(rows: list[dict], ub: int | None = None) -> dict:
+    """decode (tg at depth 0) and prefill per prompt length: at micro-batch ub, or the best of all."""
+    pick = [r for r in rows if ub is None or r["n_ubatch"] == ub]
+    prefill: dict[str, float] = {}
+    best_ub: dict[str, int] = {}
+    for r in pick:
+        if r["n_gen"] == 0 and r.get("n_depth", 0) == 0:
+            p = str(r["n_prompt"])
+            if r["avg_ts"] > prefill.get(p, 0.0):
+                prefill[p], best_ub[p] = round(r["avg_ts"], 1), r["n_ubatch"]
+    decode = [r["avg_ts"] for r in pick if r["n_prompt"] == 0 and r.get("n_depth", 0) == 0]
+    out = {"decode_tok_s": round(max(decode), 2) if decode else None, "prefill_tok_s": prefill}
+    if ub is None:
+        out["best_ubatch"] = best_ub
+    return out
+
+
+def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
+    lengths = list(duck["duck"]["prefill_tok_s"])
+    out = {"commit": duck["commit"], "machine": machine, "shape": shape, "date": duck["date"],
+           "gpu": duck["machine"]["gpu"], "read_gbps": round(duck["read_gbps"], 1),
+           "read_gbps_end": round(duck.get("read_gbps_end", 0.0), 1),
+           "pcie_gbps": round(duck["pcie_gbps"], 1) if duck["pcie_gbps"] else None,
+           "duck_gb_per_token": round(duck["duck_gb_per_token"], 4)}
+    decode = round(duck["duck"]["decode_tok_s"], 2)
+    for name in ("duck", "duck_gpu_only", "duck_fleet_only"):
+        out[name] = {"decode_tok_s": decode, "prefill_tok_s": duck[name]["prefill_tok_s"]}
+    out["duck"]["ttft_s_1024"] = round(duck["duck"]["ttft_s_1024"], 4)
+    out["duck"]["pcie_limit_tok_s"] = duck["duck"]["pcie_limit_tok_s"]
+    out["duck"]["gpu_experts_per_moe_layer"] = {p: round(r["gpu_experts_per_moe_layer"], 1)
+                                                for p, r in duck["duck"]["detail"].items()}
+    out["distinct_experts_per_layer_pass"] = {p: round(r["distinct_experts_per_layer_pass"], 1)
+                                              for p, r in duck["duck_gpu_only"]["detail"].items()}
+    out["experts"] = duck["shape"]["experts"]
+    out["llama_cpp"] = llama_side(llama)
+    out["llama_cpp_ub512"] = llama_side(llama, 512)
+    ratios = {}
+    for p in lengths:
+        ll = out["llama_cpp"]["prefill_tok_s"].get(p)
+        d = out["duck"]["prefill_tok_s"][p]
+        limit = out["duck"]["pcie_limit_tok_s"].get(p)
+        ratios[p] = {"duck_over_llama_cpp_best": round(d / ll, 3) if ll else None,
+                     "duck_over_own_pcie_limit": round(d / limit, 3) if limit else None,
+                     "hybrid_over_best_alone": round(d / max(out["duck_gpu_only"]["prefill_tok_s"][p],
+                                                             out["duck_fleet_only"]["prefill_tok_s"][p]), 3)}
+    out["ratios"] = ratios
+    ll_decode = out["llama_cpp"]["decode_tok_s"]
+    out["ratios"]["decode_duck_over_llama_cpp"] = round(decode / ll_decode, 3) if ll_decode else None
+    out["duck_detail"] = {k: duck[k]["detail"] for k in ("duck", "duck_gpu_only", "duck_fleet_only")}
+    out["duck_detail"]["decode"] = duck["duck"]["decode"]
+    out["duck_detail"]["ttft_1024_runs"] = duck["ttft_1024_runs"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.compare_merge", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duck", required=True, help="bench.prefill_compare's JSON")
+    ap.add_argument("--llama", required=True, help="llama-bench's JSON lines")
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--machine", required=True)
+    args = ap.parse_args(argv)
+    with open(args.duck) as f:
+        duck = json.load(f)
+    with open(args.llama) as f:
+        llama = llama_rows(f)
+    print(json.dumps(merge(duck, llama, args.shape, args.machine), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""A long prompt's FFN layers computed by the GPU and the ducks at once.
+
+Each FFN call of the prefill (one chunk: the whole prompt, up to a memory bound) is
+split by experts: experts [0, g) of the layer run on the GPU from weights streamed
+over PCIe (engine.gpu.expert_stream), the others on the ducks (the backend, with the
+GPU's experts masked out of the routing as -1, which a duck skips). The ducks' call
+runs on a thread of its own while the GPU computes its share, and the copy of layer
+L + 2 crosses PCIe meanwhile, so the three overlap.
+
+g is chosen per layer so that the GPU's copy and the ducks' work end together
+(PrefillSplit): from the copies' measured seconds per byte, the ducks' measured kernel
+seconds per expert and token and their call's cost beside the kernels per token (the
+activations out and the partials back), updated after every layer and kept across
+prompts. Where the ducks' call costs more than its share saves, the GPU takes every
+expert the host holds; where the GPU is slower than the ducks, none.
+Mode "gpu" takes every expert the host holds to the GPU (the ducks get what it does
+not hold); "fleet" does not split (the caller just does not install the hook).
+
+    split = PrefillSplit()
+    with HybridPrefill(stream, backend, split, tokens=len(prompt)):
+        hidden = model(ids, positions, cache)           # the FFN calls come here (engine.ffn.ffn_call)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.ffn import FfnBackend, FfnRequest, set_lane
+from engine.host_ffn import FfnIO
+
+log = logging.getLogger(__name__)
+
+MODES = ("hybrid", "gpu")
+EMA = 0.5                   # weight of a new measurement in the split's rates
+
+
+class PrefillSplit:
+    """The GPU's share of each layer's experts, from measured rates (see the module docstring).
+    pcie_s_per_byte: the copies' measured time per byte; duck_s: the ducks' kernel seconds per
+    (expert, token); duck_call_s: their call's seconds per token beside the kernel (transport);
+    gpu_s: the GPU's seconds per (expert, token); other_s: a layer's time outside its FFN call."""
+
+    def __init__(self, mode: str = "hybrid", pcie_gbps: float | None = None):
+        if mode not in MODES:
+            raise ValueError(f"prefill split mode {mode!r}: expected one of {', '.join(MODES)}")
+        self.mode = mode
+        self.pcie_s_per_byte = 1.0 / (pcie_gbps * 1e9) if pcie_gbps else None
+        self.duck_s: float | None = None
+        self.duck_call_s = 0.0
+        self.gpu_s: float | None = None        # the GPU's seconds per (expert, token): decode and GEMMs
+        self.other_s = 0.0
+        self.history: list[dict] = []          # per layer of the last prefill: g, experts, times
+
+    def share(self, experts: int, held: int, expert_bytes: int, tokens: int) -> int:
+        """How many of a layer's experts (the first ones) the GPU takes."""
+        if self.mode == "gpu" or experts == 1 and self.duck_s is None:
+            return held
+        a = (self.pcie_s_per_byte or 1.0 / 25e9) * expert_bytes                 # s per expert over PCIe ...
+        a = max(a, self.gpu_s * tokens if self.gpu_s is not None else 0.0)      # ... or computing, if longer
+        if self.duck_s is None:
+            b, c = a, 0.0                                                        # a first guess: alike
+        else:
+            b, c = self.duck_s * tokens, self.duck_call_s * tokens               # per expert, per call
+
+        def wall(g: int) -> float:       # a layer with the GPU taking g experts: the slower side
+            return max(a * g, self.other_s + (c + b * (experts - g) if g < experts else 0.0))
+        balanced = max(0, min(held, round((self.other_s + c + experts * b) / (a + b))))
+        return min((balanced, held, 0), key=wall)
+
+    def observe(self, pcie_s_per_byte: float | None, duck_seconds: float, duck_kernel_s: float, duck_experts: int,
+                tokens: int, other_s: float, gpu: list[tuple[int, int, float]] = ()) -> None:
+        """A layer's measurements: the copies' rate, the ducks' call (its seconds and the slowest
+        duck's kernel seconds, for duck_experts experts of tokens tokens; a backend that reports
+        no kernel time counts the whole call as work), the time outside the FFN call, and the GPU
+        shares timed since the last layer ((experts, tokens, seconds) each)."""
+        if pcie_s_per_byte:
+            self.pcie_s_per_byte = pcie_s_per_byte
+        if duck_experts and tokens:
+            work = duck_kernel_s if 0 < duck_kernel_s <= duck_seconds else duck_seconds
+            self.duck_s = _ema(self.duck_s, work / (duck_experts * tokens))
+            self.duck_call_s = _ema(self.duck_call_s, (duck_seconds - work) / tokens)
+        for g, t, seconds in gpu:
+            if g and t:
+                self.gpu_s = _ema(self.gpu_s, seconds / (g * t))
+        self.other_s = _ema(self.other_s, other_s)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
+class HybridPrefill:
+    """The FFN calls of one prefill on this thread, shared as the module docstring says."""
+
+    def __init__(self, stream, backend: FfnBackend, split: PrefillSplit, tokens: int, count_experts: bool = False):
+        self.stream, self.backend, self.split, self.tokens = stream, backend, split, tokens
+        self.count_experts = count_experts   # record the distinct experts of each layer (a benchmark's check)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duck-prefill-ffn")
+        self._io: FfnIO | None = None
+        self._prev = None
+        self._last_end = None
+        self.layers: list[dict] = []
+
+    def _fetch(self, layer: int | None) -> None:
+        if layer is None:
+            return
+        s = self.stream
+        g = self.split.share(s.experts(layer), s.held(layer), s.expert_bytes(layer), self.tokens)
+        s.fetch(layer, g)
+
+    def __enter__(self) -> "HybridPrefill":
+        first = self.stream.order[0] if self.stream.order else None
+        self._fetch(first)
+        self._fetch(self.stream.next_layer(first) if first is not None else None)
+        self._prev = set_lane(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_lane(self._prev)
+        self._pool.shutdown(wait=True)
+        self.split.history = self.layers
+
+    # -- the lane hook (engine.ffn.ffn_call) ------------------------------------------------------
+    def _ffn_call(self, req: FfnRequest) -> torch.Tensor:
+        s, layer = self.stream, req.layer
+        now = time.perf_counter()
+        other = now - self._last_end if self._last_end is not None else 0.0
+        if layer not in s.layers:
+            return self.backend.forward(layer, req.x, req.ids, req.weights)
+        g, experts = s.fetched(layer), s.experts(layer)
+        t, k = req.ids.shape
+        duck = self._send_to_ducks(layer, req, g) if g < experts else None
+        y = s.forward(layer, req.x, req.ids, req.weights)                       # [T, H] fp32, the GPU's share
+        nxt = s.next_layer(layer)
+        self._fetch(s.next_layer(nxt) if nxt is not None else None)             # L + 2 into the buffer L used
+        duck_s = kernel_s = 0.0
+        if duck is not None:
+            duck_s, kernel_s = duck.result()
+            y += self._io.views(t, k)[3].to(y.device, non_blocking=True).float()
+        self._last_end = time.perf_counter()
+        self.split.observe(s.pcie_seconds_per_byte(), duck_s, kernel_s, experts - g if duck is not None else 0, t,
+                           other, s.compute_seconds())
+        self.layers.append({"layer": layer, "gpu_experts": g, "experts": experts, "duck_s": duck_s,
+                            "call_s": self._last_end - now})
+        if self.count_experts:
+            self.layers[-1]["distinct"] = int(torch.unique(req.ids[req.ids >= 0]).numel())
+        return y.to(req.x.dtype)
+
+    def _send_to_ducks(self, layer: int, req: FfnRequest, g: int):
+        """The ducks' share on the worker thread: the routing with experts [0, g) masked out (-1),
+        copied to pinned buffers first (an event the worker waits for: the GPU's own work queued
+        after the copies is not waited for)."""
+        t, k = req.ids.shape
+        wire = req.x.dtype if req.x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        if self._io is None or self._io.tokens < t or self._io.topk < k or self._io.x.dtype != wire:
+            self._io = FfnIO.allocate(t, req.x.shape[1], k, wire)
+        xh, ih, wh, yh = self._io.views(t, k)
+        ids = torch.where(req.ids >= g, req.ids, torch.full_like(req.ids, -1)).to(torch.int32)
+        cuda = req.x.device.type == "cuda"
+        xh.copy_(req.x, non_blocking=cuda)
+        ih.copy_(ids, non_blocking=cuda)
+        wh.copy_(req.weights, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(req.x.device))
+
+        def call() -> tuple[float, float]:
+            """(the call's seconds, the slowest duck's kernel seconds in it: 0 if not reported)"""
+            if ready is not None:
+                ready.synchronize()
+            t0, k0 = time.perf_counter(), self.backend.kernel_us_total
+            with torch.inference_mode():
+                self.backend.forward(layer, xh, ih, wh, out=yh)
+            return time.perf_counter() - t0, (self.backend.kernel_us_total - k0) * 1e-6
+        return self._pool.submit(call)

@@ -1,0 +1,119 @@
+"""The streamed prefill (engine.gpu.expert_stream, engine.gpu.hybrid_prefill) on the CPU: the
+"GPU" share runs on this host's torch from the ducks' own fp9 slices, the rest on real local
+ducks. For the MoE families (and the dense ones: one expert, all or nothing) the hybrid
+prefill's logits are the fleet's within the tolerance of a different summation order, the
+greedy continuation after it is the fleet's, in every split: the ducks alone, the GPU alone, and
+what the balancer picks from the measured rates. tests/gpu/test_hybrid_prefill_cuda.py runs the
+same on the device's GPU (bf16, Triton)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.fleet import FleetFfn
+from engine.gpu.expert_stream import ExpertStream
+from engine.gpu.hybrid_prefill import HybridPrefill, PrefillSplit
+from engine.loader import load_model
+from tests.engine.test_prefill import _prompt, _rel, family  # noqa: F401 (fixture)
+
+HYBRID_VS_FLEET_RTOL = 1e-4    # fp32 model: the same weights, sums in other orders (GEMM vs the ducks' kernels)
+DUCKS = 3
+PROMPT = 96
+
+
+class _Fixed(PrefillSplit):
+    """A split that gives the GPU a fixed number of experts per layer (the tests' cases)."""
+
+    def __init__(self, g: int):
+        super().__init__()
+        self.g = g
+
+    def share(self, experts, held, expert_bytes, tokens):
+        return max(0, min(held, self.g if self.g >= 0 else experts + self.g))
+
+
+@torch.inference_mode()
+def _prefill(model, prompt, hook=None):
+    cache = model.make_cache(len(prompt) + 8)
+    device = model.lm_head.weight.device
+    ids, positions = torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device)
+    if hook is None:
+        hidden = model(ids, positions, cache)
+    else:
+        with hook:
+            hidden = model(ids, positions, cache)
+    logits = model.compute_logits(hidden)
+    tokens, pos = [], len(prompt)
+    nxt = int(logits[-1].argmax())
+    for _ in range(6):                           # greedy decode after the prefill, through the ducks
+        tokens.append(nxt)
+        y = model(torch.tensor([nxt], device=device), torch.tensor([pos], device=device), cache)
+        nxt, pos = int(model.compute_logits(y)[-1].argmax()), pos + 1
+    return logits, tokens
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "qwen3_5_moe", "llama"])
+def test_hybrid_prefill_is_the_fleets(kind, family):  # noqa: F811
+    folder, vocab = family(kind)
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        stream = ExpertStream(lm.ffn.layers, lm.ffn.hidden, "cpu", threads=1)
+        prompt = _prompt(vocab, PROMPT, seed=11)
+        ref_logits, ref_tokens = _prefill(lm.model, prompt)
+        experts = max(stream.experts(layer) for layer in stream.order)
+        cases = {"ducks alone": _Fixed(0), "gpu alone": _Fixed(experts), "half": _Fixed(experts // 2 or 1),
+                 "balanced": PrefillSplit()}
+        for name, split in cases.items():
+            hook = HybridPrefill(stream, lm.ffn, split, tokens=PROMPT)
+            logits, tokens = _prefill(lm.model, prompt, hook)
+            assert _rel(logits, ref_logits) <= HYBRID_VS_FLEET_RTOL, (name, _rel(logits, ref_logits))
+            assert tokens == ref_tokens, name
+            shares = [layer["gpu_experts"] for layer in hook.layers]
+            assert len(hook.layers) == len(stream.order), name
+            if name == "gpu alone":
+                assert all(layer["duck_s"] == 0 for layer in hook.layers)
+            if name == "ducks alone":
+                assert shares == [0] * len(shares)
+        if experts > 1:                     # a dense model's layer is one expert: the GPU's unless the ducks are faster
+            assert cases["balanced"].duck_s is not None and cases["balanced"].duck_s > 0
+    finally:
+        lm.ffn.close()
+
+
+def test_a_host_that_holds_fewer_experts_leaves_the_rest_to_the_ducks(family):  # noqa: F811
+    folder, vocab = family("qwen3_moe")
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        one = ExpertStream(lm.ffn.layers, lm.ffn.hidden, "cpu", threads=1)
+        per_layer = max(one.expert_bytes(layer) for layer in one.order)
+        stream = ExpertStream(lm.ffn.layers, lm.ffn.hidden, "cpu", max_bytes=3 * per_layer + per_layer // 2,
+                              threads=1)
+        assert [stream.held(layer) for layer in stream.order][:2] == [3, 0]
+        prompt = _prompt(vocab, PROMPT, seed=12)
+        ref_logits, ref_tokens = _prefill(lm.model, prompt)
+        hook = HybridPrefill(stream, lm.ffn, PrefillSplit("gpu"), tokens=PROMPT)
+        logits, tokens = _prefill(lm.model, prompt, hook)
+        assert _rel(logits, ref_logits) <= HYBRID_VS_FLEET_RTOL and tokens == ref_tokens
+        assert hook.layers[0]["gpu_experts"] == 3 and hook.layers[0]["duck_s"] > 0
+        assert all(layer["gpu_experts"] == 0 for layer in hook.layers[1:])
+    finally:
+        lm.ffn.close()
+
+
+def test_the_split_balances_copy_and_ducks():
+    split = PrefillSplit(pcie_gbps=50)
+    assert split.share(128, 128, 5_000_000, 512) == 64          # nothing measured of the ducks: half
+    split.observe(None, duck_seconds=0.05, duck_kernel_s=0.05, duck_experts=64, tokens=512, other_s=0.0)
+    b = 0.05 / 64                                                # s per expert on the ducks at 512 tokens
+    a = 5_000_000 / 50e9                                         # s per expert over PCIe
+    assert split.share(128, 128, 5_000_000, 512) == round(128 * b / (a + b))
+    assert split.share(128, 40, 5_000_000, 512) == 40           # never more than the host holds
+    slow = PrefillSplit(pcie_gbps=50)                            # a call whose transport costs more than it saves
+    slow.observe(None, duck_seconds=0.05, duck_kernel_s=0.001, duck_experts=4, tokens=512, other_s=0.0)
+    assert slow.share(128, 128, 5_000_000, 512) == 128
+    fast = PrefillSplit(pcie_gbps=1)                             # a GPU far slower than the ducks: none
+    fast.observe(None, duck_seconds=0.001, duck_kernel_s=0.001, duck_experts=64, tokens=512, other_s=0.0)
+    assert fast.share(128, 128, 5_000_000, 512) == 0
+    assert PrefillSplit("gpu").share(128, 100, 1, 1) == 100
+    with pytest.raises(ValueError, match="split mode"):
+        PrefillSplit("fast")
