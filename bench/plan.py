@@ -130,10 +130,16 @@ class Fleet:
     colocated_cores: int = 0           # the ducks share this many CPUs with the host (emulation): 0 = own boxes
     colocated_cpu_us_per_duck: float = 0.0   # CPU one duck's call costs such a machine (bench transport)
     emulated_link_mtu: int = 0         # links are tc-emulated with this MTU (their token bucket): 0 = real links
+    gpu_tflops: float = 150.0          # the host GPU's bf16 matrix rate in use (RTX 5090: ~210 peak); 0: none
+    pcie_gbps: float = 50.0            # pinned host-to-GPU copies (PCIe 5.0 x16)
+    host_copy: str = "ram"             # where the host keeps the experts for streamed prefill: ram | nvme | none
+    nvme_gbps: float = 7.0             # the pack cache's drive, when host_copy = nvme (PCIe 4.0 x4)
+    gpu_prefill_chunk: int = 16384     # tokens per streamed pass
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("ducks", "subnets", "cores", "multiple_of", "act_bytes", "partial_bytes", "prefill_chunk"):
+        for name in ("ducks", "subnets", "cores", "multiple_of", "act_bytes", "partial_bytes", "prefill_chunk",
+                     "gpu_prefill_chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise PlanError(f"{name} = {v!r}: expected a positive integer")
@@ -143,7 +149,7 @@ class Fleet:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         for name in ("latency_us", "call_us", "kernel_call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
                      "prefill_host_ms",
-                     "colocated_cores", "emulated_link_mtu"):
+                     "colocated_cores", "emulated_link_mtu", "gpu_tflops", "pcie_gbps", "nvme_gbps"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
         if self.kernel_read_ratio > 1.5:

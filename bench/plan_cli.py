@@ -20,10 +20,12 @@ import sys
 from pathlib import Path
 
 from bench.plan import Fleet, ModelShape, PlanError, load_model, plan, slice_width, transport_us
+from bench.plan_prefill import streamed_prefill
 
 log = logging.getLogger("duck.plan")
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STREAMED_PROMPTS = (1024, 8192, 32768)
 HIDDEN = 7168
 
 
@@ -288,6 +290,8 @@ def format_plan(p: dict) -> str:
              f"  decode   {dec['tok_s']:7.1f} tok/s  ({dec['mode']}, step {dec['step_ms']:.1f} ms)",
              f"  per layer host {pl['host']:.3f} + kernel {pl['kernel']:.3f} + transport {pl['transport']:.3f} ms",
              f"  prefill  {pre['tok_s']:7.1f} tok/s  (chunks of {pre['chunk_tokens']}, {pre['bound']})",
+             *(f"  prefill  {s['tok_s']:7.1f} tok/s  at {s['tokens']} tokens, experts streamed from {s['host_copy']}: "
+               f"GPU share {s['gpu_share']:.2f}, {s['bound']}" for s in p.get("streamed_prefill", [])),
              f"  memory   {mem['weights_gb_per_duck']:.2f} GB of fp9 weights per duck, headroom "
              f"{mem['headroom_gb_per_duck']:.1f} GB",
              f"  roofline {p['roofline_tok_s']:.1f} tok/s; bottleneck: {p['bottleneck']}"]
@@ -319,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         fleet, _ = make_fleet(args)
         sizes = [int(s) for s in args.sizes.split(",") if s] or [fleet.ducks]
         plans = [plan(m, dataclasses.replace(fleet, ducks=n)) for n in sizes]
+        for p, n in zip(plans, sizes):   # long prompts with the GPU streaming the experts (bench/plan_prefill.py)
+            p["streamed_prefill"] = [streamed_prefill(m, dataclasses.replace(fleet, ducks=n), t)
+                                     for t in STREAMED_PROMPTS]
     except PlanError as e:
         print(f"duckctl plan: {e}", file=sys.stderr)
         return 2

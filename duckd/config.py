@@ -73,6 +73,12 @@ class ModelConfig:
     step_tokens: int = 256             # tokens per batched step: every sequence's next token, then prompt chunks
     gpu_batching: bool = False         # continuous batching on a GPU host too (CUDA graphs per batch-size bucket)
     prefill_chunk: int = 1024          # prompt tokens per prefill forward (engine.prefill)
+    gpu_prefill: str = "auto"          # long prompts' experts over PCIe to the GPU, ducks beside: auto (a CUDA host
+                                       # with a fleet) | hybrid | gpu (the GPU takes every expert held) | off
+    gpu_prefill_min_tokens: int = 0    # 0: a prompt goes that way when it is estimated faster than the fleet alone
+    gpu_prefill_chunk: int = 16384     # tokens per streamed pass: each weight crosses PCIe once per pass
+    gpu_prefill_host_mb: int = 0       # host memory for the experts' copy (0: all of them; less: the rest stays
+                                       # the ducks')
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
@@ -96,6 +102,13 @@ class ModelConfig:
                               f"(every sequence's next token fits one step; the native decoder takes 1024)")
         if not isinstance(self.prefill_chunk, int) or not 1 <= self.prefill_chunk <= 65536:
             raise ConfigError(f"model.prefill_chunk = {self.prefill_chunk!r}: expected 1..65536 tokens")
+        if self.gpu_prefill not in ("auto", "hybrid", "gpu", "off"):
+            raise ConfigError(f"model.gpu_prefill = {self.gpu_prefill!r}: expected auto, hybrid, gpu or off")
+        if not 1 <= self.gpu_prefill_chunk <= 65536:
+            raise ConfigError(f"model.gpu_prefill_chunk = {self.gpu_prefill_chunk!r}: expected 1..65536 tokens")
+        for key in ("gpu_prefill_min_tokens", "gpu_prefill_host_mb"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key} = {getattr(self, key)!r}: expected >= 0")
         if self.temperature is not None and not 0 <= self.temperature <= 10:
             raise ConfigError(f"model.temperature = {self.temperature!r}: expected 0 (greedy) .. 10")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -129,6 +129,23 @@ class ModelHost:
         self.loaded = load_model(path, device=device, backend=backend)
         self.ffn = self.loaded.ffn
         log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
+        self._streamed_prefill()
+
+    def _streamed_prefill(self) -> None:
+        """On a CUDA host with a fleet: the experts' host copy for long prompts (model.gpu_prefill)."""
+        cfg, model = self.cfg, self.loaded.model
+        device = model.lm_head.weight.device
+        if cfg.gpu_prefill == "off" or device.type != "cuda" or not hasattr(self.ffn, "layers"):
+            return
+        from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
+        from engine.gpu.hybrid_prefill import StreamedPrefill
+        stream = ExpertStream(self.ffn.layers, self.ffn.hidden, device,
+                              max_bytes=cfg.gpu_prefill_host_mb << 20 if cfg.gpu_prefill_host_mb else None)
+        gbps = pinned_copy_gbps(device)
+        model.streamed_prefill = StreamedPrefill(stream, self.ffn, "gpu" if cfg.gpu_prefill == "gpu" else "hybrid",
+                                                 gbps, cfg.gpu_prefill_chunk, cfg.gpu_prefill_min_tokens)
+        log.info("streamed prefill: %.1f GB of experts held for the GPU, pinned copies at %.1f GB/s",
+                 model.streamed_prefill.pass_bytes / 1e9, gbps)
 
     def resync(self, duck: int) -> dict:
         """A restarted duck (or one another host took): it holds no run of ours, so the run is
@@ -148,6 +165,9 @@ class ModelHost:
 
     def close(self) -> None:
         with self.lock:
+            streamed = getattr(self.loaded.model, "streamed_prefill", None) if self.loaded else None
+            if streamed is not None:
+                streamed.close()
             if self.ffn is not None:
                 self.ffn.close()
                 self.ffn = None

@@ -185,7 +185,10 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     """Runs one request. on_text receives text deltas as they become final
     (text that might begin a stop string is held back until it cannot);
     should_stop, asked after every token, ends the request ("cancelled") when true;
-    prefill_chunk: prompt tokens per prefill forward (engine.prefill)."""
+    prefill_chunk: prompt tokens per prefill forward (engine.prefill). A model with a
+    streamed_prefill (engine.gpu.hybrid_prefill.StreamedPrefill, a CUDA host with a fleet)
+    prefills a prompt it judges long enough in passes of its own chunk, the GPU and the ducks
+    sharing each layer's experts."""
     params = params or SamplingParams()
     check_chunk(prefill_chunk)
     if not prompt_ids:
@@ -207,12 +210,16 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     positions = torch.arange(len(prompt_ids), device=step_device)
     ttft = 0.0
     forward = decoder if decoder is not None else (lambda i, p: model(i, p, cache))
+    streamed = getattr(model, "streamed_prefill", None)   # engine.gpu.hybrid_prefill.StreamedPrefill
     try:
         while True:
             if native is not None:
                 logits = native(ids, positions)[-1] if out.out_ids else native.prefill(ids, positions, prefill_chunk)
             elif out.out_ids:
                 logits = model.compute_logits(forward(ids, positions)[-1:])[0]                     # [V]
+            elif streamed is not None and streamed.worth(len(prompt_ids)):   # experts over PCIe, ducks beside
+                with streamed.hook(len(prompt_ids)):
+                    logits = prefill_logits(model, forward, ids, positions, streamed.chunk)
             elif len(prompt_ids) > prefill_chunk and _ffn_overlaps_host(model):   # two chunks in flight
                 logits = model.compute_logits(prefill_hidden_overlapped(
                     model, cache, ids.to(device), positions.to(device), prefill_chunk, last_only=True))[0]
@@ -221,6 +228,8 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
             done = out.push(logits)
             if len(out.out_ids) == 1:
                 ttft = time.perf_counter() - start
+                if streamed is not None and not streamed.worth(len(prompt_ids)):
+                    streamed.fleet_timed(len(prompt_ids), ttft)
             if done:
                 break
             pos = int(positions[-1]) + 1

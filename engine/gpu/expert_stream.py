@@ -118,6 +118,10 @@ class ExpertStream:
                 self.layers[index] = layer
                 if left is not None:
                     left -= layer.host.numel()
+                done = len(self.layers)
+                if done % max(1, len(layers) // 8) == 0 or done == len(layers):   # pinning GBs takes a while
+                    log.info("expert stream: %d/%d layers in host memory (%.1f GB)", done, len(layers),
+                             sum(x.host.numel() for x in self.layers.values()) / 1e9)
         finally:
             workers.shutdown()
         total = sum(layer.host.numel() for layer in self.layers.values())

@@ -177,3 +177,41 @@ class HybridPrefill:
                 self.backend.forward(layer, xh, ih, wh, out=yh)
             return time.perf_counter() - t0, (self.backend.kernel_us_total - k0) * 1e-6
         return self._pool.submit(call)
+
+
+class StreamedPrefill:
+    """What a host with a GPU and a fleet keeps for long prompts (engine.generate asks it): the
+    expert stream, the split's rates across prompts, the chunk (the whole prompt up to this
+    bound: each weight crosses PCIe once per chunk) and when a prompt is long enough.
+
+    A prompt is streamed when its estimated time so is below the fleet's alone: one pass of
+    the held experts over PCIe (at the measured copy rate) against its tokens at the fleet's
+    measured prefill rate (engine.generate times every prefill). Until the fleet has been
+    timed, from min_tokens on (also when set: then always from min_tokens on)."""
+
+    FIRST_GUESS_TOKENS = 256
+
+    def __init__(self, stream, backend: FfnBackend, mode: str = "hybrid", pcie_gbps: float | None = None,
+                 chunk: int = 16384, min_tokens: int = 0):
+        self.stream, self.backend = stream, backend
+        self.split = PrefillSplit(mode, pcie_gbps)
+        self.chunk, self.min_tokens = chunk, min_tokens
+        self.fleet_s_per_token: float | None = None
+        self.pass_bytes = sum(stream.held(layer) * stream.expert_bytes(layer) for layer in stream.order)
+
+    def worth(self, tokens: int) -> bool:
+        if self.min_tokens:
+            return tokens >= self.min_tokens
+        if self.fleet_s_per_token is None or not self.split.pcie_s_per_byte:
+            return tokens >= self.FIRST_GUESS_TOKENS
+        return self.pass_bytes * self.split.pcie_s_per_byte < tokens * self.fleet_s_per_token
+
+    def fleet_timed(self, tokens: int, seconds: float) -> None:
+        """A prefill of tokens the fleet did alone, in seconds (what worth() weighs)."""
+        self.fleet_s_per_token = _ema(self.fleet_s_per_token, seconds / tokens)
+
+    def hook(self, tokens: int) -> HybridPrefill:
+        return HybridPrefill(self.stream, self.backend, self.split, tokens)
+
+    def close(self) -> None:
+        self.stream.close()

@@ -256,3 +256,21 @@ def test_the_emulated_fleet_repeated_runs_merge_by_median_and_fall_within_15_per
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(PlanError, match="other links"):
         validate(f"{runs[0]},{tmp_path / 'other.json'}")
+
+
+def test_streamed_prefill_is_never_below_the_fleet_alone_and_ram_beats_nvme():
+    import dataclasses
+
+    from bench.plan import Fleet, load_model
+    from bench.plan_prefill import streamed_prefill
+    m, f = load_model("deepseek-v32"), Fleet()
+    for tokens in (512, 1024, 8192, 32768):
+        runs = {c: streamed_prefill(m, dataclasses.replace(f, host_copy=c), tokens) for c in ("ram", "nvme", "none")}
+        alone = runs["none"]["tok_s"]
+        assert runs["none"]["gpu_share"] == 0 and alone == runs["ram"]["fleet_alone_tok_s"]
+        assert runs["ram"]["tok_s"] >= runs["nvme"]["tok_s"] >= alone
+        assert all(0 <= r["gpu_share"] <= 1 for r in runs.values())
+    ram = streamed_prefill(m, f, 8192)   # one pass of every expert over PCIe: at most tokens / (bytes / rate)
+    assert ram["tok_s"] <= 8192 / (ram["pass_gb"] / f.pcie_gbps) * 1.0001
+    assert 730 < ram["pass_gb"] < 745       # DeepSeek-V3.2's FFN weights in fp9 (the ~750 GB a host must hold)
+    assert streamed_prefill(m, dataclasses.replace(f, gpu_tflops=0), 8192)["gpu_share"] == 0

@@ -1,10 +1,11 @@
 """duckd's [fleet] idle policy and datagram ceiling: what the local driver asks
 duckfw for, and values refused by name."""
+import re
 from pathlib import Path
 
 import pytest
 
-from duckd.config import ConfigError, FleetConfig
+from duckd.config import ConfigError, FleetConfig, ModelConfig
 from duckd.drivers.local import duckfw_command
 
 
@@ -117,3 +118,14 @@ def test_an_unset_fleet_has_4_ducks_or_as_many_as_the_cpus_hold(tmp_path):
     path.write_text('[fleet]\nducks = "four"\n')
     with pytest.raises(ConfigError, match="fleet.ducks = 'four': expected int"):
         load(path)
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("gpu_prefill", "fast", "model.gpu_prefill = 'fast': expected auto, hybrid, gpu or off"),
+    ("gpu_prefill_chunk", 0, "model.gpu_prefill_chunk = 0: expected 1..65536 tokens"),
+    ("gpu_prefill_min_tokens", -1, "model.gpu_prefill_min_tokens = -1: expected >= 0"),
+    ("gpu_prefill_host_mb", -5, "model.gpu_prefill_host_mb = -5: expected >= 0")])
+def test_the_streamed_prefill_settings_are_checked(field, value, text):
+    assert ModelConfig().gpu_prefill == "auto" and ModelConfig().gpu_prefill_chunk == 16384
+    with pytest.raises(ConfigError, match=re.escape(text)):
+        ModelConfig(**{field: value})

@@ -117,3 +117,26 @@ def test_the_split_balances_copy_and_ducks():
     assert PrefillSplit("gpu").share(128, 100, 1, 1) == 100
     with pytest.raises(ValueError, match="split mode"):
         PrefillSplit("fast")
+
+
+def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F811
+    """engine.generate with a model's streamed_prefill: a prompt from min_tokens on goes in passes of
+    the stream's chunk (two here), the tokens those of the fleet alone; a shorter one stays on the ducks."""
+    from engine.generate import SamplingParams, generate
+    from engine.gpu.hybrid_prefill import StreamedPrefill
+
+    folder, vocab = family("deepseek_v3")    # no native CPU decoder: generate's torch path
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        prompt, params = _prompt(vocab, PROMPT, seed=14), SamplingParams(max_tokens=6, ignore_eos=True)
+        ref = generate(lm.model, lm.tokenizer, prompt, params)
+        stream = ExpertStream(lm.ffn.layers, lm.ffn.hidden, "cpu", threads=1)
+        streamed = lm.model.streamed_prefill = StreamedPrefill(stream, lm.ffn, "hybrid", chunk=64, min_tokens=50)
+        got = generate(lm.model, lm.tokenizer, prompt, params)
+        assert got.token_ids == ref.token_ids
+        assert len(streamed.split.history) == 2 * len(stream.order)     # 96 tokens: passes of 64 and 32
+        streamed.split.history = []
+        short = generate(lm.model, lm.tokenizer, prompt[:40], params)
+        assert streamed.split.history == [] and len(short.token_ids) == 6
+    finally:
+        lm.ffn.close()
