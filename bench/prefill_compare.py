@@ -69,10 +69,14 @@ def _best(runs: list[dict]) -> dict:
 
 
 def _commit() -> str:
+    """HEAD, marked "+changes" where the tree differs from it (a device's copy of a working tree)."""
+    if os.environ.get("DUCK_COMMIT"):
+        return os.environ["DUCK_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+        return git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DUCK_COMMIT", "unknown")
+        return "unknown"
 
 
 def run(args) -> dict:
