@@ -194,6 +194,10 @@ class ExpertStream:
         """Experts of the layer whose copy was started (0: none)."""
         return self._where.get(layer, (0, 0))[1]
 
+    def pending(self, layer: int) -> bool:
+        """Whether a fetch of the layer waits for its forward."""
+        return layer in self._where
+
     def pcie_seconds_per_byte(self) -> float | None:
         """Measured: the finished copies' time per byte (None before any, and on a CPU device)."""
         for layer, (start, done, nbytes) in list(self._timing.items()):

@@ -130,6 +130,9 @@ class HybridPrefill:
         other = now - self._last_end if self._last_end is not None else 0.0
         if layer not in s.layers:
             return self.backend.forward(layer, req.x, req.ids, req.weights)
+        if not s.pending(layer):   # a pass after the first (a prompt longer than the chunk) starts again
+            self._fetch(layer)
+            self._fetch(s.next_layer(layer))
         g, experts = s.fetched(layer), s.experts(layer)
         t, k = req.ids.shape
         duck = self._send_to_ducks(layer, req, g) if g < experts else None

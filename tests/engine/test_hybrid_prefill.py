@@ -135,6 +135,9 @@ def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F
         got = generate(lm.model, lm.tokenizer, prompt, params)
         assert got.token_ids == ref.token_ids
         assert len(streamed.split.history) == 2 * len(stream.order)     # 96 tokens: passes of 64 and 32
+        streamed.split.mode = "gpu"                                      # both passes stream every expert
+        assert generate(lm.model, lm.tokenizer, prompt, params).token_ids == ref.token_ids
+        assert all(r["gpu_experts"] == r["experts"] for r in streamed.split.history)
         streamed.split.history = []
         short = generate(lm.model, lm.tokenizer, prompt[:40], params)
         assert streamed.split.history == [] and len(short.token_ids) == 6
