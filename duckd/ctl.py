@@ -58,10 +58,11 @@ def cmd_status(args) -> int:
     else:
         print("model: loading")
     print(f"{'id':>3} {'address':21} {'state':10} {'link ms':>8} {'rtt us':>8} {'GB/s':>7} {'kern ms':>8} "
-          f"{'cache':>6} {'hits':>5} {'errors':>6} {'drops':>6}  reason")
+          f"{'cache':>6} {'hits':>5} {'corrupt':>7} {'errors':>6} {'drops':>6}  reason")
     for d in ducks:
         print(f"{d.id:>3} {d.address:21} {STATES[d.state]:10} {d.time_to_link_ms:8.0f} {d.rtt_us:8.0f} "
-              f"{d.gbps:7.2f} {d.kernel_ms:8.2f} {d.cache_entries:6d} {d.cache_hits:5d} {d.errors:6d} {d.drops:6d}  "
+              f"{d.gbps:7.2f} {d.kernel_ms:8.2f} {d.cache_entries:6d} {d.cache_hits:5d} {d.cache_corrupt:7d} "
+              f"{d.errors:6d} {d.drops:6d}  "
               f"{d.reason}")
     return 0
 

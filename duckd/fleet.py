@@ -80,7 +80,8 @@ class Duck:
             # request it failed: a forged flood shows here; drops: the datagrams alone (DROP_REASONS)
             errors=self.dropped - c.get("injected_drops", 0) + c.get("errors", 0),
             bytes_streamed=c.get("bytes_streamed", 0), requests=c.get("requests", 0),
-            retransmits=c.get("resends", 0), drops=self.dropped, restarts=self.restarts)
+            retransmits=c.get("resends", 0), drops=self.dropped, restarts=self.restarts,
+            cache_corrupt=c.get("cache_corrupt", 0))
 
 
 class FleetManager:

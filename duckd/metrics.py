@@ -29,6 +29,8 @@ class _FleetCollector:
         resends = CounterMetricFamily("duck_retransmits", "replies a duck resent", labels=["duck"])
         restarts = CounterMetricFamily("duck_restarts", "restarts of the duck by the daemon", labels=["duck"])
         streamed = CounterMetricFamily("duck_bytes_streamed", "fp9 bytes the duck's kernels read", labels=["duck"])
+        corrupt = CounterMetricFamily("duck_cache_corrupt", "cache entries the duck found damaged and dropped",
+                                      labels=["duck"])
         for duck in d.fleet.ducks:
             s, i = duck.status(), str(duck.id)
             for name, value in pb.DuckState.items():
@@ -39,7 +41,8 @@ class _FleetCollector:
             resends.add_metric([i], s.retransmits)
             restarts.add_metric([i], s.restarts)
             streamed.add_metric([i], s.bytes_streamed)
-        yield from (state, gbps, rtt, errors, resends, restarts, streamed)
+            corrupt.add_metric([i], s.cache_corrupt)
+        yield from (state, gbps, rtt, errors, resends, restarts, streamed, corrupt)
         chat = d.chat
         yield GaugeMetricFamily("duck_requests_queued", "chat requests waiting for the model", value=chat.queued)
         yield GaugeMetricFamily("duck_requests_running", "chat requests generating", value=chat.running)

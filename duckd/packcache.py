@@ -38,6 +38,7 @@ class PackCache:
         self.root, self.key = root, key
         self.dir = root / key
         self.hits = self.misses = 0
+        self.writable = True
 
     def _file(self, layer: int, rank: int) -> Path:
         return self.dir / f"layer{layer:04d}.rank{rank:03d}.pack"
@@ -60,15 +61,26 @@ class PackCache:
         return slices
 
     def store(self, layer: int, rank: int, slices: list[ExpertSlice]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Keeps a layer's packs for the next start. A cache that cannot be written (a full disk)
+        is not an error of the load: the partial file goes, a warning names the path, and nothing
+        more is written this run."""
+        if not self.writable:
+            return
         tensors = [t for e in slices for t in (e.gate_up, e.down)]
         header = json.dumps([[t.nbytes, t.digest()] for t in tensors]).encode()
         tmp = self._file(layer, rank).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<II", FORMAT, len(header)) + header)
-            for t in tensors:
-                f.write(memoryview(t.buf))
-        os.replace(tmp, self._file(layer, rank))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<II", FORMAT, len(header)) + header)
+                for t in tensors:
+                    f.write(memoryview(t.buf))
+            os.replace(tmp, self._file(layer, rank))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.writable = False
+            log.warning("pack cache: cannot write %s (%s); the model loads without it, and the next start packs "
+                        "again: free space there or move daemon.state_dir", tmp, e.strerror or e)
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*.pack")) if self.root.exists() else 0

@@ -46,6 +46,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}"
+        self.refused = 0
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(HEALTH_PREFIX):
@@ -54,7 +55,10 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         if hmac.compare_digest(metadata.get("authorization", "").encode(), self._expected.encode()):
             return _checked(await continuation(details), details.method)
         handler = await continuation(details)
-        log.warning("refused %s: missing or wrong bearer token", details.method)
+        self.refused += 1
+        n = self.refused
+        if n <= 10 or n & (n - 1) == 0:   # a flood of bad calls must not become a flood of log lines
+            log.warning("refused %s: missing or wrong bearer token (%d so far)", details.method, n)
         return _denied(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 
 

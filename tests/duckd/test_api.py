@@ -185,3 +185,49 @@ def test_duckctl_bench_e2e_with_concurrent_streams(duckd_daemon):
     bad = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token,
                   "bench", "e2e", "--streams", "4", "--rounds", "0")
     assert bad.returncode == 2 and "--rounds must be positive" in bad.stderr
+
+
+def test_a_damaged_cache_entry_shows_in_status_and_metrics(tmp_path):
+    """A duck that finds a damaged entry when it opens its cache drops it and counts it; the
+    operator sees the count in `duckctl status` (its table and --json) and /metrics, and the
+    daemon uploads the entry again."""
+    import urllib.request
+
+    from tests.duckd_fixture import RunningDaemon, write_config
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, restart_delay_s=0.5), state).start()
+    try:
+        victim = sorted((state / "ducks" / "1" / "cache").glob("*.fp9"))[0]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+        daemon.kill_duck(1)                          # restarted by the daemon: it opens its cache again
+        deadline = time.monotonic() + 60
+        while daemon.ducks()[1].cache_corrupt < 1 or daemon.ducks()[1].state != pb.SERVING:
+            assert time.monotonic() < deadline, daemon.ducks()[1]
+            time.sleep(0.2)
+        args = ("--address", daemon.address, "--token", daemon.token, "status")
+        assert int(json.loads(duckctl(daemon, *args, "--json").stdout)["ducks"][1]["cacheCorrupt"]) == 1
+        table = duckctl(daemon, *args).stdout.splitlines()
+        header = next(line for line in table if line.split()[:2] == ["id", "address"])
+        assert "corrupt" in header.split()
+        req = urllib.request.Request(f"http://{daemon.http_address}/metrics",
+                                     headers={"Authorization": f"Bearer {daemon.token}"})
+        text = urllib.request.urlopen(req, timeout=10).read().decode()
+        assert 'duck_cache_corrupt_total{duck="1"} 1.0' in text
+        assert victim.exists()                       # uploaded again by the resync
+    finally:
+        daemon.stop()
+
+
+def test_refused_calls_are_logged_at_a_bounded_rate(duckd_daemon):
+    """100 calls with a wrong token: each refused, the log says so for the first 10 and then at
+    powers of two, with the count so far."""
+    stub = rpc.FleetStub(sync_channel(Endpoint(duckd_daemon.address, "wrong", "test")))
+    for _ in range(100):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.List(pb.ListDucksRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    lines = [line for line in duckd_daemon.log_path.read_text().splitlines() if "missing or wrong bearer token (" in line]
+    assert len(lines) <= 10 + 7, len(lines)          # 1..10, then 16, 32, 64, 128 ... of every refusal so far
+    assert lines and "so far)" in lines[-1]
