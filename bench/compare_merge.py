@@ -5,7 +5,8 @@ lines, -ot exps=CPU, several -ub) of the same device call (scripts/device_compar
 Keys: commit, machine, read_gbps, pcie_gbps, duck_gb_per_token; for each of duck,
 duck_gpu_only, duck_fleet_only, llama_cpp (its best micro-batch at each length) and
 llama_cpp_ub512: decode_tok_s and prefill_tok_s {"512": .., "2048": .., "8192": ..}; duck also
-ttft_s_1024 and pcie_limit_tok_s; ratios of duck to llama.cpp at each length. Decode runs on the
+ttft_s_1024 and pcie_limit_tok_s; llama_cpp_pcie_limit_tok_s (estimated, see llama_pcie_limit) and
+the lengths where llama.cpp is above it; ratios of duck to llama.cpp at each length. Decode runs on the
 fleet in every duck mode (the modes differ in prefill only)."""
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import sys
 
 def llama_rows(lines) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().startswith("{")]
+
+
+Q8_0_OVER_FP9 = 1.0625 / 1.125
 
 
 def llama_side(rows: list[dict], ub: int | None = None) -> dict:
@@ -33,6 +37,19 @@ def llama_side(rows: list[dict], ub: int | None = None) -> dict:
     if ub is None:
         out["best_ubatch"] = best_ub
     return out
+
+
+def llama_pcie_limit(duck: dict, pcie_gbps: float | None) -> dict:
+    """llama.cpp's PCIe limit per prompt length, estimated: every expert of the model crossing
+    once per micro-batch of the whole prompt (its best case) in Q8_0 (1.0625 bytes a weight
+    against fp9's 1.125), the bytes from duck's GPU-only pass of the same shape (which streams
+    every expert; the dense layers' share, which llama.cpp keeps on the GPU, is counted too, so
+    the estimate is a little low). A llama.cpp figure above it means its random model's routing
+    left experts unused (a collapsed router), not a faster copy."""
+    if not pcie_gbps:
+        return {}
+    return {p: round(int(p) / (r["pcie_bytes_per_pass"] * Q8_0_OVER_FP9 / (pcie_gbps * 1e9)), 1)
+            for p, r in duck["duck_gpu_only"]["detail"].items() if r.get("pcie_bytes_per_pass")}
 
 
 def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
@@ -54,6 +71,10 @@ def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
     out["experts"] = duck["shape"]["experts"]
     out["llama_cpp"] = llama_side(llama)
     out["llama_cpp_ub512"] = llama_side(llama, 512)
+    out["llama_cpp_pcie_limit_tok_s"] = llama_pcie_limit(duck, out["pcie_gbps"])
+    out["llama_cpp_above_its_pcie_limit"] = [p for p, v in out["llama_cpp"]["prefill_tok_s"].items()
+                                             if out["llama_cpp_pcie_limit_tok_s"].get(p) and
+                                             v > out["llama_cpp_pcie_limit_tok_s"][p]]
     ratios = {}
     for p in lengths:
         ll = out["llama_cpp"]["prefill_tok_s"].get(p)

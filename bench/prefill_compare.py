@@ -48,6 +48,7 @@ def measure_streamed(runner, stream, split, prompt_len: int, room: int) -> dict:
     ttft = time.perf_counter() - t0
     layers = hook.layers
     moe = [r for r in layers if r["experts"] > 1] or layers
+    rates = split.moe_rates()
     pcie_bytes = sum(r["gpu_experts"] * stream.expert_bytes(r["layer"]) for r in layers)
     return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft,
             "gpu_experts_per_moe_layer": statistics.mean(r["gpu_experts"] for r in moe),
@@ -55,9 +56,9 @@ def measure_streamed(runner, stream, split, prompt_len: int, room: int) -> dict:
             "duck_s_per_layer": statistics.mean(r["duck_s"] for r in layers),
             "call_s_per_layer": statistics.mean(r["call_s"] for r in layers),
             "split": {"pcie_gbps": 1e-9 / split.pcie_s_per_byte if split.pcie_s_per_byte else None,
-                      "duck_kernel_us_per_expert_token": split.duck_s * 1e6 if split.duck_s else None,
-                      "duck_call_us_per_token": split.duck_call_s * 1e6,
-                      "gpu_us_per_expert_token": split.gpu_s * 1e6 if split.gpu_s else None,
+                      "duck_kernel_us_per_expert_token": rates.duck_s * 1e6 if rates and rates.duck_s else None,
+                      "duck_call_us_per_token": rates.duck_call_s * 1e6 if rates else None,
+                      "gpu_us_per_expert_token": rates.gpu_s * 1e6 if rates and rates.gpu_s else None,
                       "other_ms": split.other_s * 1e3},
             "distinct_experts_per_layer_pass": statistics.mean(r["distinct"] for r in moe),
             "cache": cache}
@@ -77,6 +78,20 @@ def _commit() -> str:
         return git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _profile(runner, stream, split, prompt_len: int, room: int, path: str) -> None:
+    """One GPU-only pass of prompt_len under torch.profiler: its operators by GPU time, to path."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = measure_streamed(runner, stream, split, prompt_len, room)
+    r.pop("cache")
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    with open(path, "w") as f:
+        f.write(f"{prompt_len} tokens, GPU only, {r['prefill_tok_s']:.0f} tok/s under the profiler\n")
+        f.write(events.table(sort_by=key, row_limit=40))
+    log.info("profile of %d tokens -> %s", prompt_len, path)
 
 
 def run(args) -> dict:
@@ -155,6 +170,8 @@ def run(args) -> dict:
         out["duck_gb_per_token"] = (decode["ffn_bytes_streamed_per_step"] or 0) / 1e9
         out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, config.num_experts_per_tok or 1)
         out["read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
+        if args.profile:
+            _profile(runner, stream, gpu, max(args.prompts), room, args.profile)
     finally:
         if stream is not None:
             stream.close()
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the result here (default: stdout)")
+    ap.add_argument("--profile", help="after the runs, one GPU-only pass of the longest prompt under "
+                                      "torch.profiler; its operator table to this file")
     args = ap.parse_args(argv)
     args.prompts = [int(p) for p in args.prompts.split(",") if p]
     if not logging.getLogger().handlers:

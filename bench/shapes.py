@@ -40,3 +40,7 @@ SHAPES: dict[str, dict] = {
         },
     },
 }
+
+# DeepSeek-V3 (and R1): V3.2's widths without its lightning indexer (dense MLA at any length)
+SHAPES["deepseek-v3"] = {k: v for k, v in SHAPES["deepseek-v32"].items() if not k.startswith("index_")}
+SHAPES["deepseek-v3"]["model_type"] = "deepseek_v3"

@@ -125,27 +125,32 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
 def decode_attention_ref(q, k_cache, v_cache, positions, scale, masked: bool = True):
     """masked False: every row attends every slot given (one token at the last of them).
     A run's positions are consecutive; when it fills the slots from 0 (as many slots as rows: a
-    prompt's first chunk) the mask is the causal one, given as such. On CUDA the call is 4-D with
-    the grouped heads expanded for more than one row: SDPA's fused kernels take only that (3-D,
-    or a GQA mask, fell back to materializing the scores: 32 x 8192^2 floats for a prompt). On
-    the CPU it stays 3-D: the math path, whose bf16 results the kernels' tests are held to."""
+    prompt's first chunk) the mask is the causal one, given as such (head_attention)."""
     keys, values = k_cache.transpose(0, 1), v_cache.transpose(0, 1)   # [KVH, S, D]
     mask = None
     causal = masked and q.shape[0] > 1 and k_cache.shape[0] == q.shape[0]
     if masked and not causal:
         mask = positions[:, None] >= torch.arange(k_cache.shape[0], device=q.device)[None, :]  # [T, S]
-    q = q.transpose(0, 1)                                                # [H, T, D]
+    out = head_attention(q.transpose(0, 1), keys, values, mask, causal, scale)    # [H, T, D]
+    return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+
+def head_attention(q, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
+    """q [H, T, D] over keys [KVH, S, D] and values [KVH, S, Dv] (H a multiple of KVH) under a
+    bool mask [T, S] or the causal one -> [H, T, Dv]. On CUDA with more than one row the call
+    is 4-D with grouped heads expanded: SDPA's fused kernels (flash, memory-efficient) take
+    only that; 3-D inputs or a GQA mask fall back to the math path, which materializes the
+    H x T x S scores (32 x 8192^2 for a prompt). On the CPU it stays 3-D: the math path, whose
+    bf16 results the kernels' tests are held to."""
     grouped = q.shape[0] != keys.shape[0]
     if q.is_cuda and q.shape[1] > 1:
         if grouped:
             keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)     # [H, S, D]
             values = values.repeat_interleave(q.shape[0] // values.shape[0], 0)
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
-                                             is_causal=causal)[0]
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, is_causal=causal,
-                                             enable_gqa=grouped)           # [H, T, D]
-    return out.transpose(0, 1).reshape(out.shape[1], -1)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                              is_causal=causal)[0]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, is_causal=causal,
+                                          enable_gqa=grouped)
 
 
 def decode_attention_slots_ref(q, k_cache, v_cache, positions, slots, scale):

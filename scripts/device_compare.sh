@@ -32,7 +32,7 @@ fi
 for shape in $SHAPES; do
     case $shape in
     qwen3) synth="--synthetic qwen3-30b-a3b" ;;
-    deepseek) synth="--synthetic deepseek-v32 --layers 4 --dense-layers 1" ;;
+    deepseek) synth="--synthetic deepseek-v3 --layers 4 --dense-layers 1" ;;
     *) echo "SHAPES: qwen3 or deepseek, not $shape"; exit 2 ;;
     esac
     say "$shape: llama.cpp"

@@ -137,7 +137,7 @@ class ExpertStream:
         self._free = [None, None]                                # events: a buffer's last reader is done
         self._timing: dict[int, tuple] = {}                      # layer -> (copy start, copy end events, bytes)
         self.copy_seconds: list[tuple[int, float]] = []          # (bytes, seconds) of finished copies (CUDA)
-        self._computing: list[tuple] = []                        # (experts, tokens, start, end) not read yet
+        self._computing: list[tuple] = []                        # (layer, experts, tokens, start, end) not read yet
 
     # -- what is held ------------------------------------------------------------------------
     def held(self, layer: int) -> int:
@@ -261,21 +261,21 @@ class ExpertStream:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(compute)
             self._free[b] = ev
-            self._computing.append((g, t, began, ev))
+            self._computing.append((layer, g, t, began, ev))
         else:
-            self._computing.append((g, t, began, time.perf_counter()))
+            self._computing.append((layer, g, t, began, time.perf_counter()))
         return y
 
-    def compute_seconds(self) -> list[tuple[int, int, float]]:
-        """(experts, tokens, seconds) of the GPU shares computed since the last call whose time is known."""
+    def compute_seconds(self) -> list[tuple[int, int, int, float]]:
+        """(layer, experts, tokens, seconds) of the GPU shares computed since the last call whose time is known."""
         done, left = [], []
-        for g, t, began, ended in self._computing:
+        for layer, g, t, began, ended in self._computing:
             if not self.cuda:
-                done.append((g, t, ended - began))
+                done.append((layer, g, t, ended - began))
             elif ended.query():
-                done.append((g, t, began.elapsed_time(ended) * 1e-3))
+                done.append((layer, g, t, began.elapsed_time(ended) * 1e-3))
             else:
-                left.append((g, t, began, ended))
+                left.append((layer, g, t, began, ended))
         self._computing = left
         return done
 

@@ -37,54 +37,76 @@ MODES = ("hybrid", "gpu")
 EMA = 0.5                   # weight of a new measurement in the split's rates
 
 
+class Rates:
+    """What the split has measured of one layer shape (experts per layer, bytes per expert):
+    duck_s the ducks' kernel seconds per (expert, token), duck_call_s their call's seconds per
+    token beside the kernel (transport), gpu_s the GPU's seconds per (expert, token)."""
+
+    def __init__(self):
+        self.duck_s: float | None = None
+        self.duck_call_s = 0.0
+        self.gpu_s: float | None = None
+
+
 class PrefillSplit:
     """The GPU's share of each layer's experts, from measured rates (see the module docstring).
-    pcie_s_per_byte: the copies' measured time per byte; duck_s: the ducks' kernel seconds per
-    (expert, token); duck_call_s: their call's seconds per token beside the kernel (transport);
-    gpu_s: the GPU's seconds per (expert, token); other_s: a layer's time outside its FFN call."""
+    The copies' time per byte (pcie_s_per_byte) and a layer's time outside its FFN call (other_s)
+    are the host's; the ducks' and the GPU's rates are kept per layer shape (Rates): a dense FFN
+    layer (one expert, all tokens) costs some hundred times a routed expert per (expert, token),
+    and one set of rates for both mis-splits every MoE layer after it."""
 
     def __init__(self, mode: str = "hybrid", pcie_gbps: float | None = None):
         if mode not in MODES:
             raise ValueError(f"prefill split mode {mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode
         self.pcie_s_per_byte = 1.0 / (pcie_gbps * 1e9) if pcie_gbps else None
-        self.duck_s: float | None = None
-        self.duck_call_s = 0.0
-        self.gpu_s: float | None = None        # the GPU's seconds per (expert, token): decode and GEMMs
         self.other_s = 0.0
+        self.shapes: dict[tuple[int, int], Rates] = {}   # (experts, expert bytes) -> Rates
         self.history: list[dict] = []          # per layer of the last prefill: g, experts, times
+
+    def rates(self, experts: int, expert_bytes: int) -> Rates:
+        return self.shapes.setdefault((experts, expert_bytes), Rates())
+
+    def moe_rates(self) -> Rates | None:
+        """The rates of the shape with the most experts (a report's figure), None before any."""
+        return self.shapes[max(self.shapes)] if self.shapes else None
 
     def share(self, experts: int, held: int, expert_bytes: int, tokens: int) -> int:
         """How many of a layer's experts (the first ones) the GPU takes."""
-        if self.mode == "gpu" or experts == 1 and self.duck_s is None:
+        r = self.rates(experts, expert_bytes)
+        if self.mode == "gpu" or experts == 1 and r.duck_s is None:
             return held
         a = (self.pcie_s_per_byte or 1.0 / 25e9) * expert_bytes                 # s per expert over PCIe ...
-        a = max(a, self.gpu_s * tokens if self.gpu_s is not None else 0.0)      # ... or computing, if longer
-        if self.duck_s is None:
+        a = max(a, r.gpu_s * tokens if r.gpu_s is not None else 0.0)            # ... or computing, if longer
+        if r.duck_s is None:
             b, c = a, 0.0                                                        # a first guess: alike
         else:
-            b, c = self.duck_s * tokens, self.duck_call_s * tokens               # per expert, per call
+            b, c = r.duck_s * tokens, r.duck_call_s * tokens                     # per expert, per call
 
         def wall(g: int) -> float:       # a layer with the GPU taking g experts: the slower side
             return max(a * g, self.other_s + (c + b * (experts - g) if g < experts else 0.0))
         balanced = max(0, min(held, round((self.other_s + c + experts * b) / (a + b))))
         return min((balanced, held, 0), key=wall)
 
-    def observe(self, pcie_s_per_byte: float | None, duck_seconds: float, duck_kernel_s: float, duck_experts: int,
-                tokens: int, other_s: float, gpu: list[tuple[int, int, float]] = ()) -> None:
-        """A layer's measurements: the copies' rate, the ducks' call (its seconds and the slowest
-        duck's kernel seconds, for duck_experts experts of tokens tokens; a backend that reports
-        no kernel time counts the whole call as work), the time outside the FFN call, and the GPU
-        shares timed since the last layer ((experts, tokens, seconds) each)."""
+    def observe(self, shape: tuple[int, int], pcie_s_per_byte: float | None, duck_seconds: float,
+                duck_kernel_s: float, duck_experts: int, tokens: int, other_s: float,
+                gpu: list[tuple[tuple[int, int], int, int, float]] = ()) -> None:
+        """A layer's measurements: its shape (experts, bytes per expert), the copies' rate, the
+        ducks' call (its seconds and the slowest duck's kernel seconds, for duck_experts experts
+        of tokens tokens; a backend that reports no kernel time counts the whole call as work),
+        the time outside the FFN call, and the GPU shares timed since the last layer ((shape,
+        experts, tokens, seconds) each: a share's time is known a layer or two late)."""
         if pcie_s_per_byte:
             self.pcie_s_per_byte = pcie_s_per_byte
         if duck_experts and tokens:
+            r = self.rates(*shape)
             work = duck_kernel_s if 0 < duck_kernel_s <= duck_seconds else duck_seconds
-            self.duck_s = _ema(self.duck_s, work / (duck_experts * tokens))
-            self.duck_call_s = _ema(self.duck_call_s, (duck_seconds - work) / tokens)
-        for g, t, seconds in gpu:
+            r.duck_s = _ema(r.duck_s, work / (duck_experts * tokens))
+            r.duck_call_s = _ema(r.duck_call_s, (duck_seconds - work) / tokens)
+        for key, g, t, seconds in gpu:
             if g and t:
-                self.gpu_s = _ema(self.gpu_s, seconds / (g * t))
+                r = self.rates(*key)
+                r.gpu_s = _ema(r.gpu_s, seconds / (g * t))
         self.other_s = _ema(self.other_s, other_s)
 
 
@@ -144,8 +166,9 @@ class HybridPrefill:
             duck_s, kernel_s = duck.result()
             y += self._io.views(t, k)[3].to(y.device, non_blocking=True).float()
         self._last_end = time.perf_counter()
-        self.split.observe(s.pcie_seconds_per_byte(), duck_s, kernel_s, experts - g if duck is not None else 0, t,
-                           other, s.compute_seconds())
+        self.split.observe((experts, s.expert_bytes(layer)), s.pcie_seconds_per_byte(), duck_s, kernel_s,
+                           experts - g if duck is not None else 0, t, other,
+                           [((s.experts(at), s.expert_bytes(at)), n, m, sec) for at, n, m, sec in s.compute_seconds()])
         self.layers.append({"layer": layer, "gpu_experts": g, "experts": experts, "duck_s": duck_s,
                             "call_s": self._last_end - now})
         if self.count_experts:

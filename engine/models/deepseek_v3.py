@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.config import ConfigError, ModelConfig
 from engine.layers import RMSNorm, SlotBatch, static_decode_active
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts
@@ -285,8 +286,9 @@ class DeepseekV3Attention(nn.Module):
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], -1)
         k = torch.cat((k_nope, k_ropes[:, None, :].expand(-1, self.num_heads, -1)), -1)  # [S, H, qk]
         q = torch.cat((q_nope, q_rope), -1)                                             # [T, H, qk]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=self.scale)          # [H, T, v]
+        causal = mask.shape[0] == mask.shape[1]        # a prompt's first chunk: positions from 0
+        out = ops.head_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                 None if causal else mask, causal, self.scale)         # [H, T, v]
         return out.transpose(0, 1)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

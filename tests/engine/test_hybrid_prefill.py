@@ -75,7 +75,8 @@ def test_hybrid_prefill_is_the_fleets(kind, family):  # noqa: F811
             if name == "ducks alone":
                 assert shares == [0] * len(shares)
         if experts > 1:                     # a dense model's layer is one expert: the GPU's unless the ducks are faster
-            assert cases["balanced"].duck_s is not None and cases["balanced"].duck_s > 0
+            rates = cases["balanced"].moe_rates()
+            assert rates.duck_s is not None and rates.duck_s > 0
     finally:
         lm.ffn.close()
 
@@ -101,22 +102,39 @@ def test_a_host_that_holds_fewer_experts_leaves_the_rest_to_the_ducks(family):  
 
 
 def test_the_split_balances_copy_and_ducks():
+    moe = (128, 5_000_000)
     split = PrefillSplit(pcie_gbps=50)
     assert split.share(128, 128, 5_000_000, 512) == 64          # nothing measured of the ducks: half
-    split.observe(None, duck_seconds=0.05, duck_kernel_s=0.05, duck_experts=64, tokens=512, other_s=0.0)
+    split.observe(moe, None, duck_seconds=0.05, duck_kernel_s=0.05, duck_experts=64, tokens=512, other_s=0.0)
     b = 0.05 / 64                                                # s per expert on the ducks at 512 tokens
     a = 5_000_000 / 50e9                                         # s per expert over PCIe
     assert split.share(128, 128, 5_000_000, 512) == round(128 * b / (a + b))
     assert split.share(128, 40, 5_000_000, 512) == 40           # never more than the host holds
     slow = PrefillSplit(pcie_gbps=50)                            # a call whose transport costs more than it saves
-    slow.observe(None, duck_seconds=0.05, duck_kernel_s=0.001, duck_experts=4, tokens=512, other_s=0.0)
+    slow.observe(moe, None, duck_seconds=0.05, duck_kernel_s=0.001, duck_experts=4, tokens=512, other_s=0.0)
     assert slow.share(128, 128, 5_000_000, 512) == 128
     fast = PrefillSplit(pcie_gbps=1)                             # a GPU far slower than the ducks: none
-    fast.observe(None, duck_seconds=0.001, duck_kernel_s=0.001, duck_experts=64, tokens=512, other_s=0.0)
+    fast.observe(moe, None, duck_seconds=0.001, duck_kernel_s=0.001, duck_experts=64, tokens=512, other_s=0.0)
     assert fast.share(128, 128, 5_000_000, 512) == 0
     assert PrefillSplit("gpu").share(128, 100, 1, 1) == 100
     with pytest.raises(ValueError, match="split mode"):
         PrefillSplit("fast")
+
+
+def test_a_dense_layer_does_not_move_the_moe_layers_split():
+    """A dense FFN layer (one expert of all tokens) beside MoE layers: its rates are its own, so
+    the MoE layers split as they would alone (one set of rates mixed a dense layer's hundred-fold
+    cost per (expert, token) into every MoE layer after it)."""
+    moe, dense = (128, 5_000_000), (1, 40_000_000)
+    alone, mixed = PrefillSplit(pcie_gbps=50), PrefillSplit(pcie_gbps=50)
+    for split in (alone, mixed):
+        split.observe(moe, None, duck_seconds=0.05, duck_kernel_s=0.05, duck_experts=64, tokens=512, other_s=0.0,
+                      gpu=[(moe, 64, 512, 0.01)])
+    mixed.observe(dense, None, duck_seconds=0.3, duck_kernel_s=0.3, duck_experts=1, tokens=512, other_s=0.0,
+                  gpu=[(dense, 1, 512, 0.004)])
+    assert mixed.share(128, 128, 5_000_000, 512) == alone.share(128, 128, 5_000_000, 512)
+    assert mixed.rates(*dense).duck_s == 0.3 / 512 and mixed.moe_rates() is mixed.rates(*moe)
+    assert mixed.share(1, 1, dense[1], 512) == 1                 # the dense layer: the GPU's (0.0008 s < 0.3 s)
 
 
 def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F811
