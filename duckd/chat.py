@@ -291,7 +291,7 @@ class ChatService:
                 put(("error", f"{type(e).__name__}: {e}"))
 
         def on_done(result) -> None:
-            put(("cancelled", None) if result.finish_reason == "cancelled" else ("done", result))
+            put(("cancelled", result) if result.finish_reason == "cancelled" else ("done", result))
 
         job = Job(prompt, params, call.text, lambda: cancel.is_set() or stopping.is_set(), on_start, on_done, on_error)
         self._add(queued=1)
@@ -390,10 +390,10 @@ class ChatService:
                 self.daemon.model.last_decode_tps = value.stats.decode_tps
                 yield self._finish(DoneEvent(value.stats, value.finish_reason))
                 return
-            elif kind == "cancelled":
-                stats = GenerationStats(len(prompt), emitted["n"], time.perf_counter() - emitted["t0"],
-                                        emitted["ttft"])
-                log.info("chat cancelled after %d tokens (%s)", emitted["n"],
+            elif kind == "cancelled":       # value: the runner's result (its own token count), or None
+                stats = value.stats if value is not None else \
+                    GenerationStats(len(prompt), emitted["n"], time.perf_counter() - emitted["t0"], emitted["ttft"])
+                log.info("chat cancelled after %d tokens (%s)", stats.output_len,
                          "daemon stopping" if stopping.is_set() else "client gone")
                 yield self._finish(DoneEvent(stats, "cancelled"))
                 return

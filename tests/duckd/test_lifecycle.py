@@ -215,3 +215,31 @@ def test_a_second_sigterm_ends_the_process_within_its_bound(tmp_path):
                 pass
         daemon.stop()
     assert "second SIGTERM: forcing shutdown" in daemon.log()
+
+
+def test_a_chat_ended_by_the_drain_reports_the_tokens_it_made(tmp_path):
+    """SIGTERM with a short grace ends a long chat whose stop string holds all its text back: the
+    stream's stats and the daemon's log give the tokens it made, not the text deltas sent (one
+    here, the held text flushed at the end: the log said "cancelled after 1 tokens" after ~300)."""
+    import re
+    state = tmp_path / "duck"
+    daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, daemon={"shutdown_grace_s": 0.5}),
+                           state).start()
+    try:
+        req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Write a long story about a duck.")],
+                             max_tokens=1900, temperature=0.0, stop=["q" * 8000])
+        events = []
+        reader = threading.Thread(target=lambda: events.extend(rpc.ChatStub(daemon.channel()).Chat(req, timeout=120)))
+        reader.start()
+        time.sleep(5)                           # tens of tokens made, none sent
+        daemon.proc.terminate()
+        reader.join(60)
+        kinds = [ev.WhichOneof("event") for ev in events]
+        assert kinds in (["stats"], ["token", "stats"]), kinds     # the held text is flushed at the end
+        done = events[-1].stats
+        assert done.finish_reason == "cancelled" and done.output_len >= 10, done
+        assert daemon.proc.wait(60) == 0
+        logged = re.findall(r"chat cancelled after (\d+) tokens \(daemon stopping\)", daemon.log())
+        assert logged == [str(done.output_len)], daemon.log()[-2000:]
+    finally:
+        daemon.stop()
