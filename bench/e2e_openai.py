@@ -110,23 +110,24 @@ async def _flood(client, model: str, n: int, tokens: int, timeout: float) -> dic
             "other": len(other), "other_examples": other[:3], "hung": hung, "wall_s": time.perf_counter() - t0}
 
 
-def _ready(http_address: str) -> bool:
+def _ready(endpoint) -> bool:
     import urllib.error
     import urllib.request
 
+    ctx = endpoint.tls.ssl_context() if endpoint.tls else None
     try:
-        with urllib.request.urlopen(f"http://{http_address}/health", timeout=5) as r:
+        with urllib.request.urlopen(f"{endpoint.http_url}/health", timeout=5, context=ctx) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):   # 503 while the fleet or the model loads, or not listening yet
         return False
 
 
-async def _wait_ready(http_address: str, timeout: float) -> None:
+async def _wait_ready(endpoint, timeout: float) -> None:
     """Until duckd's /health says ready."""
     deadline, said = time.monotonic() + timeout, False
-    while not await asyncio.to_thread(_ready, http_address):
+    while not await asyncio.to_thread(_ready, endpoint):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"duckd at {http_address} was not ready within {timeout:.0f} s")
+            raise TimeoutError(f"duckd at {endpoint.http_url} was not ready within {timeout:.0f} s")
         if not said:
             print("waiting for duckd to be ready (fleet, model)", file=sys.stderr)
             said = True
@@ -136,11 +137,13 @@ async def _wait_ready(http_address: str, timeout: float) -> None:
 async def run(args, endpoint, fleet) -> dict:
     import openai
 
-    await _wait_ready(endpoint.http_address, args.ready_timeout)
-    async with openai.AsyncOpenAI(base_url=f"http://{endpoint.http_address}/v1", api_key=endpoint.token,
-                                  max_retries=0, timeout=args.flood_timeout) as client:
+    await _wait_ready(endpoint, args.ready_timeout)
+    # with TLS, the daemon's certificate as the client's trust (openai's HTTP client takes verify=)
+    tls = {"http_client": openai.DefaultAsyncHttpxClient(verify=endpoint.tls.ssl_context())} if endpoint.tls else {}
+    async with openai.AsyncOpenAI(base_url=f"{endpoint.http_url}/v1", api_key=endpoint.token,
+                                  max_retries=0, timeout=args.flood_timeout, **tls) as client:
         model = (await client.models.list()).data[0].id
-        print(f"{model} at http://{endpoint.http_address}/v1: {args.streams} prompts alone, then together "
+        print(f"{model} at {endpoint.http_url}/v1: {args.streams} prompts alone, then together "
               f"({args.rounds} rounds of {args.runs} single streams + {args.streams} at once)", file=sys.stderr)
         alone = [await _stream(client, model, i, args.tokens) for i in range(args.streams)]
         texts = [r["text"] for r in alone]

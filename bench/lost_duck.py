@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from duck_proto import duck_pb2 as pb
-from tests.duckd.test_lost_duck import AT_TOKEN, all_serving, max_gap, rate, start, stream
+from bench.live_daemon import all_serving, max_gap
+from tests.duckd.test_lost_duck import AT_TOKEN, rate, start, stream
 
 
 def _kill(daemon, i):

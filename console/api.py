@@ -12,6 +12,7 @@ import grpc
 
 from duck_proto import client
 from duck_proto import duck_pb2_grpc as rpc
+from duck_proto.tls import explain
 
 log = logging.getLogger("console.api")
 
@@ -66,8 +67,10 @@ class DaemonApi:
 
 
 def describe_error(e: grpc.aio.AioRpcError, endpoint: client.Endpoint) -> Connection:
-    """The banner for a failed call: auth failures are told apart from a lost daemon."""
+    """The banner for a failed call: auth and TLS failures are told apart from a lost daemon."""
     code = e.code()
+    if "CERTIFICATE_VERIFY_FAILED" in (e.details() or ""):   # not the daemon's certificate: retrying will not help
+        return Connection("auth", explain(e.details(), endpoint.tls, endpoint.address))
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Connection("auth", f"authentication failed: duckd at {endpoint.address} refused the token "
                                   f"from {endpoint.source} ({e.details()}); pass --token or set DUCK_TOKEN")

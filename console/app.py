@@ -148,10 +148,7 @@ class DuckConsole(App):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="duck-console", description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", help="duckd's gRPC address host:port (default: $DUCK_ADDRESS, the config, "
-                                     "or the runtime file of a running daemon)")
-    p.add_argument("--token", help="bearer token (default: $DUCK_TOKEN, the config, or the runtime file)")
-    p.add_argument("--config", help="duckd's config file (default: $DUCK_CONFIG)")
+    client.add_connection_arguments(p)
     p.add_argument("--interval", type=float, default=0.0, help="seconds between fleet snapshots (0: the daemon's)")
     p.add_argument("--log-file", help="write the console's log here (the terminal belongs to the UI)")
     return p.parse_args(client.join_option_values(sys.argv[1:] if argv is None else argv))
@@ -167,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()])
 
     def find() -> client.Endpoint:
-        return client.discover(args.address, args.token, args.config)
+        return client.discover_from(args)
     try:
         endpoint = find()
     except (client.DiscoveryError, OSError, ValueError) as e:

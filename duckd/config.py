@@ -32,7 +32,11 @@ class DaemonConfig:
     log_level: str = "info"
     shutdown_grace_s: float = 10.0     # SIGTERM: time in-flight streams get to finish
     watch_interval_s: float = 1.0      # Watch stream period (at most 1 s)
-    allow_remote: bool = False         # listen on a non-loopback address
+    allow_remote: bool = False         # listen on a non-loopback address (needs tls, or allow_insecure_remote)
+    allow_insecure_remote: bool = False  # allow_remote without tls: the token crosses the network in plaintext
+    tls: bool = False                  # TLS on gRPC and HTTP (duckd.tls)
+    tls_cert: str = ""                 # PEM certificate (chain); "" with tls: generated in state_dir
+    tls_key: str = ""                  # its PEM private key, unencrypted
     stall_after_s: float = 5.0         # requests held and no progress this long: not serving (duckd.health)
     max_request_mb: float = 4.0        # the largest request body (HTTP: 413 beyond) or gRPC message taken
 
@@ -48,6 +52,26 @@ class DaemonConfig:
             raise ConfigError(f"daemon.max_request_mb = {self.max_request_mb!r}: expected 0.01 .. 1024")
         if not 0 < self.watch_interval_s <= 1.0:
             raise ConfigError(f"daemon.watch_interval_s = {self.watch_interval_s!r}: expected 0 < value <= 1")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            given, missing = ("tls_cert", "tls_key") if self.tls_cert else ("tls_key", "tls_cert")
+            raise ConfigError(f"daemon.{given} = {getattr(self, given)!r} without daemon.{missing}: give both "
+                              "(the certificate and its private key), or neither for a generated certificate")
+        if self.tls_cert and not self.tls:
+            raise ConfigError(f"daemon.tls_cert = {self.tls_cert!r} with daemon.tls = false: set daemon.tls = true "
+                              "to serve it")
+        for key in ("tls_cert", "tls_key"):
+            path = Path(getattr(self, key)).expanduser()
+            if getattr(self, key) and not path.is_file():
+                raise ConfigError(f"daemon.{key} = {getattr(self, key)!r}: "
+                                  f"{'not a file' if path.exists() else 'no such file'}")
+        if self.allow_remote and not self.tls and not self.allow_insecure_remote:
+            raise ConfigError("daemon.allow_remote = true without daemon.tls: the bearer token and every prompt "
+                              "would cross the network in plaintext; set daemon.tls = true (a generated "
+                              "certificate, or daemon.tls_cert / tls_key), or daemon.allow_insecure_remote = true "
+                              "for a network you trust")
 
     @property
     def max_request_bytes(self) -> int:

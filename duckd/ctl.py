@@ -10,11 +10,16 @@
                                                    bench/e2e_openai.py)
     duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
                                                    against the GPU-only and torch CPU baselines)
+    duckctl bench chaos [--chats N] [--faults LIST] [--count N] [--seed S] [--json [PATH]]
+                                                  (faults under load on a daemon of its own:
+                                                   bench/chaos.py, docs/faults.md)
     duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: bench/plan_cli.py)
     duckctl image build [--out DIR] [--kernel PATH] [--busybox PATH] [--json]
                                                   (the duck boot image, from duckd's config; docs/boot.md)
 
-With no --address/--token it finds the running daemon (see duck_proto.client).
+With no --address/--token it finds the running daemon (see duck_proto.client), and with
+TLS trusts the certificate that daemon announces; --ca FILE / --fingerprint SHA256 for
+a daemon elsewhere (duck_proto.tls).
 """
 from __future__ import annotations
 
@@ -28,13 +33,19 @@ from google.protobuf.json_format import MessageToDict
 
 from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
-from duck_proto.client import DiscoveryError, discover, join_option_values, sync_channel
+from duck_proto.client import DiscoveryError, add_connection_arguments, discover_from, join_option_values, sync_channel
+from duck_proto.tls import explain
 
 STATES = {v: k for k, v in pb.DuckState.items()}
 
 
+def _endpoint(args):
+    args.endpoint = discover_from(args)     # kept for the error message of a failed call
+    return args.endpoint
+
+
 def _stubs(args):
-    ch = sync_channel(discover(args.address, args.token, args.config))
+    ch = sync_channel(_endpoint(args))
     return ch
 
 
@@ -142,6 +153,9 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
+    if args.what == "chaos":
+        from bench.chaos import main as chaos_main
+        return chaos_main(rest)
     if args.what == "kernels":
         from bench.kernels import main as bench_main
         return bench_main(rest)
@@ -153,7 +167,7 @@ def cmd_bench(args, rest: list[str]) -> int:
         return synthetic_main(rest)
     if any(a == "--api" or a.startswith("--api=") for a in rest):
         from bench.e2e_openai import main as openai_main
-        endpoint = discover(args.address, args.token, args.config)
+        endpoint = _endpoint(args)
         return openai_main(rest, endpoint, sync_channel(endpoint))
     from bench.e2e import main as bench_main
     return bench_main(rest, _stubs(args))
@@ -203,9 +217,7 @@ def cmd_image(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="duckctl", description="Client of duckd: fleet status, chat, cache, benchmarks.")
-    ap.add_argument("--address", help="host:port of duckd (default: found from the running daemon)")
-    ap.add_argument("--token", help="bearer token (default: found from the running daemon)")
-    ap.add_argument("--config", help="duckd's config file, to find its address and token")
+    add_connection_arguments(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("status", help="the fleet and the model")
     s.add_argument("--json", action="store_true")
@@ -224,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--model")
     k.add_argument("--all", action="store_true")
     k.add_argument("--json", action="store_true")
-    b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon)")
-    b.add_argument("what", choices=["kernels", "transport", "e2e"])
+    b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon), "
+                                     "chaos (faults under load, on a daemon of its own); `duckctl bench WHAT --help`",
+                       add_help=False)   # --help goes to the benchmark named
+    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos"])
     sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
                    add_help=False)
     im = sub.add_parser("image", help="the duck boot image (kernel + initramfs) for network-booted ducks")
@@ -259,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"duckctl: {e}", file=sys.stderr)
         return 1
     except grpc.RpcError as e:
-        print(f"duckctl: {e.code().name}: {e.details()}", file=sys.stderr)
+        ep = getattr(args, "endpoint", None)
+        tls_words = explain(e.details(), ep.tls, ep.address) if ep else None
+        print(f"duckctl: {tls_words or f'{e.code().name}: {e.details()}'}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

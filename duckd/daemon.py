@@ -157,10 +157,14 @@ class Daemon:
             self.transport.close()
         await self.fleet.stop()
 
-    def write_runtime_file(self, address: str, token_file: Path, http_address: str = "") -> Path:
+    def write_runtime_file(self, address: str, token_file: Path, http_address: str = "", tls=None) -> Path:
+        """Where clients find this daemon (duck_proto.client): its addresses, token file, and with
+        TLS (a duckd.tls.ServerCert) the certificate's path and fingerprint, which they verify."""
         path = self.state_dir / RUNTIME_FILE
         path.write_text(json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid(),
-                                    "http_address": http_address}))
+                                    "http_address": http_address, "scheme": "https" if tls else "http",
+                                    "tls_cert": str(tls.cert_file) if tls else "",
+                                    "tls_fingerprint": tls.fingerprint if tls else ""}))
         return path
 
     # -- the API (duckd.server.Core) -----------------------------------------

@@ -284,7 +284,8 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The bound HTTP server; start() returns once it listens."""
 
-    def __init__(self, api: HttpApi, listen: str):
+    def __init__(self, api: HttpApi, listen: str, tls=None):
+        """tls: a duckd.tls.ServerCert to serve (None: plaintext HTTP)."""
         host, _, port = listen.rpartition(":")
         # bound here, so that a port in use is an error of ours (uvicorn would exit the process)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -296,8 +297,10 @@ class HttpServer:
             raise OSError(f"cannot bind the HTTP API to {listen}: {e.strerror}") from None
         self.sock.listen(128)
         self.address = "%s:%d" % self.sock.getsockname()[:2]
+        self.scheme = "https" if tls else "http"
+        ssl_files = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)} if tls else {}
         self.server = _Server(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
-                                             timeout_graceful_shutdown=1))
+                                             timeout_graceful_shutdown=1, **ssl_files))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -307,7 +310,7 @@ class HttpServer:
                 self._task.result()
                 raise OSError("the HTTP server stopped before it listened")
             await asyncio.sleep(0.01)
-        log.info("OpenAI-compatible HTTP API listening on http://%s/v1", self.address)
+        log.info("OpenAI-compatible HTTP API listening on %s://%s/v1", self.scheme, self.address)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -1,5 +1,6 @@
 """`duckd`: the daemon's entry point and lifecycle: the gRPC API, the
 OpenAI-compatible HTTP API with /metrics (daemon.http_listen), the fleet and the model.
+With daemon.tls both APIs serve the certificate of duckd.tls.
 
 Signal handlers only set events. The first SIGTERM (or SIGINT) drains: no
 new calls, in-flight chats get shutdown_grace_s to finish (they are ended at
@@ -96,21 +97,28 @@ async def run(cfg: Config, config_path: str | None) -> int:
     from duckd.daemon import Daemon
     from duckd.sdnotify import Notifier
     from duckd.server import ApiServer
+    from duckd.tls import server_cert
 
     notifier = Notifier()
     os.umask(0o077)    # what duckd and its ducks write (token, key, caches, packs, logs) is theirs alone
     state_lock = claim_state_dir(cfg.state_path)  # noqa: F841 (held until the process exits)
     token, token_file = resolve_token(cfg)
+    tls = server_cert(cfg)
+    if cfg.daemon.allow_remote and tls is None:
+        log.warning("daemon.allow_insecure_remote: the API takes remote connections without TLS; the bearer "
+                    "token and every prompt cross the network in plaintext (set daemon.tls = true)")
     daemon = Daemon(cfg)
-    server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s, cfg.daemon.max_request_bytes)
+    server = ApiServer(daemon, cfg.daemon.listen, token, cfg.daemon.watch_interval_s, cfg.daemon.max_request_bytes,
+                       tls)
     await server.start()
     http = None
     if cfg.daemon.http_listen:
         from duckd.http_api import HttpApi, HttpServer
         from duckd.metrics import Metrics
-        http = HttpServer(HttpApi(daemon, token, Metrics(daemon), cfg.daemon.max_request_bytes), cfg.daemon.http_listen)
+        http = HttpServer(HttpApi(daemon, token, Metrics(daemon), cfg.daemon.max_request_bytes), cfg.daemon.http_listen,
+                          tls)
         await http.start()
-    runtime = daemon.write_runtime_file(server.address, token_file, http.address if http else "")
+    runtime = daemon.write_runtime_file(server.address, token_file, http.address if http else "", tls)
     loop = asyncio.get_running_loop()
     stop, force, hup = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -196,6 +204,11 @@ async def _watchdog(notifier, daemon, server, stop: asyncio.Event) -> None:
         await asyncio.sleep(period)
 
 
+def _restart_only(c: Config) -> tuple:
+    """The settings a SIGHUP cannot apply: a change of one of them is logged as needing a restart."""
+    return c.fleet, c.model.path, c.model.backend, c.daemon.tls, c.daemon.tls_cert, c.daemon.tls_key
+
+
 async def _reloader(hup: asyncio.Event, cfg: Config, config_path: str | None) -> None:
     while True:
         await hup.wait()
@@ -212,8 +225,8 @@ async def _reloader(hup: asyncio.Event, cfg: Config, config_path: str | None) ->
         cfg.daemon.log_level = new.daemon.log_level
         cfg.daemon.watch_interval_s = new.daemon.watch_interval_s
         cfg.model.max_tokens = new.model.max_tokens
-        if (new.fleet, new.model.path, new.model.backend) != (cfg.fleet, cfg.model.path, cfg.model.backend):
-            log.warning("SIGHUP: fleet and model changes need a restart of duckd; applied only log level, "
+        if _restart_only(new) != _restart_only(cfg):
+            log.warning("SIGHUP: fleet, model and TLS changes need a restart of duckd; applied only log level, "
                         "watch interval and max_tokens")
         log.info("SIGHUP: configuration reloaded from %s", config_path)
 

@@ -240,7 +240,8 @@ class ApiServer:
     """The bound server; health says SERVING only while the core is ready."""
 
     def __init__(self, core: Core, listen: str, token: str, watch_interval_s: float = 1.0,
-                 max_message_bytes: int = 4 << 20):
+                 max_message_bytes: int = 4 << 20, tls=None):
+        """tls: a duckd.tls.ServerCert to serve (None: plaintext)."""
         # no SO_REUSEPORT: a second daemon on this port is refused, not served beside this one
         self.server = grpc.aio.server(interceptors=[TokenAuth(token)],
                                       options=[("grpc.so_reuseport", 0),
@@ -251,8 +252,13 @@ class ApiServer:
         rpc.add_ModelServicer_to_server(ModelServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.tls = tls
         try:
-            self.port = self.server.add_insecure_port(listen)
+            if tls is None:
+                self.port = self.server.add_insecure_port(listen)
+            else:
+                self.port = self.server.add_secure_port(
+                    listen, grpc.ssl_server_credentials([(tls.key_pem, tls.chain_pem)]))
         except RuntimeError:
             self.port = 0
         if self.port == 0:
@@ -263,7 +269,7 @@ class ApiServer:
     async def start(self) -> None:
         await self.server.start()
         await self.set_serving(False)
-        log.info("gRPC API listening on %s", self.address)
+        log.info("gRPC API listening on %s (%s)", self.address, "TLS" if self.tls else "plaintext")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

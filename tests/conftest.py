@@ -21,6 +21,21 @@ def duckd_daemon(tmp_path_factory):
     daemon.stop()
 
 
+@pytest.fixture(scope="session")
+def tls_daemon(tmp_path_factory):
+    """A real duckd with daemon.tls on (a generated certificate) and 2 local ducks; its
+    clients find it, and trust its certificate, through the runtime file (.endpoint)."""
+    from tests.duckd_fixture import RunningDaemon, write_config
+
+    base = tmp_path_factory.mktemp("duckd-tls")
+    state = base / "duck"
+    daemon = RunningDaemon(write_config(base / "duckd.toml", state, ducks=2, daemon={"tls": True}), state,
+                       env={"XDG_STATE_HOME": str(base)})
+    daemon.start()
+    yield daemon
+    daemon.stop()
+
+
 def save_tiny_model(kind: str, folder) -> None:
     """A tiny random checkpoint of any family the engine runs (llama, qwen3, qwen3_moe,
     deepseek_v3, deepseek_v32, qwen3_5, qwen3_5_moe), saved by transformers with a word tokenizer."""

@@ -184,3 +184,29 @@ def test_lost_daemon_shows_the_banner_and_the_console_reconnects(tmp_path):
         asyncio.run(run())
     finally:
         daemon.stop()
+
+
+def test_console_over_tls_chats_and_a_wrong_certificate_says_so(tls_daemon, tmp_path):
+    """A daemon with daemon.tls: the console finds and trusts its certificate through the
+    runtime file and chats; given another certificate to trust, the banner says TLS."""
+    from duck_proto.client import discover
+    from tests.tls_fixture import make_ca
+
+    async def run():
+        app = DuckConsole(discover(state_dir=tls_daemon.state_dir), watch_interval_s=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await fleet_up(pilot)
+            await pilot.press("f2")
+            screen = app.screen
+            screen.query_one(ChatControls).query_one("#max-tokens", Input).value = "12"
+            await ask(pilot, screen, "What is the capital of France?", 1)
+            transcript = screen.query_one(ChatTranscript)
+            assert not [b.text for b in transcript.query("ChatBubble") if b.role == "error"]
+            assert transcript.answers[0].strip(), "the answer is empty"
+        other, _, _ = make_ca(tmp_path, "not the daemon")
+        wrong = DuckConsole(discover(tls_daemon.address, tls_daemon.token, ca=str(other), state_dir=tmp_path))
+        async with wrong.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: wrong.connection.status == "auth", 30, "the TLS banner",
+                           seen=lambda: wrong.connection)
+            assert f"--ca {other} does not vouch for" in wrong.connection.message
+    asyncio.run(run())

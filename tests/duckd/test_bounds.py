@@ -5,10 +5,11 @@ while the largest body it takes is read, parsed and tokenized."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
+
+from tests.duckd_fixture import raw_post
 
 MiB = 2**20
 
@@ -21,39 +22,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def _raw_post(daemon, head: bytes, body_parts) -> tuple[int, bytes]:
-    """POST /v1/chat/completions by hand: the headers, then the body parts until the server answers
-    (or they run out); the status and the answer's body."""
-    host, port = daemon.http_address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: duck\r\nAuthorization: Bearer "
-                  + daemon.token.encode() + b"\r\nContent-Type: application/json\r\n" + head + b"\r\n")
-        answer = b""
-        for part in body_parts:
-            try:
-                s.sendall(part)
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            s.setblocking(False)
-            try:
-                answer += s.recv(65536)
-            except BlockingIOError:
-                pass
-            s.setblocking(True)
-            if answer:
-                break
-        s.settimeout(30)
-        while True:
-            head_end = answer.find(b"\r\n\r\n")
-            if head_end >= 0:
-                length = [int(line.split(b":")[1]) for line in answer[:head_end].split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")]
-                if length and len(answer) >= head_end + 4 + length[0]:
-                    break
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
-    return int(answer.split(b" ", 2)[1]), answer.split(b"\r\n\r\n", 1)[1]
+    return raw_post(daemon.http_address, daemon.token, head, body_parts)
 
 
 def test_a_50_mb_body_is_413_at_once_and_costs_no_memory(duckd_daemon):

@@ -129,3 +129,22 @@ def test_the_streamed_prefill_settings_are_checked(field, value, text):
     assert ModelConfig().gpu_prefill == "auto" and ModelConfig().gpu_prefill_chunk == 16384
     with pytest.raises(ConfigError, match=re.escape(text)):
         ModelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("daemon,text", [
+    ({"tls_cert": "/etc/hosts"}, "daemon.tls_cert = '/etc/hosts' without daemon.tls_key: give both"),
+    ({"tls_key": "/etc/hosts", "tls": True}, "daemon.tls_key = '/etc/hosts' without daemon.tls_cert"),
+    ({"tls_cert": "/etc/hosts", "tls_key": "/etc/hosts"}, "with daemon.tls = false: set daemon.tls = true"),
+    ({"tls": True, "tls_cert": "/nonexistent.crt", "tls_key": "/etc/hosts"}, "'/nonexistent.crt': no such file"),
+    ({"tls": True, "tls_cert": "/etc", "tls_key": "/etc/hosts"}, "daemon.tls_cert = '/etc': not a file"),
+    ({"allow_remote": True}, "daemon.allow_remote = true without daemon.tls: .* set daemon.tls = true")])
+def test_tls_settings_are_checked(daemon, text):
+    from duckd.config import DaemonConfig
+    with pytest.raises(ConfigError, match=text):
+        DaemonConfig(**daemon)
+
+
+def test_allow_remote_takes_tls_or_the_explicit_override():
+    from duckd.config import DaemonConfig
+    assert DaemonConfig(allow_remote=True, tls=True, listen="0.0.0.0:7433").tls
+    assert DaemonConfig(allow_remote=True, allow_insecure_remote=True, listen="0.0.0.0:7433").allow_insecure_remote

@@ -40,3 +40,31 @@ def test_the_config_names_http_listen_unless_its_port_is_picked_at_start(tmp_pat
 def test_no_daemon_names_where_it_looked(tmp_path):
     with pytest.raises(DiscoveryError, match="duckd.json does not exist"):
         discover(state_dir=tmp_path)
+
+
+def test_tls_comes_from_the_runtime_file_or_the_config_and_plaintext_otherwise(tmp_path):
+    from duckd import tls
+    from duckd.config import Config, DaemonConfig
+    cert = tls.server_cert(Config(daemon=DaemonConfig(tls=True, state_dir=str(tmp_path))))
+    _runtime(tmp_path)
+    assert discover(state_dir=tmp_path).tls is None                       # a plaintext daemon
+    info = json.loads((tmp_path / "duckd.json").read_text())
+    info.update(tls_cert=str(cert.cert_file), tls_fingerprint=cert.fingerprint)
+    (tmp_path / "duckd.json").write_text(json.dumps(info))
+    e = discover(state_dir=tmp_path)
+    assert e.tls.roots == cert.chain_pem and e.http_url == "https://127.0.0.1:7501"
+    assert discover("127.0.0.1:7500", "t", state_dir=tmp_path).tls is not None   # that daemon, address given
+    cfg = tmp_path / "duckd.toml"
+    cfg.write_text(f'[daemon]\nlisten = "127.0.0.1:7600"\ntoken = "x"\ntls = true\nstate_dir = "{tmp_path}"\n')
+    assert discover(config=str(cfg)).tls.source == f"the daemon's certificate {cert.cert_file}"
+
+
+def test_a_bad_fingerprint_or_ca_file_is_named(tmp_path):
+    _runtime(tmp_path)
+    with pytest.raises(DiscoveryError, match="fingerprint 'abc': expected the certificate's SHA-256"):
+        discover(state_dir=tmp_path, fingerprint="abc")
+    with pytest.raises(DiscoveryError, match=f"--ca {tmp_path}/none.pem: cannot read it"):
+        discover(state_dir=tmp_path, ca=str(tmp_path / "none.pem"))
+    (tmp_path / "token.pem").write_text("secret\n")
+    with pytest.raises(DiscoveryError, match="no PEM certificate in it"):
+        discover(state_dir=tmp_path, ca=str(tmp_path / "token.pem"))

@@ -17,7 +17,7 @@ import pytest
 
 from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
-from tests.duckd_fixture import RunningDaemon, write_config
+from tests.duckd_fixture import RunningDaemon, all_serving, max_gap, write_config
 
 PROMPT = "Write a long story about a duck who learns to fly."
 TOKENS = 200
@@ -50,10 +50,6 @@ def stream(daemon, at_token=None, action=None):
     return tokens, times, stats
 
 
-def max_gap(times):
-    return max(b - a for a, b in zip(times, times[1:]))
-
-
 def rate(times, first, last=None):
     """Tokens per second between token `first` and `last`."""
     last = len(times) - 1 if last is None else last
@@ -63,11 +59,6 @@ def rate(times, first, last=None):
 def events(daemon, kind="lost"):
     snap = next(iter(rpc.FleetStub(daemon.channel()).Watch(pb.WatchRequest(interval_s=0.2, with_history=True), timeout=10)))
     return [(ev.duck_id, ev.message) for ev in snap.events if ev.kind == kind]
-
-
-def all_serving(daemon, timeout=60):
-    for i in range(len(daemon.ducks())):
-        daemon.wait_duck(i, pb.SERVING, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
