@@ -64,6 +64,7 @@ def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
         out[name] = {"decode_tok_s": decode, "prefill_tok_s": duck[name]["prefill_tok_s"]}
     out["duck"]["ttft_s_1024"] = round(duck["duck"]["ttft_s_1024"], 4)
     out["duck"]["pcie_limit_tok_s"] = duck["duck"]["pcie_limit_tok_s"]
+    out["duck"]["plan"] = {p: r.get("plan") for p, r in duck["duck"]["detail"].items()}
     out["duck"]["gpu_experts_per_moe_layer"] = {p: round(r["gpu_experts_per_moe_layer"], 1)
                                                 for p, r in duck["duck"]["detail"].items()}
     out["distinct_experts_per_layer_pass"] = {p: round(r["distinct_experts_per_layer_pass"], 1)

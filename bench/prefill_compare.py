@@ -6,7 +6,10 @@ A synthetic model at its published widths (random fp9 experts the local ducks ge
 host's copy generated from the same seeds), and per prompt length:
   duck_fleet_only  the ducks alone, chunked as duckd does (model.prefill_chunk, two chunks in flight)
   duck_gpu_only    every expert streamed from pinned host memory to the GPU, the whole prompt one pass
-  duck             both at once (engine.gpu.hybrid_prefill), the split from measured rates
+  duck             what the engine does (engine.gpu.hybrid_prefill.StreamedPrefill): the ducks alone
+                   where one pass over PCIe is estimated slower than they are (the fleet's rate timed
+                   on the runs above), else both at once, the split from measured rates and timed
+                   against the GPU alone per length (its "plan": fleet, split or gpu)
 with TTFT, tok/s, the GPU's share of the experts, the bytes each pass moved over PCIe and the
 distinct experts per layer (a random model whose routing collapsed would stream fewer).
 Beside: the ducks' read bandwidth, the pinned host-to-GPU copy rate, decode tok/s (CUDA graphs),
@@ -50,7 +53,7 @@ def measure_streamed(runner, stream, split, prompt_len: int, room: int) -> dict:
     moe = [r for r in layers if r["experts"] > 1] or layers
     rates = split.moe_rates()
     pcie_bytes = sum(r["gpu_experts"] * stream.expert_bytes(r["layer"]) for r in layers)
-    return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft,
+    return {"prompt_len": prompt_len, "ttft_s": ttft, "prefill_tok_s": prompt_len / ttft, "plan": hook.plan,
             "gpu_experts_per_moe_layer": statistics.mean(r["gpu_experts"] for r in moe),
             "experts": moe[0]["experts"], "pcie_bytes_per_pass": pcie_bytes,
             "duck_s_per_layer": statistics.mean(r["duck_s"] for r in layers),
@@ -101,7 +104,7 @@ def run(args) -> dict:
     from bench.synthetic_ducks import duck_cpus, duck_share, duck_spin_us, measure_fleet_read
     from engine.fleet import FleetFfn, LocalDucks
     from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
-    from engine.gpu.hybrid_prefill import PrefillSplit
+    from engine.gpu.hybrid_prefill import PrefillSplit, StreamedPrefill
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -126,7 +129,8 @@ def run(args) -> dict:
         install_synthetic_fleet(model, backend, seed=args.seed)
         stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
         runner = Runner(model, backend, device, use_graphs=device.type == "cuda")
-        hybrid = PrefillSplit("hybrid", out["pcie_gbps"])
+        engine = StreamedPrefill(stream, backend, "hybrid", out["pcie_gbps"])    # the engine's choices
+        hybrid = engine.split
         gpu = PrefillSplit("gpu", out["pcie_gbps"])
         room = args.steps + 4
         # warm-up: allocations, the ducks' workspace at a whole chunk, the kernels' first compiles
@@ -140,21 +144,32 @@ def run(args) -> dict:
             for r in fleet:
                 r.pop("cache")
             table["duck_fleet_only"][str(p)] = _best(fleet)
+            for r in fleet:
+                engine.fleet_timed(p, r["ttft_s"])
             runs = [measure_streamed(runner, stream, gpu, p, room) for _ in range(args.repeats)]
             for r in runs:
                 r.pop("cache")
             table["duck_gpu_only"][str(p)] = _best(runs)
-            runs = [measure_streamed(runner, stream, hybrid, p, room) for _ in range(args.repeats)]
+            if engine.worth(p):
+                runs = [measure_streamed(runner, stream, hybrid, p, room) for _ in range(args.repeats)]
+            else:
+                runs = [{**runner.prefill(p, args.steps, args.fleet_chunk, overlap=True), "plan": "fleet",
+                         "gpu_experts_per_moe_layer": 0.0, "experts": stream.experts(stream.order[-1])}
+                        for _ in range(args.repeats)]
             caches = [r.pop("cache") for r in runs]
             table["duck"][str(p)] = _best(runs)
-            log.info("prefill %d: fleet %.0f, gpu %.0f, hybrid %.0f tok/s (GPU takes %.1f of %d experts)", p,
+            log.info("prefill %d: fleet %.0f, gpu %.0f, duck %.0f tok/s (plan %s, GPU takes %.1f of %d experts)", p,
                      table["duck_fleet_only"][str(p)]["prefill_tok_s"], table["duck_gpu_only"][str(p)]["prefill_tok_s"],
-                     table["duck"][str(p)]["prefill_tok_s"], table["duck"][str(p)]["gpu_experts_per_moe_layer"],
+                     table["duck"][str(p)]["prefill_tok_s"], table["duck"][str(p)]["plan"],
+                     table["duck"][str(p)]["gpu_experts_per_moe_layer"],
                      table["duck"][str(p)]["experts"])
             if p == args.prompts[0]:
                 decode = runner.decode(caches[-1], p, args.steps)
             del caches
-        ttft = [measure_streamed(runner, stream, hybrid, args.ttft_tokens, room) for _ in range(args.repeats)]
+        if engine.worth(args.ttft_tokens):
+            ttft = [measure_streamed(runner, stream, hybrid, args.ttft_tokens, room) for _ in range(args.repeats)]
+        else:
+            ttft = [runner.prefill(args.ttft_tokens, 4, args.fleet_chunk, overlap=True) for _ in range(args.repeats)]
         for r in ttft:
             r.pop("cache")
         out["ttft_1024_runs"] = [round(r["ttft_s"], 4) for r in ttft]

@@ -137,6 +137,29 @@ def test_a_dense_layer_does_not_move_the_moe_layers_split():
     assert mixed.share(1, 1, dense[1], 512) == 1                 # the dense layer: the GPU's (0.0008 s < 0.3 s)
 
 
+def test_the_split_times_its_plans_and_keeps_the_faster():
+    """Per prompt length (a power of two) the split times both plans of a pass, its model's split
+    and every held expert on the GPU, runs the faster and tries the other every EXPLORE_EVERY."""
+    from engine.gpu.hybrid_prefill import EXPLORE_EVERY
+    split = PrefillSplit(pcie_gbps=50)
+    split.observe((128, 5_000_000), None, duck_seconds=0.05, duck_kernel_s=0.05, duck_experts=64, tokens=512,
+                  other_s=0.0)
+    modeled = split.share(128, 128, 5_000_000, 512)
+    assert split.begin(512) == "split" and split.share(128, 128, 5_000_000, 512) == modeled < 128
+    split.timed(512, 0.70)                          # the split ran 731 tok/s ...
+    assert split.begin(500) == "gpu" and split.share(128, 128, 5_000_000, 512) == 128
+    split.timed(500, 0.55)                          # ... the GPU alone 909: it keeps the GPU
+    plans = [split.begin(512) for _ in range(2 * EXPLORE_EVERY)]
+    assert plans.count("split") == 2 and set(plans) == {"split", "gpu"}
+    assert split.begin(2048) == "split"             # another length is timed on its own
+    split.timed(2048, 0.5)
+    assert split.begin(2048) == "gpu"
+    split.timed(2048, 1.0)
+    assert split.begin(2048) == "split"
+    gpu = PrefillSplit("gpu")
+    assert gpu.begin(512) == "gpu" and gpu.share(128, 100, 1, 512) == 100
+
+
 def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F811
     """engine.generate with a model's streamed_prefill: a prompt from min_tokens on goes in passes of
     the stream's chunk (two here), the tokens those of the fleet alone; a shorter one stays on the ducks."""
