@@ -40,6 +40,70 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort
 UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only at their neutral value
 # the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
 
+# Every field of OpenAI's chat and completions requests, and what duckd does with it: HONOURED
+# (read by parse_request; "user", "safety_identifier" and "prompt_cache_key" are the caller's tags,
+# with no effect on the output at OpenAI either),
+# or OFF_ONLY: accepted only at the value that asks for nothing (absent, null, or the value
+# named), anything else a 400 naming the field. A client that asks for JSON, tools or logprobs
+# must hear that they are not served here, not get prose it fails to parse later. A field in
+# neither table is a 400 naming it too (duckd's extensions top_k and repetition_penalty are in
+# HONOURED).
+HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+            "stop", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "top_k",
+            "repetition_penalty", "user", "safety_identifier", "prompt_cache_key"}
+
+
+def _off(*values):
+    return lambda v: v in values
+
+
+def _no_tools(v) -> bool:
+    return v == []
+
+
+OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in words)
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}: JSON and schema-constrained output '
+                                                          "are not served yet"),
+    "tools": (_no_tools, "an empty list: tool calls are not served yet"),
+    "functions": (_no_tools, "an empty list: function calls are not served yet"),
+    "tool_choice": (_off("none", "auto"), '"none" (tool calls are not served yet)'),
+    "function_call": (_off("none", "auto"), '"none" (function calls are not served yet)'),
+    "parallel_tool_calls": (_off(True, False), "true or false (no tools are served)"),
+    "logprobs": (_off(False, 0), "false: logprobs are not served yet"),
+    "top_logprobs": (_off(0), "0: logprobs are not served yet"),
+    "logit_bias": (_off({}), "{}: logit_bias is not supported"),
+    "modalities": (_off(["text"]), '["text"]: duckd answers in text'),
+    "audio": (_off(), "null: duckd answers in text"),
+    "prediction": (_off(), "null: predicted outputs are not supported"),
+    "reasoning_effort": (_off(), "null: reasoning effort is not supported"),
+    "web_search_options": (_off(), "null: duckd does not search the web"),
+    "verbosity": (_off(), "null: verbosity is not supported"),
+    "moderation": (_off(), "null: duckd does not moderate"),
+    "prompt_cache_retention": (_off(), "null: duckd keeps no prompt cache per request"),
+    "prompt_cache_options": (_off(), "null: duckd keeps no prompt cache per request"),
+    "store": (_off(False), "false: duckd stores no completions"),
+    "metadata": (_off({}), "{}: duckd stores no completions to tag"),
+    "service_tier": (_off("auto", "default"), '"auto" or "default": duckd has one tier'),
+    "echo": (_off(False), "false: the prompt is not echoed"),
+    "best_of": (_off(1), "1: one completion per request"),
+    "suffix": (_off(""), "null: insertion is not supported"),
+}
+MESSAGE_KEYS = {"role", "content"}
+ROLE_ALIASES = {"developer": "system"}    # OpenAI's newer name for the system message
+
+
+def check_fields(body: dict) -> None:
+    """InvalidArgument naming the first field that duckd would otherwise ignore (see OFF_ONLY)."""
+    for name, value in body.items():
+        if name in HONOURED:
+            continue
+        if name not in OFF_ONLY:
+            raise errors.InvalidArgument(name, f"{name}: not a request field duckd knows; it is refused rather "
+                                               "than ignored")
+        nothing, accepted = OFF_ONLY[name]
+        if value is not None and not nothing(value):
+            raise errors.InvalidArgument(name, f"{name} = {json.dumps(value)[:80]}: accepted only as {accepted}")
+
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -77,6 +141,7 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
     """(request, stream, include_usage) from an OpenAI request body."""
     if not isinstance(body, dict):
         raise errors.InvalidArgument("body", "the request body must be a JSON object")
+    check_fields(body)
     model = _get(body, "model", str, what="a model name")
     if model is not None and model not in (served, "default"):
         raise errors.NotFound(f"model {model!r} is not served here (serving {served!r}); see /v1/models")
@@ -104,7 +169,13 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise errors.InvalidArgument(f"messages[{i}]", f"messages[{i}]: expected an object with a role")
-            req.messages.append(ChatMessage(m["role"], _text(m.get("content", ""), f"messages[{i}].content")))
+            extra = sorted(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, [], ""))
+            if extra:
+                raise errors.InvalidArgument(f"messages[{i}].{extra[0]}",
+                                             f"messages[{i}].{extra[0]}: not served yet (a message is a role and "
+                                             "its text content)")
+            role = ROLE_ALIASES.get(m["role"], m["role"])
+            req.messages.append(ChatMessage(role, _text(m.get("content", ""), f"messages[{i}].content")))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -114,6 +185,10 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
         req.prompt = prompt
     stream = _get(body, "stream", bool, False, what="true or false")
     options = _get(body, "stream_options", dict, {}, what="an object")
+    for key in options:
+        if key != "include_usage":
+            raise errors.InvalidArgument(f"stream_options.{key}", f"stream_options.{key}: not served (only "
+                                                                  "include_usage)")
     return req, stream, bool(options.get("include_usage"))
 
 

@@ -226,3 +226,62 @@ def test_requests_without_sampling_settings_take_the_checkpoints(tmp_path, mtp_c
     finally:
         daemon.stop()
     assert got == want[1.8] and mine == want[1.0]
+
+
+# a value of each refused field that asks for something duckd does not serve, and one that asks for nothing
+ASKS = {"response_format": ({"type": "json_object"}, {"type": "text"}),
+        "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], []),
+        "functions": ([{"name": "f", "parameters": {"type": "object"}}], []),
+        "tool_choice": ("required", "none"), "function_call": ({"name": "f"}, "none"),
+        "parallel_tool_calls": ("yes", False), "logprobs": (True, False), "top_logprobs": (3, 0),
+        "logit_bias": ({"42": 5}, {}), "modalities": (["text", "audio"], ["text"]),
+        "audio": ({"voice": "alloy", "format": "wav"}, None), "prediction": ({"type": "content", "content": "x"}, None),
+        "reasoning_effort": ("high", None), "web_search_options": ({}, None), "verbosity": ("low", None),
+        "moderation": ({"model": "m"}, None), "prompt_cache_retention": ("24h", None),
+        "prompt_cache_options": ({"ttl": 1}, None), "store": (True, False), "metadata": ({"k": "v"}, {}),
+        "service_tier": ("flex", "auto"), "echo": (True, False), "best_of": (2, 1), "suffix": ("end", None)}
+
+
+def test_every_openai_request_field_is_honoured_or_refused_by_name(client, model):
+    """Walks the request fields of the installed openai client's chat and completions params: each
+    is one duckd reads, or one it accepts only when it asks for nothing, a 400 naming it otherwise.
+    A field a newer client adds fails here until it is placed in one of the two."""
+    from openai.types import completion_create_params as plain
+    from openai.types.chat import completion_create_params as chat
+
+    from duckd.http_api import HONOURED, OFF_ONLY
+    fields = {"chat": set(chat.CompletionCreateParamsBase.__annotations__),
+              "completions": set(plain.CompletionCreateParamsBase.__annotations__)}
+    unplaced = (fields["chat"] | fields["completions"]) - HONOURED - set(OFF_ONLY)
+    assert not unplaced, f"OpenAI request fields duckd neither serves nor refuses: {sorted(unplaced)}"
+    assert set(ASKS) == set(OFF_ONLY)
+    for kind, names in fields.items():
+        for name in sorted(names & set(OFF_ONLY)):
+            asks, nothing = ASKS[name]
+            base = ({"messages": QUESTION} if kind == "chat" else {"prompt": "The capital of France is"})
+            create = client.chat.completions.create if kind == "chat" else client.completions.create
+            with pytest.raises(openai.BadRequestError) as e:
+                create(model=model, max_tokens=2, extra_body={name: asks}, **base)
+            assert e.value.param == name and name in e.value.body["message"], (kind, name, e.value.body)
+            out = create(model=model, max_tokens=2, extra_body={name: nothing}, **base)
+            assert out.choices and out.usage.completion_tokens >= 1, (kind, name)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, extra_body={"min_p": 0.1})
+    assert e.value.param == "min_p" and "refused rather than ignored" in e.value.body["message"]
+
+
+def test_a_tool_call_message_is_refused_and_developer_is_the_system_role(client, model):
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=2, messages=[*QUESTION, call, *QUESTION])
+    assert e.value.param == "messages[1].tool_calls", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=2, messages=QUESTION,
+                                       stream=True, stream_options={"include_usage": True, "extra": 1})
+    assert e.value.param == "stream_options.extra", e.value.body
+    out = client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                         messages=[{"role": "developer", "content": "Answer briefly."}, *QUESTION])
+    ref = client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                         messages=[{"role": "system", "content": "Answer briefly."}, *QUESTION])
+    assert out.choices[0].message.content == ref.choices[0].message.content
