@@ -14,7 +14,10 @@ seconds apart): kill (kill -9 of a duck), sigstop (a duck stopped for
 chat read slowly), oversize (an HTTP body past daemon.max_request_mb: 413),
 sighup and sigterm of the daemon (started again after it ends); loss, delay,
 reorder, duplicate (tc netem on one duck's link for --netem-s: the fleet then
-runs in network namespaces, which needs root).
+runs in network namespaces, which needs root). --loss RATE drops that fraction
+of datagrams on every duck's link, both ways, for the whole run (duckfw's fault
+injection, fleet.fault_drop_rate: no netem needed); the undisturbed runs are
+then lossy too, and a lossy link must change no token.
 
 Reported overall and per fault kind (a chat counts under each kind of fault
 that struck while it ran): chats completed, identical to their undisturbed
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=30.0, help="a chat with no token this long is hung")
     ap.add_argument("--min-identical", type=float, default=0.95, help="fraction of chats that must be identical")
     ap.add_argument("--late-s", type=float, default=5.0, help="a failure this long after its fault fails the run")
+    ap.add_argument("--loss", type=float, default=0.0,
+                    help="fraction of datagrams every duck drops, in and out, all run long (default 0)")
     ap.add_argument("--ducks", type=int, default=4)
     ap.add_argument("--grace-s", type=float, default=3.0, help="the daemon's shutdown_grace_s (sigterm)")
     ap.add_argument("--max-request-mb", type=float, default=4.0, help="the daemon's max_request_mb (oversize)")
@@ -97,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("chats", "tokens", "ducks"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: expected at least 1")
+    if not 0 <= args.loss < 1:
+        ap.error(f"--loss {args.loss}: expected 0 <= RATE < 1")
     if args.count < 0 or not 0 <= args.min_identical <= 1 or args.deadline_s <= 0:
         ap.error("--count >= 0, 0 <= --min-identical <= 1 and --deadline-s > 0 expected")
     return args
@@ -116,6 +123,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = schedule(kinds, args.count, args.seed, args.gap, args.ducks)
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="duck-chaos-"))
     fleet = {"fail_after_s": 1.5, "health_interval_s": 0.5}        # the daemon's defaults
+    if args.loss:
+        fleet["fault_drop_rate"] = args.loss
     if netem_kinds and not why_not:
         fleet |= {"driver": "netns", "netns": {"name": NETNS_NAME, "prefix": NETNS_PREFIX, "subnets": 2}}
     config = write_config(state.parent / f"{state.name}.toml", state, ducks=args.ducks,

@@ -15,10 +15,11 @@
  * that needed retransmits gives no sample (which transmission did the reply
  * answer?) but leaves the interval it completed in as the duck's floor until
  * a call completes without one (Karn); nor does a call that waited behind
- * another to the same duck. That floor is at most twice the timeout the call
- * started with, so a run of lost datagrams on a lossy link does not leave
- * the timer doubled several times; a duck slower than its timer shows in its
- * time per token (the compute added to every timer), not in this floor.
+ * another to the same duck. That floor is at most twice the measured timer
+ * (srtt + 4 rttvar), so a run of lost datagrams on a lossy link does not leave
+ * the timer doubled several times, nor does it compound from call to call;
+ * a duck slower than its timer shows in its time per token (the compute
+ * added to every timer), not in this floor.
  *
  * With a cover for lost ducks (transport_lost.c), a forward call's failure
  * deadline is not the configured constant but what the duck measurably
@@ -94,9 +95,15 @@ void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64
 {
     rate_sample(l, c);
     if (c->retransmits) {
-        /* at most twice the timeout it started with: one lost datagram must not leave a timer that
-         * doubled through a run of losses (a slow duck shows in its time per token, not here) */
-        l->backoff_ns = s->interval < 2 * s->rto ? s->interval : 2 * s->rto;
+        /* at most twice the measured timer (srtt + 4 rttvar; before any sample, the one the call
+         * started with): one lost datagram must not leave a timer that doubled through a run of
+         * losses, nor may the floor compound call after call (the timer a call starts with holds
+         * the last call's floor: on a 5 % lossy link most multi-fragment calls retransmit, and
+         * "twice the start" walked the timer up to its ceiling, a quarter of the deadline, with
+         * every lost datagram then waiting that long). A slow duck shows in its time per token,
+         * not here. */
+        uint64_t measured = l->srtt_ns ? l->srtt_ns + 4 * l->rttvar_ns : s->rto;
+        l->backoff_ns = s->interval < 2 * measured ? s->interval : 2 * measured;
         return;
     }
     if (s->queued)

@@ -66,3 +66,11 @@ def test_the_verdict_catches_a_difference_a_hang_and_a_late_or_unclear_failure()
     assert not no_fault["pass"] and "later than 5 s" in no_fault["why"][0]
     unclear = summarize([_stream(0, "ab", 0.0)], [], ref, 5.0, 0.0, 1.0)
     assert any("without a clear error" in w for w in unclear["why"])
+
+
+def test_loss_is_the_ducks_fault_injection_and_a_bad_rate_is_refused():
+    assert parse_args(["--loss", "0.05"]).loss == 0.05
+    for bad in ("1", "-0.1"):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--loss", bad])
+        assert e.value.code == 2

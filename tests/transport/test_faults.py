@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from native._native import lib
 from native.transport import DuckError, DuckTimeout, Fleet, split_experts
 from tests.transport.ducks import Ducks, sanitizer_binary, sanitizer_report
 from tests.transport.test_forward import (SUMMATION_ORDER_RTOL, assert_close, flat, local_reference, make_layer,
@@ -85,3 +86,26 @@ def test_silent_address_is_named(tmp_path):
             fleet.hello()
         assert time.monotonic() - t0 < 0.8
         fleet.close()
+
+
+def test_the_retransmit_timer_does_not_climb_on_a_lossy_link(tmp_path):
+    """5 % loss and forwards of ten 64 KB fragments each way: most calls retransmit. Karn's floor
+    (the interval a retransmitted call completed in) is bounded by twice the measured timer, so
+    the timer stays near the link's round trip; bounded by twice the timer each call started
+    with, it compounded call after call up to its ceiling, a quarter of the deadline (2 s here),
+    and every lost datagram then waited that long (duckd under 5 % loss: a step per 4 s)."""
+    rng = np.random.default_rng(5)
+    hidden, ntok = 1024, 160
+    experts = make_layer(rng, 2, 64, hidden)
+    lossy = ["--enable-fault-injection", "--drop-rate", "0.05", "--fault-seed", "3"]
+    with Ducks(1, tmp_path, args=lossy, retransmit_ms=2, deadline_ms=8000) as ducks:
+        per_duck = split_experts(experts, tp=1)
+        ducks.fleet.upload(flat(per_duck))
+        session = ducks.fleet.open_session({0: per_duck}, hidden)
+        timers = []
+        for _ in range(40):
+            x = (rng.standard_normal((ntok, hidden)) * 0.1).astype(np.float32)
+            session.forward(0, x, *routing(rng, ntok, 1, 2))
+            timers.append(lib.duck_transport_rto_us(ducks.fleet._t, 0))
+        assert ducks.fleet.transport_stats()["retransmits"] >= 10
+        assert max(timers[10:]) < 250_000, timers          # the ceiling: 2,000,000
