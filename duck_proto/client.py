@@ -163,19 +163,20 @@ def channel(endpoint: Endpoint) -> grpc.aio.Channel:
     """An asyncio channel that sends the bearer token with every call: TLS where the
     endpoint has it, else plaintext (a daemon on loopback with daemon.tls off)."""
     # grpc.aio files each interceptor under one kind only: one object per kind
-    auth = [_UnaryAuth(endpoint.token), _StreamAuth(endpoint.token)]
-    if endpoint.tls is None:
-        return grpc.aio.insecure_channel(endpoint.address, interceptors=auth)
-    return grpc.aio.secure_channel(endpoint.address, endpoint.tls.grpc_credentials(),
-                                   options=endpoint.tls.grpc_options(), interceptors=auth)
+    return _open(endpoint, grpc.aio.insecure_channel, grpc.aio.secure_channel,
+                 interceptors=[_UnaryAuth(endpoint.token), _StreamAuth(endpoint.token)])
 
 
 def sync_channel(endpoint: Endpoint) -> grpc.Channel:
+    return grpc.intercept_channel(_open(endpoint, grpc.insecure_channel, grpc.secure_channel),
+                                  _SyncAuth(endpoint.token))
+
+
+def _open(endpoint: Endpoint, insecure, secure, **kw):
+    """The endpoint's channel by grpc's (or grpc.aio's) insecure_channel or secure_channel."""
     if endpoint.tls is None:
-        ch = grpc.insecure_channel(endpoint.address)
-    else:
-        ch = grpc.secure_channel(endpoint.address, endpoint.tls.grpc_credentials(), options=endpoint.tls.grpc_options())
-    return grpc.intercept_channel(ch, _SyncAuth(endpoint.token))
+        return insecure(endpoint.address, **kw)
+    return secure(endpoint.address, endpoint.tls.grpc_credentials(), options=endpoint.tls.grpc_options(), **kw)
 
 
 class _Details(grpc.ClientCallDetails):

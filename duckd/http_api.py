@@ -57,15 +57,11 @@ def _off(*values):
     return lambda v: v in values
 
 
-def _no_tools(v) -> bool:
-    return v == []
-
-
 OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in words)
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}: JSON and schema-constrained output '
                                                           "are not served yet"),
-    "tools": (_no_tools, "an empty list: tool calls are not served yet"),
-    "functions": (_no_tools, "an empty list: function calls are not served yet"),
+    "tools": (_off([]), "an empty list: tool calls are not served yet"),
+    "functions": (_off([]), "an empty list: function calls are not served yet"),
     "tool_choice": (_off("none", "auto"), '"none" (tool calls are not served yet)'),
     "function_call": (_off("none", "auto"), '"none" (function calls are not served yet)'),
     "parallel_tool_calls": (_off(True, False), "true or false (no tools are served)"),

@@ -150,6 +150,10 @@ class ExpertStream:
     def expert_bytes(self, layer: int) -> int:
         return self.layers[layer].expert_bytes
 
+    def shape(self, layer: int) -> tuple[int, int]:
+        """(experts, bytes per expert): what the split keeps its rates by (engine.gpu.hybrid_prefill)."""
+        return self.experts(layer), self.expert_bytes(layer)
+
     def next_layer(self, layer: int) -> int | None:
         """The FFN layer after this one (None after the last)."""
         i = self.order.index(layer) + 1

@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -47,15 +48,14 @@ PLANS = ("split", "gpu")    # a hybrid pass: the model's split, or every held ex
 EXPLORE_EVERY = 16          # prompts of one length between two tries of the plan not chosen
 
 
+@dataclass
 class Rates:
     """What the split has measured of one layer shape (experts per layer, bytes per expert):
     duck_s the ducks' kernel seconds per (expert, token), duck_call_s their call's seconds per
     token beside the kernel (transport), gpu_s the GPU's seconds per (expert, token)."""
-
-    def __init__(self):
-        self.duck_s: float | None = None
-        self.duck_call_s = 0.0
-        self.gpu_s: float | None = None
+    duck_s: float | None = None
+    duck_call_s: float = 0.0
+    gpu_s: float | None = None
 
 
 class PrefillSplit:
@@ -210,9 +210,9 @@ class HybridPrefill:
             duck_s, kernel_s = duck.result()
             y += self._io.views(t, k)[3].to(y.device, non_blocking=True).float()
         self._last_end = time.perf_counter()
-        self.split.observe((experts, s.expert_bytes(layer)), s.pcie_seconds_per_byte(), duck_s, kernel_s,
+        self.split.observe(s.shape(layer), s.pcie_seconds_per_byte(), duck_s, kernel_s,
                            experts - g if duck is not None else 0, t, other,
-                           [((s.experts(at), s.expert_bytes(at)), n, m, sec) for at, n, m, sec in s.compute_seconds()])
+                           [(s.shape(at), n, m, sec) for at, n, m, sec in s.compute_seconds()])
         self.layers.append({"layer": layer, "gpu_experts": g, "experts": experts, "duck_s": duck_s,
                             "call_s": self._last_end - now})
         if self.count_experts:
