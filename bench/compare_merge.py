@@ -6,7 +6,8 @@ Keys: commit, machine, read_gbps, pcie_gbps, duck_gb_per_token; for each of duck
 duck_gpu_only, duck_fleet_only, llama_cpp (its best micro-batch at each length) and
 llama_cpp_ub512: decode_tok_s and prefill_tok_s {"512": .., "2048": .., "8192": ..}; duck also
 ttft_s_1024 and pcie_limit_tok_s; llama_cpp_pcie_limit_tok_s (estimated, see llama_pcie_limit) and
-the lengths where llama.cpp is above it; ratios of duck to llama.cpp at each length. Decode runs on the
+the lengths where llama.cpp is above it; ratios of duck to llama.cpp at each length; the placement
+keys (placement_side: duck_budget_<name>, llama_cpp_gpu_quarter, llama_cpp_gb_per_token). Decode runs on the
 fleet in every duck mode (the modes differ in prefill only)."""
 from __future__ import annotations
 
@@ -52,7 +53,33 @@ def llama_pcie_limit(duck: dict, pcie_gbps: float | None) -> dict:
             for p, r in duck["duck_gpu_only"]["detail"].items() if r.get("pcie_bytes_per_pass")}
 
 
-def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
+def placement_side(duck: dict, llama_gpu: list[dict] | None, decode0: float, ll_decode: float | None) -> dict:
+    """The placement issue's keys: duck_budget_<name> (decode at each GPU budget, bench.prefill_compare
+    --gpu-budgets), llama_cpp_gpu_quarter (its -ot keeping a quarter of the layers' experts on the GPU),
+    the GB per token each reads from its CPUs, and the ratios the bars name."""
+    out = {k: v for k, v in duck.items() if k.startswith("duck_budget_")}
+    if not out:
+        return {}
+    if "llama_cpp_gb_per_token" in duck:
+        out["llama_cpp_gb_per_token"] = round(duck["llama_cpp_gb_per_token"], 4)
+    if llama_gpu:
+        out["llama_cpp_gpu_quarter"] = llama_side(llama_gpu)
+    ratios = {}
+    for name, row in out.items():
+        if not name.startswith("duck_budget_"):
+            continue
+        d = row["decode_tok_s"]
+        ratios[name] = {"over_llama_cpp": round(d / ll_decode, 3) if ll_decode else None,
+                        "over_duck_budget_0": round(d / out["duck_budget_0"]["decode_tok_s"], 3)
+                        if "duck_budget_0" in out else None}
+    q, lq = out.get("duck_budget_quarter"), out.get("llama_cpp_gpu_quarter", {}).get("decode_tok_s")
+    if q and lq:
+        ratios["duck_budget_quarter"]["over_llama_cpp_gpu_quarter"] = round(q["decode_tok_s"] / lq, 3)
+    out["placement_ratios"] = ratios
+    return out
+
+
+def merge(duck: dict, llama: list[dict], shape: str, machine: str, llama_gpu: list[dict] | None = None) -> dict:
     lengths = list(duck["duck"]["prefill_tok_s"])
     out = {"commit": duck["commit"], "machine": machine, "shape": shape, "date": duck["date"],
            "gpu": duck["machine"]["gpu"], "read_gbps": round(duck["read_gbps"], 1),
@@ -88,6 +115,7 @@ def merge(duck: dict, llama: list[dict], shape: str, machine: str) -> dict:
     out["ratios"] = ratios
     ll_decode = out["llama_cpp"]["decode_tok_s"]
     out["ratios"]["decode_duck_over_llama_cpp"] = round(decode / ll_decode, 3) if ll_decode else None
+    out.update(placement_side(duck, llama_gpu, decode, ll_decode))
     out["duck_detail"] = {k: duck[k]["detail"] for k in ("duck", "duck_gpu_only", "duck_fleet_only")}
     out["duck_detail"]["decode"] = duck["duck"]["decode"]
     out["duck_detail"]["ttft_1024_runs"] = duck["ttft_1024_runs"]
@@ -98,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compare_merge", description=__doc__.split("\n\n")[0])
     ap.add_argument("--duck", required=True, help="bench.prefill_compare's JSON")
     ap.add_argument("--llama", required=True, help="llama-bench's JSON lines")
+    ap.add_argument("--llama-gpu", help="llama-bench's JSON lines with a quarter of the layers' experts on the GPU")
     ap.add_argument("--shape", required=True)
     ap.add_argument("--machine", required=True)
     args = ap.parse_args(argv)
@@ -105,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         duck = json.load(f)
     with open(args.llama) as f:
         llama = llama_rows(f)
-    print(json.dumps(merge(duck, llama, args.shape, args.machine), indent=1))
+    llama_gpu = None
+    if args.llama_gpu:
+        with open(args.llama_gpu) as f:
+            llama_gpu = llama_rows(f)
+    print(json.dumps(merge(duck, llama, args.shape, args.machine, llama_gpu), indent=1))
     return 0
 
 

@@ -14,7 +14,8 @@ with TTFT, tok/s, the GPU's share of the experts, the bytes each pass moved over
 distinct experts per layer (a random model whose routing collapsed would stream fewer).
 Beside: the ducks' read bandwidth, the pinned host-to-GPU copy rate, decode tok/s (CUDA graphs),
 the bytes the ducks read per decoded token, and each length's PCIe limit (tokens / (bytes of
-one pass / copy rate)).
+one pass / copy rate)). Then decode at each GPU placement budget (--gpu-budgets: engine.placement)
+with the ducks' GB per token, beside llama.cpp's from the CPU under -ot exps=CPU.
 """
 from __future__ import annotations
 
@@ -95,6 +96,64 @@ def _profile(runner, stream, split, prompt_len: int, room: int, path: str) -> No
         f.write(f"{prompt_len} tokens, GPU only, {r['prefill_tok_s']:.0f} tok/s under the profiler\n")
         f.write(events.table(sort_by=key, row_limit=40))
     log.info("profile of %d tokens -> %s", prompt_len, path)
+
+
+def placement_budgets(model, names: list[str]) -> dict[str, int]:
+    """GPU budgets by name: 0; dense (the dense FFN layers: what llama.cpp's -ot exps=CPU keeps on
+    the GPU); quarter (that and a quarter of the routed experts); auto (what duckd takes by
+    default: the GPU memory free now, less its margin)."""
+    from engine.placement import GPU_BYTES_PER_WEIGHT, model_ffn_shapes
+
+    shapes = model_ffn_shapes(model)
+    dense = sum(s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes if s.dense)
+    routed = sum(s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes if not s.dense)
+    known = {"0": 0, "dense": dense, "quarter": dense + routed // 4}
+    out = {}
+    for name in names:
+        if name == "auto":
+            from engine.placement import default_budget
+            out[name] = default_budget(model.model.embed_tokens.weight.device)
+        elif name in known:
+            out[name] = known[name]
+        else:
+            raise ValueError(f"--gpu-budgets: {name!r} is not one of 0, dense, quarter, auto")
+    return out
+
+
+@torch.inference_mode()
+def measure_placements(runner, backend, config, args) -> dict:
+    """Decode at each budget of --gpu-budgets (engine.placement: the GPU computes its experts beside
+    the ducks), after a prompt of the first length: tok/s, the ducks' GB per token, the plan; and
+    llama.cpp's GB per token from the CPU under -ot exps=CPU (the routed experts, in Q8_0)."""
+    from engine.placement import model_ffn_shapes, place
+
+    model = runner.model
+    shapes = model_ffn_shapes(model)
+    k = config.num_experts_per_tok or 1
+    out = {"llama_cpp_gb_per_token": sum(k * s.expert_weights for s in shapes if not s.dense) * 1.0625 / 1e9}
+    threads = len(os.sched_getaffinity(0))
+    for name, budget in placement_budgets(model, args.gpu_budgets).items():
+        t0 = time.perf_counter()
+        resident = place(model, backend, budget, threads=threads)
+        placed_s = time.perf_counter() - t0
+        try:
+            cache = runner.prefill(args.prompts[0], args.steps, args.fleet_chunk, overlap=True)["cache"]
+            decode = runner.decode(cache, args.prompts[0], args.steps)
+            del cache
+        finally:
+            model.set_resident(None)
+        plan = resident.plan.summary() if resident is not None else {"gpu_gb": 0.0}
+        out[f"duck_budget_{name}"] = {"decode_tok_s": decode["tok_s"], "budget_gb": round(budget / 1e9, 3),
+                                      "duck_gb_per_token": (decode["ffn_bytes_streamed_per_step"] or 0) / 1e9,
+                                      "step_ms": decode["step_ms"], "driver": decode["driver"], "plan": plan,
+                                      "placed_s": round(placed_s, 1)}
+        log.info("placement %s (%.1f GB budget, %.1f GB on the GPU): decode %.1f tok/s, %.3f GB/token from the ducks",
+                 name, budget / 1e9, plan["gpu_gb"], decode["tok_s"], out[f"duck_budget_{name}"]["duck_gb_per_token"])
+        del resident
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 def run(args) -> dict:
@@ -184,6 +243,7 @@ def run(args) -> dict:
                                            out["pcie_gbps"] else None for p, b in per_pass.items()}
         out["duck_gb_per_token"] = (decode["ffn_bytes_streamed_per_step"] or 0) / 1e9
         out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, config.num_experts_per_tok or 1)
+        out.update(measure_placements(runner, backend, config, args))
         out["read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
         if args.profile:
             _profile(runner, stream, gpu, max(args.prompts), room, args.profile)
@@ -214,11 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per length (the best is kept, all are listed)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu-budgets", default="0,dense,quarter,auto",
+                    help="decode measured at these GPU placement budgets (0, dense, quarter, auto; '' for none)")
     ap.add_argument("--json", help="write the result here (default: stdout)")
     ap.add_argument("--profile", help="after the runs, one GPU-only pass of the longest prompt under "
                                       "torch.profiler; its operator table to this file")
     args = ap.parse_args(argv)
     args.prompts = [int(p) for p in args.prompts.split(",") if p]
+    args.gpu_budgets = [b for b in args.gpu_budgets.split(",") if b]
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     out = run(args)

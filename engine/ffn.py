@@ -8,6 +8,9 @@ shared experts, attention and everything else stay in the model on the host.
     backend.finish_loading()                             once, after the last layer
     backend.forward(layer, x[T,H], ids[T,k], w[T,k])     -> y[T,H] = sum_e w_e * down_e(silu(gate_e x) * up_e x)
 
+an id of -1 names no expert (its pair adds nothing): how a split (engine.placement,
+engine.gpu.hybrid_prefill) keeps the experts another device computes out of a call.
+
 ids are int32 and w fp32 (the wire's types: the routers make them so). The model's
 FFN modules call ffn_call(backend, ...), which hands the call to the lane running
 on this thread if there is one (engine.lanes: a step cut at its FFN calls), else to
@@ -148,7 +151,8 @@ def set_lane(lane):
 
 def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:
-    """The reference: x [T, H], ids [T, k], weights [T, k] -> [T, H] in x's dtype.
+    """The reference: x [T, H], ids [T, k] (-1: no expert, as a duck skips it), weights [T, k] -> [T, H]
+    in x's dtype.
     The routing is read to the host once (one sync), then each chosen expert runs on
     its tokens; a single token needs no gathers."""
     if len(experts) == 1:
@@ -160,14 +164,17 @@ def torch_experts_forward(experts: list[ExpertWeights], x: torch.Tensor, ids: to
     if t == 1:
         out = None
         for e_id, w in zip(routing[0][:k], routing[0][k:]):
+            if e_id < 0:
+                continue
             e = experts[int(e_id)]
             y = F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down) * w   # [1, H]
             out = y if out is None else out + y
-        return out.to(x.dtype)
+        return (out if out is not None else torch.zeros_like(x)).to(x.dtype)
     chosen: dict[int, list[tuple[int, float]]] = {}
     for tok, row in enumerate(routing):
         for e_id, w in zip(row[:k], row[k:]):
-            chosen.setdefault(int(e_id), []).append((tok, w))
+            if e_id >= 0:
+                chosen.setdefault(int(e_id), []).append((tok, w))
     out = torch.zeros_like(x)
     for e_id in sorted(chosen):
         toks = torch.tensor([tok for tok, _ in chosen[e_id]], device=x.device)            # [n]

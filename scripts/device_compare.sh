@@ -31,12 +31,13 @@ fi
 [ "${BUILD_ONLY:-0}" = 1 ] && exit 0
 for shape in $SHAPES; do
     case $shape in
-    qwen3) synth="--synthetic qwen3-30b-a3b" ;;
-    deepseek) synth="--synthetic deepseek-v3 --layers 4 --dense-layers 1" ;;
+    qwen3) synth="--synthetic qwen3-30b-a3b"; gpu_layers=12 ;;         # a quarter of the layers' experts
+    deepseek) synth="--synthetic deepseek-v3 --layers 4 --dense-layers 1"; gpu_layers= ;;
     *) echo "SHAPES: qwen3 or deepseek, not $shape"; exit 2 ;;
     esac
     say "$shape: llama.cpp"
-    SHAPE=$shape PROMPTS=$PROMPTS UBATCHES=$UBATCHES DEPTHS=0 CPU_ONLY=0 BUILD=$LLAMA_BUILD OUT="$OUT/llama-$shape" \
+    SHAPE=$shape PROMPTS=$PROMPTS UBATCHES=$UBATCHES DEPTHS=0 CPU_ONLY=0 GPU_LAYERS=$gpu_layers BUILD=$LLAMA_BUILD \
+        OUT="$OUT/llama-$shape" \
         bash "${PEERS:?set PEERS}/llamacpp_cpu_moe.sh" >"$OUT/llama-$shape.log" 2>&1
     grep "^|" "$OUT/llama-$shape.log" | tail -12
     say "$shape: duck"
@@ -45,14 +46,21 @@ for shape in $SHAPES; do
     rc=$?; grep -E "prefill [0-9]+:|Error|error" "$OUT/duck-$shape.log" | tail -12
     [ $rc -eq 0 ] || { tail -30 "$OUT/duck-$shape.log"; continue; }
     name="$(date +%F)-compare-$shape-$MACHINE.json"
+    gpu_rows=()
+    [ -n "$gpu_layers" ] && gpu_rows=(--llama-gpu "$OUT/llama-$shape/${shape}_cpu_moe_gpu$gpu_layers.jsonl")
     python3 -m bench.compare_merge --duck "$OUT/duck-$shape.json" --llama "$OUT/llama-$shape/${shape}_cpu_moe.jsonl" \
-        --shape "$shape" --machine "$MACHINE" >"$OUT/$name" && python3 - "$OUT/$name" <<'PY'
+        "${gpu_rows[@]}" --shape "$shape" --machine "$MACHINE" >"$OUT/$name" && python3 - "$OUT/$name" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for k in ("duck", "duck_gpu_only", "duck_fleet_only", "llama_cpp", "llama_cpp_ub512"):
     print(f"{k:16s} decode {d[k]['decode_tok_s']}  prefill {d[k]['prefill_tok_s']}")
 print("pcie", d["pcie_gbps"], "read", d["read_gbps"], "ttft_1024", d["duck"]["ttft_s_1024"], "limit", d["duck"]["pcie_limit_tok_s"])
 print("ratios", json.dumps(d["ratios"]))
+for k, v in d.items():
+    if k.startswith("duck_budget_"):
+        print(f"{k:22s} decode {v['decode_tok_s']:.1f}  ducks {v['duck_gb_per_token']:.3f} GB/token  gpu {v['plan'].get('gpu_gb')} GB")
+print("llama gb/token", d.get("llama_cpp_gb_per_token"), "llama gpu quarter", d.get("llama_cpp_gpu_quarter", {}).get("decode_tok_s"))
+print("placement", json.dumps(d.get("placement_ratios")))
 PY
     say "$shape: done"
 done

@@ -184,6 +184,8 @@ class HostModel:
         elif type(mlp) is not GatedMLP:
             raise UnsupportedModel(f"{p}mlp is a {type(mlp).__name__}: the native CPU decoder runs dense gated "
                                    f"MLPs and softmax-routed experts")
+        if getattr(mlp, "resident", None) is not None:
+            raise UnsupportedModel(f"{p}mlp is placed in part on this host (engine.placement): the torch path runs it")
         if mlp.layer_idx != i:
             raise UnsupportedModel(f"{p}mlp has layer_idx {mlp.layer_idx}, expected {i}")
         self.ffn.append(mlp)

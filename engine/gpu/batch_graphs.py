@@ -121,7 +121,7 @@ class BatchGraphs:
     def lane(self, rows: int) -> SlotGraphLane:
         """The lane of a bucket, captured again when the model's FFN backend changed since."""
         lane = self.lanes.get(rows)
-        if lane is None or lane.closed or lane.backend is not self.model.ffn_backend():
+        if lane is None or lane.stale(self.model.ffn_backend()):
             if lane is not None:
                 lane.close()
             lane = self.lanes[rows] = SlotGraphLane(self.model, self.cache, rows, name=f"batch-{rows}")

@@ -81,7 +81,7 @@ class CudaDecoder:
         """The graph lane for `tokens`-token steps on the cache (name: one lane per role, e.g. the dual lane's
         a and b), captured again when the model's backend changed since."""
         lane = self.lanes.get((tokens, name))
-        if lane is None or lane.closed or lane.backend is not self.backend():
+        if lane is None or lane.stale(self.backend()):
             if lane is not None:
                 lane.close()
             lane = self.lanes[(tokens, name)] = GraphLane(self.model, self.cache, tokens, name=f"{name}-{tokens}")

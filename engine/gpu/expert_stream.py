@@ -48,7 +48,9 @@ def _tensor_bytes(t) -> int:
 class _Layer:
     """One layer's experts in host memory: shapes, slot sizes and the pinned bytes."""
 
-    def __init__(self, index: int, per_duck, max_experts: int | None, pin: bool, workers):
+    def __init__(self, index: int, per_duck, max_experts: int | None, pin: bool, workers,
+                 which: list[int] | None = None):
+        """Experts [0, max_experts) of the layer (None: all), or the experts `which` in that order."""
         tp, experts = len(per_duck), len(per_duck[0])
         self.index, self.tp, self.experts = index, tp, experts
         first = per_duck[0][0]
@@ -62,13 +64,15 @@ class _Layer:
                                      "needs slices of one shape")
         self.gu_slot = _slot(max(_tensor_bytes(per_duck[d][e].gate_up) for d in range(tp) for e in range(experts)))
         self.dn_slot = _slot(max(_tensor_bytes(per_duck[d][e].down) for d in range(tp) for e in range(experts)))
-        self.held = experts if max_experts is None else max(0, min(experts, max_experts))
+        if which is None:
+            which = list(range(experts if max_experts is None else max(0, min(experts, max_experts))))
+        self.held = len(which)
         self.gu_bytes = self.held * tp * self.gu_slot
         # every byte a decode reads is written below (a slot's tail past its tensor is never read)
         self.host = torch.empty(self.gu_bytes + self.held * tp * self.dn_slot, dtype=torch.uint8, pin_memory=pin)
-        jobs = [(per_duck[d][e].gate_up, (e * tp + d) * self.gu_slot) for e in range(self.held) for d in range(tp)]
-        jobs += [(per_duck[d][e].down, self.gu_bytes + (e * tp + d) * self.dn_slot)
-                 for e in range(self.held) for d in range(tp)]
+        jobs = [(per_duck[d][e].gate_up, (p * tp + d) * self.gu_slot) for p, e in enumerate(which) for d in range(tp)]
+        jobs += [(per_duck[d][e].down, self.gu_bytes + (p * tp + d) * self.dn_slot)
+                 for p, e in enumerate(which) for d in range(tp)]
         list(workers.map(lambda job: self._put(*job), jobs))     # tensor by tensor: the C releases the GIL
 
     def _put(self, tensor, at: int) -> None:
@@ -316,6 +320,31 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tenso
                 out.append(a[at:at + c] @ w[i].T)
                 at += c
         return torch.cat(out)
+
+
+def decode_experts(per_duck, which: list[int], device, threads: int = 1,
+                   group_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts `which` of one layer (per duck, per expert ExpertSlice: FleetFfn.layers[layer])
+    decoded on device: bf16 gate_up [n, 2I, H] (gate row i at 2i, up at 2i + 1) and down [n, H, I],
+    I padded as the slices are (zeros). Exactly the ducks' weights (engine.placement keeps them).
+    In groups of experts of at most group_bytes of fp9, so that a layer's copy is made a part at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = torch.device(device)
+    gu = dn = None
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="expert-decode") as workers:
+        at = 0
+        while at < len(which):
+            first = _Layer(-1, per_duck, None, False, workers, which=which[at:at + 1])
+            n = max(1, min(len(which) - at, group_bytes // max(1, first.host.numel())))
+            lay = first if n == 1 else _Layer(-1, per_duck, None, False, workers, which=which[at:at + n])
+            part_gu, part_dn = ExpertStream._decode(lay, lay.host.to(device), n, 0, n)
+            if gu is None:
+                gu = torch.empty((len(which), *part_gu.shape[1:]), dtype=part_gu.dtype, device=device)
+                dn = torch.empty((len(which), *part_dn.shape[1:]), dtype=part_dn.dtype, device=device)
+            gu[at:at + n], dn[at:at + n] = part_gu, part_dn
+            at += n
+    return gu, dn
 
 
 def pinned_copy_gbps(device, mib: int = 512, rounds: int = 5) -> float | None:

@@ -211,6 +211,7 @@ class GraphLane:
             raise ValueError(f"a cache of {cache.max_model_len} positions cannot hold a {tokens}-token step")
         self.model, self.cache, self.tokens, self.name, self.device = model, cache, tokens, name, device
         self.backend = model.ffn_backend() if backend is None else backend
+        self.resident = model.__dict__.get("resident")   # engine.placement: what the graphs compute inline
         self.host_io = self.backend.host_io
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -372,6 +373,11 @@ class GraphLane:
     @property
     def closed(self) -> bool:
         return not self.segments
+
+    def stale(self, backend) -> bool:
+        """Whether the graphs no longer fit the model: closed, another FFN backend, or another
+        placement (engine.placement: which layers the graphs compute inline, which they cut at)."""
+        return self.closed or self.backend is not backend or self.resident is not self.model.__dict__.get("resident")
 
     # -- inside -----------------------------------------------------------------------------
     def _to_static(self, dst: torch.Tensor, src: torch.Tensor, row: int) -> None:

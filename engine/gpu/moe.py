@@ -37,24 +37,29 @@ if triton is not None:
     @triton.jit
     def _grouped_gemv_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, N, K, x_div, stride_e, stride_n,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[j, n] = sum_k W[ids[j], n, k] * x[j // x_div, k] (fp32 accumulate, fp32 out)."""
+        """out[j, n] = sum_k W[ids[j], n, k] * x[j // x_div, k] (fp32 accumulate, fp32 out);
+        a pair whose id is negative reads nothing and gives zeros."""
         j = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(ids_ptr + j).to(tl.int64)
+        held = e >= 0
+        e = tl.maximum(e, 0)
         row = j // x_div
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         w_rows = w_ptr + e * stride_e + offs_n.to(tl.int64)[:, None] * stride_n
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + row * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+            xk = tl.load(x_ptr + row * K + offs_k, mask=(offs_k < K) & held, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K) & held,
+                        other=0.0)
             acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         tl.store(out_ptr + j * N + offs_n, acc, mask=offs_n < N)
 
 
 def grouped_gemv(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, x_div: int) -> torch.Tensor:
-    """x [R, K], ids [J] (expert of each pair j), w [E, N, K] -> [J, N] fp32, row j from x[j // x_div]."""
+    """x [R, K], ids [J] (expert of each pair j; negative: none, zeros), w [E, N, K] -> [J, N] fp32,
+    row j from x[j // x_div]."""
     if triton is None:
         raise RuntimeError("grouped_gemv needs triton (torch's CUDA wheels bring it)")
     j, (n, k) = ids.numel(), w.shape[1:]

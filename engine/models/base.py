@@ -38,6 +38,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.layer_idx = layer_idx
         self.ffn: FfnBackend = NO_FFN
+        self.resident = None   # engine.placement.ResidentExperts when the GPU computes this layer
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -52,6 +53,8 @@ class GatedMLP(nn.Module):
         t = x.shape[0]
         ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)      # [T, 1]
         weights = torch.ones((t, 1), dtype=torch.float32, device=x.device) # [T, 1]
+        if self.resident is not None:
+            return self.resident.call(self.ffn, self.layer_idx, x, ids, weights)
         return ffn_call(self.ffn, self.layer_idx, x, ids, weights)
 
 
@@ -66,6 +69,7 @@ class RoutedExperts(nn.Module):
         self.hidden_size = hidden_size
         self.experts = nn.ModuleList(GatedMLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
         self.ffn: FfnBackend = NO_FFN
+        self.resident = None   # engine.placement.ResidentExperts when the GPU computes some of the experts
 
     def ffn_layer(self) -> FfnLayer:
         return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.hidden_size)
@@ -74,6 +78,8 @@ class RoutedExperts(nn.Module):
         return [p for e in self.experts for p in e.expert_parameters()]
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.resident is not None:
+            return self.resident.call(self.ffn, self.layer_idx, x, ids, weights)
         return ffn_call(self.ffn, self.layer_idx, x, ids, weights)   # [T, H]
 
 
@@ -171,6 +177,13 @@ class CausalLM(nn.Module):
         for m in self.ffn_modules():
             m.ffn = backend
         return backend
+
+    def set_resident(self, resident) -> None:
+        """Makes the FFN modules of the layers resident holds (engine.placement.ResidentExperts)
+        compute the GPU's share and send the rest to their backend; None: all to the backend."""
+        for m in self.ffn_modules():
+            m.resident = resident if resident is not None and m.layer_idx in resident.layers else None
+        self.__dict__["resident"] = resident
 
     def ffn_backend(self) -> FfnBackend:
         """The backend every FFN module calls (install / set_ffn give them one)."""

@@ -41,3 +41,16 @@ def test_merge_takes_llamas_best_microbatch_and_flags_a_figure_above_its_pcie_li
     # every expert (10 GB in fp9, 9.44 in Q8_0) over 50 GB/s once: 2048 tokens in 0.189 s
     assert out["llama_cpp_pcie_limit_tok_s"]["2048"] == round(2048 / (10e9 * 1.0625 / 1.125 / 50e9), 1)
     assert out["llama_cpp_above_its_pcie_limit"] == ["2048"]
+
+
+def test_merge_carries_the_placement_budgets_and_their_ratios():
+    duck = _duck()
+    budget = lambda tok_s, gb: {"decode_tok_s": tok_s, "duck_gb_per_token": gb, "plan": {"gpu_gb": 1.0}}  # noqa: E731
+    duck.update(duck_budget_0=budget(40.0, 1.6), duck_budget_quarter=budget(52.0, 1.2), llama_cpp_gb_per_token=1.12)
+    gpu_rows = [{"n_prompt": 0, "n_gen": 64, "n_ubatch": 512, "avg_ts": 40.0}]
+    out = merge(duck, _llama(), "qwen3", "h100", gpu_rows)
+    assert out["duck_budget_quarter"]["decode_tok_s"] == 52.0 and out["llama_cpp_gb_per_token"] == 1.12
+    assert out["llama_cpp_gpu_quarter"]["decode_tok_s"] == 40.0
+    r = out["placement_ratios"]["duck_budget_quarter"]
+    assert r == {"over_llama_cpp": round(52 / 32, 3), "over_duck_budget_0": 1.3, "over_llama_cpp_gpu_quarter": 1.3}
+    assert "placement_ratios" not in merge(_duck(), _llama(), "qwen3", "h100")

@@ -1,0 +1,349 @@
+"""Where each expert FFN is computed: the GPU keeps what a token saves most by (dense FFN
+layers, then whole MoE layers or their hottest experts) within a memory budget; the ducks
+compute the rest. The ducks keep every slice whatever the plan (nothing is uploaded again
+when it changes, and a lost duck's cover is untouched): the plan decides who computes.
+
+    plan = plan_placement(ffn_shapes(model), topk, budget_bytes)      # what goes where
+    resident = ResidentExperts.from_slices(plan, fleet_ffn.layers, device, dtype)
+    model.set_resident(resident)                                       # the FFN modules split their calls
+
+A layer the GPU holds whole never reaches the ducks: its FFN is computed inline (inside the
+decode step's CUDA graph: no cut, no duck call, no transport round trip). A layer held in part
+sends the routing with the GPU's experts masked out (-1, which a duck skips: it reads nothing of
+them) and adds the GPU's share to the ducks' sum. The GPU's copies are the ducks' own fp9
+weights decoded to bf16 (engine.gpu.expert_stream.decode_experts), so the greedy output is the
+same whatever the budget, up to the order of the sums.
+
+The plan's order (bytes a token saves per byte of GPU memory, and the duck calls it saves):
+  1. dense FFN layers (every token reads all of them),
+  2. then whichever of two fillings the cost model (duck calls x call_s + bytes / duck_gbps)
+     finds cheaper: whole MoE layers (each one a duck call less per token) with what is left
+     spread over the others, or the whole remainder spread over every MoE layer;
+  spreading takes each layer's hottest experts by a routing histogram (RoutingHistogram),
+  or with none, as many of each layer's experts as the next (so every duck call shrinks alike).
+Under an even routing whole layers always win: they save the same bytes and a call besides.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+GPU_BYTES_PER_WEIGHT = 2        # bf16 copies of the ducks' fp9 weights
+DUCK_BYTES_PER_WEIGHT = 1.125   # fp9
+CALL_S = 150e-6                 # a duck call's cost beside its bytes (transport, host stage): the planner's default
+DUCK_GBPS = 40.0                # the fleet's aggregate read rate: the planner's default
+
+
+@dataclass(frozen=True, slots=True)
+class FfnShape:
+    """One FFN layer as the ducks hold it: `experts` experts [intermediate, hidden] (1: a dense FFN)."""
+    layer: int
+    experts: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def expert_weights(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def dense(self) -> bool:
+        return self.experts == 1
+
+
+def model_ffn_shapes(model) -> list[FfnShape]:
+    """The FFN layers of the main model (an MTP layer's FFN runs only when drafting: not placed)."""
+    out = []
+    for m in model.ffn_modules():
+        if m.layer_idx >= model.config.num_hidden_layers:
+            continue
+        if hasattr(m, "experts"):
+            out.append(FfnShape(m.layer_idx, len(m.experts), m.hidden_size, m.experts[0].gate_proj.out_features))
+        else:
+            out.append(FfnShape(m.layer_idx, 1, m.gate_proj.in_features, m.gate_proj.out_features))
+    return out
+
+
+@dataclass
+class PlacementPlan:
+    """gpu: layer -> the experts the GPU computes (all of them: the layer is the GPU's alone)."""
+    shapes: dict[int, FfnShape]
+    topk: int
+    budget_bytes: int
+    gpu: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    share: dict[int, float] = field(default_factory=dict)   # layer -> fraction of its routed activations on the GPU
+    filling: str = "none"                                    # how the MoE layers were filled: whole, spread, none
+
+    def whole(self, layer: int) -> bool:
+        return len(self.gpu.get(layer, ())) == self.shapes[layer].experts
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(len(ids) * self.shapes[layer].expert_weights * GPU_BYTES_PER_WEIGHT
+                   for layer, ids in self.gpu.items())
+
+    @property
+    def duck_bytes(self) -> int:
+        """fp9 bytes the ducks hold (all of it: they keep every slice)."""
+        return int(sum(s.experts * s.expert_weights for s in self.shapes.values()) * DUCK_BYTES_PER_WEIGHT)
+
+    def _read(self, layer: int) -> float:
+        """Expected fp9 bytes one token has the ducks read of this layer."""
+        s = self.shapes[layer]
+        k = 1 if s.dense else min(self.topk, s.experts)
+        return k * s.expert_weights * DUCK_BYTES_PER_WEIGHT * (1.0 - self.share.get(layer, 0.0))
+
+    @property
+    def duck_bytes_per_token(self) -> float:
+        return sum(self._read(layer) for layer in self.shapes)
+
+    @property
+    def duck_calls_per_token(self) -> int:
+        return sum(1 for layer in self.shapes if not self.whole(layer))
+
+    def duck_seconds(self, call_s: float = CALL_S, duck_gbps: float = DUCK_GBPS) -> float:
+        """The cost model: a token's duck time under this plan."""
+        return self.duck_calls_per_token * call_s + self.duck_bytes_per_token / (duck_gbps * 1e9)
+
+    def summary(self) -> dict:
+        """What status, the console and /metrics show."""
+        whole = sorted(layer for layer in self.gpu if self.whole(layer))
+        return {"budget_gb": round(self.budget_bytes / 1e9, 3), "gpu_gb": round(self.gpu_bytes / 1e9, 3),
+                "duck_gb": round(self.duck_bytes / 1e9, 3),
+                "duck_gb_per_token": round(self.duck_bytes_per_token / 1e9, 4),
+                "gpu_layers_whole": whole, "gpu_layers_part": sorted(set(self.gpu) - set(whole)),
+                "gpu_experts": sum(len(v) for v in self.gpu.values()),
+                "duck_calls_per_token": self.duck_calls_per_token, "filling": self.filling}
+
+
+class RoutingHistogram:
+    """How often each expert of each layer was chosen (kept while serving: counts [layers, experts])."""
+
+    def __init__(self):
+        self.counts: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
+        c = self.counts.get(layer)
+        if c is None:
+            c = self.counts[layer] = torch.zeros(experts, dtype=torch.int64)
+        flat = ids.reshape(-1)
+        c += torch.bincount(flat[flat >= 0].long().cpu(), minlength=experts)[:experts]
+
+    def frequencies(self, layer: int, experts: int) -> torch.Tensor | None:
+        c = self.counts.get(layer)
+        if c is None or int(c.sum()) == 0:
+            return None
+        return c.double() / c.sum()
+
+
+def plan_placement(shapes: list[FfnShape], topk: int, budget_bytes: int, histogram: RoutingHistogram | None = None,
+                   call_s: float = CALL_S, duck_gbps: float = DUCK_GBPS) -> PlacementPlan:
+    """The plan for a GPU budget (see the module docstring)."""
+    by_layer = {s.layer: s for s in shapes}
+    base = PlacementPlan(by_layer, topk, max(0, int(budget_bytes)))
+    left = base.budget_bytes
+    for s in shapes:                                   # 1. dense layers, in order, while they fit
+        cost = s.expert_weights * GPU_BYTES_PER_WEIGHT
+        if s.dense and cost <= left:
+            base.gpu[s.layer], base.share[s.layer] = (0,), 1.0
+            left -= cost
+    moe = [s for s in shapes if not s.dense]
+    if not moe or left <= 0:
+        return base
+    candidates = [_fill(base, moe, left, histogram, whole_first=True),
+                  _fill(base, moe, left, histogram, whole_first=False)]
+    best = min(candidates, key=lambda p: p.duck_seconds(call_s, duck_gbps))
+    log.info("placement: %.2f GB on the GPU (%s), %.3f GB per token from the ducks in %d calls",
+             best.gpu_bytes / 1e9, best.filling, best.duck_bytes_per_token / 1e9, best.duck_calls_per_token)
+    return best
+
+
+def _fill(base: PlacementPlan, moe: list[FfnShape], left: int, histogram, whole_first: bool) -> PlacementPlan:
+    plan = PlacementPlan(base.shapes, base.topk, base.budget_bytes, dict(base.gpu), dict(base.share))
+    rest = list(moe)
+    if whole_first:
+        # whole layers from the last one down: a prefill streams the first layers' experts first
+        # (engine.gpu.expert_stream), so the GPU's own copies spare the last copies of a pass
+        for s in sorted(moe, key=lambda s: -s.layer):
+            cost = s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT
+            if cost <= left:
+                plan.gpu[s.layer], plan.share[s.layer] = tuple(range(s.experts)), 1.0
+                left -= cost
+                rest.remove(s)
+    plan.filling = "whole" if len(rest) < len(moe) else "none"
+    if rest and left > 0:
+        picked = _spread(rest, left, histogram)
+        for s in rest:
+            ids = picked.get(s.layer, [])
+            if ids:
+                plan.gpu[s.layer] = tuple(sorted(ids))
+                freq = histogram.frequencies(s.layer, s.experts) if histogram else None
+                plan.share[s.layer] = (float(freq[ids].sum()) if freq is not None else len(ids) / s.experts)
+        if picked:
+            plan.filling = "whole+spread" if plan.filling == "whole" else "spread"
+    return plan
+
+
+def _spread(layers: list[FfnShape], left: int, histogram) -> dict[int, list[int]]:
+    """Experts of these layers within left bytes: the most often chosen first (by the histogram;
+    with none, round-robin over the layers so that each holds as many as the next)."""
+    ranked = []   # (-frequency of the activations it takes, turn, layer, expert)
+    for s in layers:
+        freq = histogram.frequencies(s.layer, s.experts) if histogram else None
+        order = (torch.argsort(freq, descending=True, stable=True).tolist() if freq is not None
+                 else list(range(s.experts)))
+        for turn, e in enumerate(order):
+            ranked.append((-(float(freq[e]) if freq is not None else 0.0), turn, s.layer, e))
+    ranked.sort()
+    shapes = {s.layer: s for s in layers}
+    picked: dict[int, list[int]] = {}
+    for _, _, layer, e in ranked:
+        cost = shapes[layer].expert_weights * GPU_BYTES_PER_WEIGHT
+        if cost > left:
+            break
+        picked.setdefault(layer, []).append(e)
+        left -= cost
+    return picked
+
+
+# -- the GPU's share --------------------------------------------------------------------------------
+@dataclass
+class _Held:
+    experts: int                # the layer's experts
+    ids: tuple[int, ...]        # the ones held here, in slot order
+    gate_up: torch.Tensor       # [n, 2I, H], gate row i at 2i, up at 2i + 1
+    down: torch.Tensor          # [n, H, I]
+    slot: torch.Tensor          # [experts] int32: an expert's slot here, -1 where the ducks compute it
+
+    @property
+    def whole(self) -> bool:
+        return len(self.ids) == self.experts
+
+
+class ResidentExperts:
+    """The experts a plan keeps on the model's device, and each FFN call's split (module docstring)."""
+
+    def __init__(self, plan: PlacementPlan, device, dtype: torch.dtype):
+        self.plan, self.device, self.dtype = plan, torch.device(device), dtype
+        self.layers: dict[int, _Held] = {}
+
+    @classmethod
+    def from_slices(cls, plan: PlacementPlan, slices: dict, device, dtype: torch.dtype,
+                    on_progress=None, threads: int = 1) -> "ResidentExperts":
+        """The plan's experts decoded from the ducks' fp9 slices (FleetFfn.layers) on device."""
+        from engine.gpu.expert_stream import decode_experts
+
+        self = cls(plan, device, dtype)
+        for done, (layer, ids) in enumerate(sorted(plan.gpu.items()), 1):
+            gu, dn = decode_experts(slices[layer], list(ids), self.device, threads)
+            self.add(layer, ids, plan.shapes[layer].experts, gu.to(dtype), dn.to(dtype))
+            if on_progress:
+                on_progress(done, len(plan.gpu))
+        log.info("placement: %d layers' experts on %s (%.2f GB; %d whole)", len(self.layers), self.device,
+                 self.nbytes / 1e9, sum(h.whole for h in self.layers.values()))
+        return self
+
+    def add(self, layer: int, ids, experts: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        slot = torch.full((experts,), -1, dtype=torch.int32)
+        slot[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
+        self.layers[layer] = _Held(experts, tuple(ids), gate_up, down, slot.to(gate_up.device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.gate_up.nbytes + h.down.nbytes for h in self.layers.values())
+
+    def whole(self, layer: int) -> bool:
+        held = self.layers.get(layer)
+        return held is not None and held.whole
+
+    def call(self, backend, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The FFN of one call: the GPU's experts here, the others through ffn_call (the ducks)."""
+        from engine.ffn import ffn_call
+
+        held = self.layers[layer]
+        if held.whole:
+            return self._compute(held, x, ids, weights).to(x.dtype)
+        slots = held.slot[ids.long()]                                          # [T, k], -1: the ducks'
+        duck_ids = torch.where(slots >= 0, torch.full_like(ids, -1), ids).to(torch.int32)
+        y = ffn_call(backend, layer, x, duck_ids, weights)
+        return (y.float() + self._compute(held, x, slots, weights)).to(x.dtype)
+
+    @staticmethod
+    def _compute(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], slots / weights [T, k] (slot -1: not this share) -> [T, H] fp32."""
+        gate_up, down = held.gate_up, held.down
+        dtype = gate_up.dtype
+        if held.experts == 1:                      # a dense FFN: every token, weight 1 (the router's are ones)
+            h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
+            a = F.silu(h[:, 0::2]) * h[:, 1::2]
+            return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
+        t, k = slots.shape
+        if x.device.type == "cuda" and (t * k <= GEMV_PAIRS or torch.cuda.is_current_stream_capturing()):
+            from engine.gpu.moe import grouped_gemv
+            h = grouped_gemv(x.to(dtype), slots.to(torch.int32), gate_up, k)   # [T*k, 2I] fp32
+            a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
+            y = grouped_gemv(a, slots.to(torch.int32), down, 1)                # [T*k, H] fp32
+            return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
+        return _grouped_share(gate_up, down, x.to(dtype), slots, weights)
+
+
+GEMV_PAIRS = 64   # (token, slot) pairs up to which an eager call runs the grouped GEMV (graphs: always)
+
+
+def _grouped_share(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """The reference (and prefill) path: pairs sorted by slot, one grouped GEMM per weight (one host sync)."""
+    from engine.gpu.expert_stream import _grouped
+
+    t, k = slots.shape
+    y = torch.zeros(t, down.shape[1], dtype=torch.float32, device=x.device)
+    flat = slots.reshape(-1)
+    mine = (flat >= 0).nonzero().squeeze(1)
+    if mine.numel() == 0:
+        return y
+    experts = flat[mine].long()
+    order = torch.argsort(experts, stable=True)
+    pairs = mine[order]
+    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
+    tokens = pairs // k
+    h = _grouped(x[tokens], gate_up, counts)                                   # [P, 2I]
+    a = (F.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(x.dtype)
+    o = _grouped(a, down, counts)                                              # [P, H]
+    y.index_add_(0, tokens, o.float() * weights.reshape(-1)[pairs].float()[:, None])
+    return y
+
+
+MARGIN_BYTES = 4 << 30      # GPU memory a default budget leaves free (activations, graphs' pools, a new cache)
+MARGIN_FRACTION = 0.10
+
+
+def default_budget(device) -> int:
+    """What a placement takes when not told: the GPU memory free now, less a margin; 0 off CUDA
+    (a CPU host computes nothing of the ducks' share)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(free - MARGIN_BYTES - MARGIN_FRACTION * total))
+
+
+def place(model, fleet_ffn, budget_bytes: int, histogram: RoutingHistogram | None = None,
+          on_progress=None, threads: int = 1) -> ResidentExperts | None:
+    """Plans the model's FFNs for a GPU budget and makes the model compute the GPU's share; None
+    when the budget holds nothing (every FFN is then the ducks' again)."""
+    config = model.config
+    plan = plan_placement(model_ffn_shapes(model), max(1, config.num_experts_per_tok or 1), budget_bytes, histogram)
+    if not plan.gpu:
+        model.set_resident(None)
+        return None
+    weight = model.model.embed_tokens.weight
+    dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    model.set_resident(None)     # the old plan's copies go before the new ones are made
+    resident = ResidentExperts.from_slices(plan, fleet_ffn.layers, weight.device, dtype, on_progress, threads)
+    model.set_resident(resident)
+    return resident
