@@ -103,6 +103,9 @@ class ModelConfig:
     gpu_prefill_chunk: int = 16384     # tokens per streamed pass: each weight crosses PCIe once per pass
     gpu_prefill_host_mb: int = 0       # host memory for the experts' copy (0: all of them; less: the rest stays
                                        # the ducks')
+    gpu_ffn_budget: str = "auto"       # GPU memory for FFN weights computed beside the ducks (engine.placement):
+                                       # auto (what is free after the model, less a margin; 0 off CUDA), bytes
+                                       # ("24G", "512M", "0"), or a fraction of auto ("0.5")
     mtp: bool = True                   # MTP1 speculative decoding where the checkpoint has the head
     special_tokens_in_content: bool = False   # "<|im_start|>" in a message: text (False) or a control token
     # sampling defaults for requests that name none (unset: the checkpoint's generation_config.json, else greedy)
@@ -141,8 +144,34 @@ class ModelConfig:
             raise ConfigError(f"model.top_k = {self.top_k!r}: expected >= 0 (0: off)")
         if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 10:
             raise ConfigError(f"model.repetition_penalty = {self.repetition_penalty!r}: expected 0 < value <= 10")
+        self.gpu_ffn_budget = str(self.gpu_ffn_budget)
+        parse_budget(self.gpu_ffn_budget, 0)   # raises ConfigError naming the key
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"model.device = {self.device!r}: expected auto, cpu or cuda")
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_budget(text: str, auto: int) -> int:
+    """model.gpu_ffn_budget in bytes: "auto" is `auto`; "24G" / "512M" / "1000" bytes; "0.5" half of auto."""
+    t = str(text).strip().upper().removesuffix("B")
+    if t == "AUTO":
+        return auto
+    try:
+        if "." in t and t[-1:].isdigit():
+            f = float(t)
+            if not 0 <= f <= 1:
+                raise ValueError
+            return int(f * auto)
+        unit = t[-1:] if t[-1:] in _UNITS else ""
+        n = int(t[:len(t) - len(unit)])
+        if n < 0:
+            raise ValueError
+        return n * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"model.gpu_ffn_budget = {text!r}: expected auto, bytes (e.g. 24G, 512M, 0) or a "
+                          f"fraction of auto (0 .. 1, e.g. 0.5)") from None
 
 
 @dataclass(slots=True)

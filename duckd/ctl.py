@@ -66,6 +66,9 @@ def cmd_status(args) -> int:
     if info:
         print(f"model {info.name} ({info.architecture}, {info.layers} layers), backend {info.backend}, "
               f"tp {info.tp}, multiple_of {info.multiple_of}")
+        print(f"placement: {info.gpu_ffn_gb:.2f} GB of FFN weights on the GPU ({info.gpu_layers_whole} layers whole, "
+              f"{info.gpu_experts} experts), {info.duck_gb_per_token:.3f} GB per token from the ducks in "
+              f"{info.duck_calls_per_token} calls")
     else:
         print("model: loading")
     print(f"{'id':>3} {'address':21} {'state':10} {'link ms':>8} {'rtt us':>8} {'GB/s':>7} {'kern ms':>8} "

@@ -208,11 +208,16 @@ class Daemon:
         k = getattr(c, "num_experts_per_tok", 0) or 0
         ffn = self.model.ffn
         per_token = ffn.ffn_bytes_per_token(k or 1) if hasattr(ffn, "ffn_bytes_per_token") else 0
+        plan = self.model.placement() or {}
         return pb.ModelInfo(name=self.model.name, architecture=c.model_type, layers=c.num_hidden_layers,
                             hidden_size=c.hidden_size, experts=experts, experts_per_token=k,
                             tp=self.cfg.fleet.tp, multiple_of=self.cfg.fleet.multiple_of,
                             ffn_bytes_per_token=per_token, max_model_len=self.cfg.model.max_model_len,
-                            backend=ffn.name)
+                            backend=ffn.name, gpu_ffn_gb=plan.get("gpu_gb", 0.0),
+                            duck_gb_per_token=plan.get("duck_gb_per_token", per_token / 1e9),
+                            gpu_layers_whole=len(plan.get("gpu_layers_whole", ())),
+                            gpu_experts=plan.get("gpu_experts", 0),
+                            duck_calls_per_token=plan.get("duck_calls_per_token", len(getattr(ffn, "layers", ()))))
 
     def drop_host_packs(self) -> None:
         if self.packs is not None:

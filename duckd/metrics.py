@@ -1,6 +1,6 @@
 """Prometheus metrics of the daemon (served at /metrics by duckd.http_api):
 per-duck state and counters read from the fleet at each scrape, the chat service's
-queue and running requests, and per-request latency histograms and token counters
+queue and running requests, the placement of the FFNs (engine.placement), and per-request latency histograms and token counters
 observed as requests finish (MTP1 acceptance too)."""
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ class _FleetCollector:
         yield GaugeMetricFamily("duck_requests_queued", "chat requests waiting for the model", value=chat.queued)
         yield GaugeMetricFamily("duck_requests_running", "chat requests generating", value=chat.running)
         yield GaugeMetricFamily("duck_ready", "1 once the fleet serves the model", value=1.0 if d.ready else 0.0)
+        plan = d.model.placement() or {}
+        yield GaugeMetricFamily("duck_placement_gpu_bytes", "FFN weights the GPU computes beside the ducks (bf16)",
+                                value=plan.get("gpu_gb", 0.0) * 1e9)
+        if plan:
+            yield GaugeMetricFamily("duck_placement_duck_bytes_per_token",
+                                    "expected fp9 bytes the ducks read per decoded token under the placement",
+                                    value=plan["duck_gb_per_token"] * 1e9)
+            yield GaugeMetricFamily("duck_placement_gpu_layers_whole", "FFN layers the GPU computes alone",
+                                    value=len(plan["gpu_layers_whole"]))
 
 
 class Metrics:

@@ -5,6 +5,7 @@ it in threads."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -129,7 +130,40 @@ class ModelHost:
         self.loaded = load_model(path, device=device, backend=backend)
         self.ffn = self.loaded.ffn
         log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
+        self._place()
         self._streamed_prefill()
+
+    def _place(self) -> None:
+        """With a fleet: the GPU's share of the FFNs within model.gpu_ffn_budget (engine.placement).
+        auto leaves room for the streamed prefill's two GPU buffers (a layer's experts each)."""
+        from duckd.config import parse_budget
+        from engine.placement import default_budget, place
+
+        if not hasattr(self.ffn, "layers") or not hasattr(self.ffn, "session"):
+            return
+        model = self.loaded.model
+        device = model.lm_head.weight.device
+        auto = default_budget(device)
+        if auto and self.cfg.gpu_prefill != "off":
+            auto = max(0, auto - 2 * max(sum(t.nbytes for duck in slices for e in duck for t in (e.gate_up, e.down))
+                                         for slices in self.ffn.layers.values()))
+        budget = parse_budget(self.cfg.gpu_ffn_budget, auto)
+        if budget <= 0:
+            return
+        t0 = time.monotonic()
+        resident = place(model, self.ffn, budget, threads=max(1, (os.cpu_count() or 2) - 1),
+                         on_progress=lambda done, total: log.info("placement: %d/%d layers on %s", done, total,
+                                                                  device) if done == total or done % 8 == 0 else None)
+        if resident is not None:
+            s = resident.plan.summary()
+            log.info("placement: %.2f GB of FFN weights on %s in %.1f s (%d layers whole, %d experts), %.3f GB per "
+                     "token from the ducks in %d calls", s["gpu_gb"], device, time.monotonic() - t0,
+                     len(s["gpu_layers_whole"]), s["gpu_experts"], s["duck_gb_per_token"], s["duck_calls_per_token"])
+
+    def placement(self) -> dict | None:
+        """The plan's summary (engine.placement.PlacementPlan.summary), None when the ducks compute every FFN."""
+        resident = self.loaded.model.__dict__.get("resident") if self.loaded else None
+        return resident.plan.summary() if resident is not None else None
 
     def _streamed_prefill(self) -> None:
         """On a CUDA host with a fleet: the experts' host copy for long prompts (model.gpu_prefill)."""
@@ -139,7 +173,11 @@ class ModelHost:
             return
         from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
         from engine.gpu.hybrid_prefill import StreamedPrefill
-        stream = ExpertStream(self.ffn.layers, self.ffn.hidden, device,
+        resident = model.__dict__.get("resident")      # layers the GPU holds whole never reach the stream
+        layers = {i: v for i, v in self.ffn.layers.items() if resident is None or not resident.whole(i)}
+        if not layers:
+            return
+        stream = ExpertStream(layers, self.ffn.hidden, device,
                               max_bytes=cfg.gpu_prefill_host_mb << 20 if cfg.gpu_prefill_host_mb else None)
         gbps = pinned_copy_gbps(device)
         model.streamed_prefill = StreamedPrefill(stream, self.ffn, "gpu" if cfg.gpu_prefill == "gpu" else "hybrid",
