@@ -50,6 +50,7 @@ class ModelShape:
     dense_layers: int          # layers whose FFN is a dense MLP (DeepSeek's first_k_dense_replace)
     dense_intermediate: int
     mtp_layers: int = 0        # DeepSeek's MTP head: one more MoE layer per draft
+    host_gb: float = 0.0       # what the GPU holds beside the FFNs: attention, router, shared experts, embeddings
 
     def __post_init__(self):
         for name in ("layers", "hidden"):
@@ -73,11 +74,30 @@ class ModelShape:
         return cls(name=name, layers=layers, hidden=hidden, experts=experts,
                    topk=int(t.get("num_experts_per_tok") or 0), moe_intermediate=int(t.get("moe_intermediate_size") or 0),
                    dense_layers=dense, dense_intermediate=int(t.get("intermediate_size") or 0),
-                   mtp_layers=int(t.get("num_nextn_predict_layers") or 0))
+                   mtp_layers=int(t.get("num_nextn_predict_layers") or 0), host_gb=_host_gb(t, layers, hidden, experts))
 
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
+
+
+def _host_gb(t: dict, layers: int, hidden: int, experts: int) -> float:
+    """The GPU's own weights (everything but the FFNs the ducks hold), estimated from the config: MLA or
+    GQA attention, routers, shared experts, embeddings and head; fp8 for DeepSeek's checkpoints (the GPU
+    path keeps them so: docs/gpu.md), bf16 otherwise. Linear-attention layers (Qwen3.5) count as full."""
+    heads = int(t.get("num_attention_heads") or 0)
+    if t.get("kv_lora_rank"):
+        q, kv, rope = int(t.get("q_lora_rank") or 0), int(t["kv_lora_rank"]), int(t.get("qk_rope_head_dim") or 0)
+        nope, v = int(t.get("qk_nope_head_dim") or 0), int(t.get("v_head_dim") or 0)
+        attn = (hidden * q + q * heads * (nope + rope) if q else hidden * heads * (nope + rope)) + \
+            hidden * (kv + rope) + kv * heads * (nope + v) + heads * v * hidden
+    else:
+        d = int(t.get("head_dim") or hidden // max(1, heads))
+        attn = hidden * (heads + 2 * int(t.get("num_key_value_heads") or heads)) * d + heads * d * hidden
+    shared = int(t.get("n_shared_experts") or 0) * 3 * hidden * int(t.get("moe_intermediate_size") or 0) + \
+        3 * hidden * int(t.get("shared_expert_intermediate_size") or 0)
+    params = layers * (attn + (shared + experts * hidden if experts else 0)) + 2 * int(t.get("vocab_size") or 0) * hidden
+    return params * (1 if str(t.get("model_type", "")).startswith("deepseek") else 2) / 1e9
 
 
 def load_model(what: str) -> ModelShape:
@@ -135,6 +155,11 @@ class Fleet:
     host_copy: str = "ram"             # where the host keeps the experts for streamed prefill: ram | nvme | none
     nvme_gbps: float = 7.0             # the pack cache's drive, when host_copy = nvme (PCIe 4.0 x4)
     gpu_prefill_chunk: int = 16384     # tokens per streamed pass
+    gpu_gb: float = 0.0                # the GPU's memory: what the model's own weights and duckd's margin leave
+                                       # is the FFN budget (engine.placement), unless gpu_ffn_gb says it
+    gpu_ffn_gb: float = 0.0            # GPU memory for FFN weights computed beside the ducks (engine.placement)
+    gpu_gbps: float = 1792.0           # the GPU's memory read rate (RTX 5090; H100 SXM ~3350)
+    gpu_ffn_us: float = 15.0           # a GPU-computed FFN's fixed cost per layer (its kernels' launches in the graph)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -149,7 +174,8 @@ class Fleet:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected a positive number")
         for name in ("latency_us", "call_us", "kernel_call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
                      "prefill_host_ms",
-                     "colocated_cores", "emulated_link_mtu", "gpu_tflops", "pcie_gbps", "nvme_gbps"):
+                     "colocated_cores", "emulated_link_mtu", "gpu_tflops", "pcie_gbps", "nvme_gbps", "gpu_ffn_gb", "gpu_gb",
+                     "gpu_gbps", "gpu_ffn_us"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
         if self.kernel_read_ratio > 1.5:
@@ -226,20 +252,70 @@ def duck_stage_ms(m: ModelShape, f: Fleet, tokens: int) -> dict:
             "params_per_duck": params}
 
 
+GPU_MARGIN_GB, GPU_MARGIN_FRACTION, KV_GB = 4.0, 0.10, 2.0   # duckd's default margin (engine.placement), a KV cache
+
+
+def ffn_budget_gb(m: ModelShape, f: Fleet) -> float:
+    """gpu_ffn_gb, or from gpu_gb what duckd's auto budget leaves: less the model's own weights, a KV
+    cache and the margin (engine.placement.default_budget)."""
+    if f.gpu_ffn_gb or not f.gpu_gb:
+        return f.gpu_ffn_gb
+    return max(0.0, f.gpu_gb - m.host_gb - KV_GB - GPU_MARGIN_GB - GPU_MARGIN_FRACTION * f.gpu_gb)
+
+
+def placement(m: ModelShape, f: Fleet):
+    """engine.placement's plan for gpu_ffn_gb of GPU memory (None without): dense layers first, then whole
+    MoE layers or a share of each, the cheaper by the fleet's call cost and read rate."""
+    budget = ffn_budget_gb(m, f)
+    if budget <= 0:
+        return None
+    from engine.placement_plan import FfnShape, plan_placement
+    shapes = [FfnShape(i, 1, m.hidden, m.dense_intermediate) for i in range(m.dense_layers)]
+    shapes += [FfnShape(i, m.experts, m.hidden, m.moe_intermediate) for i in range(m.dense_layers, m.layers)]
+    call_s = (transport_us(f, m.hidden)["total_us"] + f.kernel_call_us) * 1e-6
+    return plan_placement(shapes, max(1, m.topk), int(budget * 1e9), call_s=call_s,
+                          duck_gbps=f.ducks * f.duck_gparams * FP9_BYTES)
+
+
+def layer_costs(m: ModelShape, f: Fleet, tokens: int, plan=None) -> list[tuple[float, float, float]]:
+    """(host, kernel, transport) ms of each layer's step of `tokens` tokens: the host stage (with the GPU's
+    share of the FFN under a placement plan: its bytes at gpu_gbps and a fixed cost), the ducks' kernel on
+    what is left of the layer, and their call (none for a layer the GPU holds whole)."""
+    moe, dense = layer_params(m, f, tokens)
+    t = duck_stage_ms(m, f, tokens)["transport_ms"]
+    out = []
+    for i in range(m.layers):
+        kernel = (dense if i < m.dense_layers or not m.experts else moe) / f.duck_gparams / 1e6 + f.kernel_call_us / 1e3
+        host = f.host_ms
+        if plan is not None and i in plan.gpu:
+            share, s = plan.share.get(i, 0.0), plan.shapes[i]
+            k = 1 if s.dense else min(distinct_experts(s.experts, m.topk, tokens), s.experts)
+            host += share * k * s.expert_weights * 2 / (f.gpu_gbps * 1e6) + f.gpu_ffn_us / 1e3
+            out.append((host, 0.0, 0.0) if plan.whole(i) else (host, kernel * (1 - share), t))
+        else:
+            out.append((host, kernel, t))
+    return out
+
+
 def decode(m: ModelShape, f: Fleet) -> dict:
-    one = duck_stage_ms(m, f, 1)
-    duck1 = one["kernel_ms"] + one["transport_ms"]
-    step = m.layers * (f.host_ms + duck1) + f.head_ms
+    plan_ = placement(m, f)
+    layers = layer_costs(m, f, 1, plan_)
+    step = sum(map(sum, layers)) + f.head_ms
+    mean = [sum(c[j] for c in layers) / m.layers for j in range(3)]
     out = {"tok_s": 1e3 / step, "step_ms": step, "mode": "one token per step",
-           "per_layer_ms": {"host": f.host_ms, "kernel": one["kernel_ms"], "transport": one["transport_ms"]}}
+           "per_layer_ms": dict(zip(("host", "kernel", "transport"), mean))}
+    if plan_ is not None:
+        s = plan_.summary()
+        out["placement"] = {**{k: s[k] for k in ("gpu_gb", "duck_gb_per_token", "duck_calls_per_token", "filling")},
+                            "gpu_layers_whole": len(s["gpu_layers_whole"])}
     if f.mtp_acceptance:
-        mtp_layer = f.host_ms + duck1 if m.mtp_layers else 0.0   # the draft's MTP layer, once per step
+        one = duck_stage_ms(m, f, 1)
+        mtp_layer = f.host_ms + one["kernel_ms"] + one["transport_ms"] if m.mtp_layers else 0.0   # the draft's MTP layer
         if f.dual_lane:
-            mtp_step = m.layers * max(2 * duck1, 2 * f.host_ms) + f.host_ms + mtp_layer + f.head_ms
+            mtp_step = sum(max(2 * (k + t), 2 * h) for h, k, t in layers) + f.host_ms + mtp_layer + f.head_ms
             mode = "MTP1 dual lane"
         else:
-            two = duck_stage_ms(m, f, 2)
-            mtp_step = m.layers * (f.host_ms + two["kernel_ms"] + two["transport_ms"]) + mtp_layer + f.head_ms
+            mtp_step = sum(map(sum, layer_costs(m, f, 2, plan_))) + mtp_layer + f.head_ms
             mode = "MTP1 batched"
         out.update(tok_s=(1 + f.mtp_acceptance) * 1e3 / mtp_step, step_ms=mtp_step, mode=mode,
                    tokens_per_step=1 + f.mtp_acceptance, tok_s_without_mtp=1e3 / step)

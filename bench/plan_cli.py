@@ -4,7 +4,7 @@ from benchmark JSON files, and its validation against measured runs.
   duckctl plan MODEL [--ducks N] [fleet options] [--kernels F] [--transport F] [--e2e F] [--json]
   duckctl plan --validate [--json]      predicted vs measured: the seeds, bench/results, --transport F
 
-MODEL: a synthetic name (deepseek-v32, qwen3-30b-a3b, qwen3.5-35b-a3b), a
+MODEL: a synthetic name (deepseek-v32, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b), a
 checkpoint folder or its config.json. Calibration files override the defaults
 (the seeds' N100 fleet), and options given on the command line override both.
 """
@@ -289,6 +289,10 @@ def format_plan(p: dict) -> str:
              f"{f['ducks']} ducks x {f['cores']} cores in {f['subnets']} subnets",
              f"  decode   {dec['tok_s']:7.1f} tok/s  ({dec['mode']}, step {dec['step_ms']:.1f} ms)",
              f"  per layer host {pl['host']:.3f} + kernel {pl['kernel']:.3f} + transport {pl['transport']:.3f} ms",
+             *([f"  placement {dec['placement']['gpu_gb']:.1f} GB of FFN weights on the GPU "
+                f"({dec['placement']['gpu_layers_whole']} layers whole, {dec['placement']['filling']}): "
+                f"{dec['placement']['duck_gb_per_token']:.2f} GB per token from the ducks in "
+                f"{dec['placement']['duck_calls_per_token']} calls"] if "placement" in dec else []),
              f"  prefill  {pre['tok_s']:7.1f} tok/s  (chunks of {pre['chunk_tokens']}, {pre['bound']})",
              *(f"  prefill  {s['tok_s']:7.1f} tok/s  at {s['tokens']} tokens, experts streamed from {s['host_copy']}: "
                f"GPU share {s['gpu_share']:.2f}, {s['bound']}" for s in p.get("streamed_prefill", [])),
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write((json.dumps(v, indent=2) if args.json else format_validation(v)) + "\n")
             return 0
         if not args.model:
-            raise PlanError("name a model (deepseek-v32, qwen3-30b-a3b, qwen3.5-35b-a3b, or a checkpoint folder), "
+            raise PlanError("name a model (deepseek-v32, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b, or a checkpoint folder), "
                             "or --validate")
         m = load_model(args.model)
         fleet, _ = make_fleet(args)

@@ -44,3 +44,7 @@ SHAPES: dict[str, dict] = {
 # DeepSeek-V3 (and R1): V3.2's widths without its lightning indexer (dense MLA at any length)
 SHAPES["deepseek-v3"] = {k: v for k, v in SHAPES["deepseek-v32"].items() if not k.startswith("index_")}
 SHAPES["deepseek-v3"]["model_type"] = "deepseek_v3"
+
+# Qwen3-235B-A22B: the Qwen3-MoE family at its published widths (the planner's, e.g. docs/plan.md)
+SHAPES["qwen3-235b-a22b"] = {**SHAPES["qwen3-30b-a3b"], "hidden_size": 4096, "intermediate_size": 12288,
+                             "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64}

@@ -22,7 +22,7 @@ def test_synthetic_configs_keep_the_published_widths():
         synthetic_config("deepseek-v32", experts=12)
     with pytest.raises(ValueError, match="unknown synthetic model"):
         synthetic_config("gpt-5")
-    assert set(SHAPES) == {"deepseek-v3", "deepseek-v32", "qwen3-30b-a3b", "qwen3.5-35b-a3b"}
+    assert set(SHAPES) == {"deepseek-v3", "deepseek-v32", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b"}
     assert synthetic_config("deepseek-v3").model_type == "deepseek_v3" and "index_topk" not in SHAPES["deepseek-v3"]
 
 

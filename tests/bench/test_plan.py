@@ -274,3 +274,23 @@ def test_streamed_prefill_is_never_below_the_fleet_alone_and_ram_beats_nvme():
     assert ram["tok_s"] <= 8192 / (ram["pass_gb"] / f.pcie_gbps) * 1.0001
     assert 730 < ram["pass_gb"] < 745       # DeepSeek-V3.2's FFN weights in fp9 (the ~750 GB a host must hold)
     assert streamed_prefill(m, dataclasses.replace(f, gpu_tflops=0), 8192)["gpu_share"] == 0
+
+
+def test_a_gpu_budget_places_ffns_and_the_plan_shows_fewer_duck_bytes_and_calls(capsys):
+    """duckctl plan --gpu-gb: the budget is what the model's own weights and duckd's margin leave
+    (engine.placement's plan on it); more budget never slows decode; a budget the model's own weights
+    take whole places nothing."""
+    from bench.plan import Fleet, decode, ffn_budget_gb, load_model
+    m = load_model("qwen3-235b-a22b")
+    assert 14 < m.host_gb < 18                       # attention, routers, embeddings and head in bf16
+    assert ffn_budget_gb(m, Fleet(gpu_gb=80)) == pytest.approx(80 - m.host_gb - 2 - 4 - 8)
+    assert ffn_budget_gb(m, Fleet(gpu_gb=80, gpu_ffn_gb=5)) == 5 and ffn_budget_gb(m, Fleet(gpu_gb=20)) == 0
+    none, some, more = (decode(m, Fleet(gpu_ffn_gb=gb)) for gb in (0, 20, 200))
+    assert "placement" not in none and none["tok_s"] < some["tok_s"] < more["tok_s"]
+    assert more["placement"]["duck_calls_per_token"] < some["placement"]["duck_calls_per_token"] < 94
+    assert main(["deepseek-v32", "--gpu-gb", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "placement" in out and "3 layers whole" in out      # the dense layers first
+    assert main(["deepseek-v32", "--gpu-gb", "32", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["decode"]["placement"]["duck_gb_per_token"] < 23.2 and p["decode"]["placement"]["gpu_gb"] <= 32
