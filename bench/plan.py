@@ -160,6 +160,8 @@ class Fleet:
     gpu_ffn_gb: float = 0.0            # GPU memory for FFN weights computed beside the ducks (engine.placement)
     gpu_gbps: float = 1792.0           # the GPU's memory read rate (RTX 5090; H100 SXM ~3350)
     gpu_ffn_us: float = 15.0           # a GPU-computed FFN's fixed cost per layer (its kernels' launches in the graph)
+    gpu_fp9_read_ratio: float = 0.2    # the fused fp9 GEMV's read rate over gpu_gbps (H200: 0.10-0.28 measured,
+                                       # bench/results/2026-12-06-placement-h200)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -175,7 +177,7 @@ class Fleet:
         for name in ("latency_us", "call_us", "kernel_call_us", "host_per_duck_us", "host_ms", "head_ms", "colocated_cpu_us_per_duck",
                      "prefill_host_ms",
                      "colocated_cores", "emulated_link_mtu", "gpu_tflops", "pcie_gbps", "nvme_gbps", "gpu_ffn_gb", "gpu_gb",
-                     "gpu_gbps", "gpu_ffn_us"):
+                     "gpu_gbps", "gpu_ffn_us", "gpu_fp9_read_ratio"):
             if getattr(self, name) < 0:
                 raise PlanError(f"{name} = {getattr(self, name)!r}: expected >= 0")
         if self.kernel_read_ratio > 1.5:
@@ -274,7 +276,7 @@ def placement(m: ModelShape, f: Fleet):
     shapes += [FfnShape(i, m.experts, m.hidden, m.moe_intermediate) for i in range(m.dense_layers, m.layers)]
     call_s = (transport_us(f, m.hidden)["total_us"] + f.kernel_call_us) * 1e-6
     return plan_placement(shapes, max(1, m.topk), int(budget * 1e9), call_s=call_s,
-                          duck_gbps=f.ducks * f.duck_gparams * FP9_BYTES)
+                          duck_gbps=f.ducks * f.duck_gparams * FP9_BYTES, gpu_gbps=f.gpu_gbps * f.gpu_fp9_read_ratio)
 
 
 def layer_costs(m: ModelShape, f: Fleet, tokens: int, plan=None) -> list[tuple[float, float, float]]:
@@ -290,7 +292,8 @@ def layer_costs(m: ModelShape, f: Fleet, tokens: int, plan=None) -> list[tuple[f
         if plan is not None and i in plan.gpu:
             share, s = plan.share.get(i, 0.0), plan.shapes[i]
             k = 1 if s.dense else min(distinct_experts(s.experts, m.topk, tokens), s.experts)
-            host += share * k * s.expert_weights * 2 / (f.gpu_gbps * 1e6) + f.gpu_ffn_us / 1e3
+            host += share * k * s.expert_weights * FP9_BYTES / (f.gpu_gbps * f.gpu_fp9_read_ratio * 1e6) + \
+                f.gpu_ffn_us / 1e3
             out.append((host, 0.0, 0.0) if plan.whole(i) else (host, kernel * (1 - share), t))
         else:
             out.append((host, kernel, t))

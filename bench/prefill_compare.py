@@ -102,11 +102,13 @@ def placement_budgets(model, names: list[str]) -> dict[str, int]:
     """GPU budgets by name: 0; dense (the dense FFN layers: what llama.cpp's -ot exps=CPU keeps on
     the GPU); quarter (that and a quarter of the routed experts); auto (what duckd takes by
     default: the GPU memory free now, less its margin)."""
-    from engine.placement import GPU_BYTES_PER_WEIGHT, model_ffn_shapes
+    from engine.placement import bytes_per_weight, model_ffn_shapes
 
     shapes = model_ffn_shapes(model)
-    dense = sum(s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes if s.dense)
-    routed = sum(s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes if not s.dense)
+    weight = model.model.embed_tokens.weight
+    per = bytes_per_weight(weight.device, weight.dtype)    # fp9 on CUDA (engine.gpu.fp9_gemv)
+    dense = int(sum(s.expert_weights * per for s in shapes if s.dense))
+    routed = int(sum(s.experts * s.expert_weights * per for s in shapes if not s.dense))
     known = {"0": 0, "dense": dense, "quarter": dense + routed // 4}
     out = {}
     for name in names:

@@ -76,13 +76,55 @@ class RoutingHistogram:
 class _Held:
     experts: int                # the layer's experts
     ids: tuple[int, ...]        # the ones held here, in slot order
-    gate_up: torch.Tensor       # [n, 2I, H], gate row i at 2i, up at 2i + 1
-    down: torch.Tensor          # [n, H, I]
     slot: torch.Tensor          # [experts] int32: an expert's slot here, -1 where the ducks compute it
+    gate_up: torch.Tensor | None = None   # decoded copies: [n, 2I, H], gate row i at 2i, up at 2i + 1
+    down: torch.Tensor | None = None      # [n, H, I]
+    fp9: tuple | None = None              # or the ducks' fp9 bytes: (expert_stream._Layer, uint8 device buffer)
 
     @property
     def whole(self) -> bool:
         return len(self.ids) == self.experts
+
+    @property
+    def nbytes(self) -> int:
+        return self.fp9[1].numel() if self.fp9 else self.gate_up.nbytes + self.down.nbytes
+
+
+FP9_PART_BYTES = 1 << 30   # host memory a layer's fp9 copy passes through at a time on its way to the device
+
+
+def _fp9_on(per_duck, ids: list[int], device, workers) -> tuple:
+    """(layout, device bytes) of the experts ids of one layer in fp9 (engine.gpu.expert_stream's layout),
+    laid out on the host a part of at most FP9_PART_BYTES at a time: the host also holds the ducks'
+    and the streamed prefill's copies, and one DeepSeek layer is 12.7 GB."""
+    from engine.gpu.expert_stream import _Layer
+
+    lay = _Layer(-1, per_duck, None, False, workers, which=ids[:1])
+    per_expert = lay.tp * (lay.gu_slot + lay.dn_slot)
+    step = max(1, FP9_PART_BYTES // per_expert)
+    n = len(ids)
+    src = torch.empty(n * per_expert, dtype=torch.uint8, device=device)
+    gu_bytes = n * lay.tp * lay.gu_slot
+    for at in range(0, n, step):
+        part = _Layer(-1, per_duck, None, False, workers, which=ids[at:at + step])
+        m = part.held
+        src[at * lay.tp * lay.gu_slot:(at + m) * lay.tp * lay.gu_slot].copy_(part.host[:part.gu_bytes])
+        src[gu_bytes + at * lay.tp * lay.dn_slot:gu_bytes + (at + m) * lay.tp * lay.dn_slot].copy_(
+            part.host[part.gu_bytes:])
+    lay.held, lay.gu_bytes, lay.host = n, gu_bytes, None
+    return lay, src
+
+
+def keeps_fp9(device) -> bool:
+    """Whether a placement on device keeps the ducks' fp9 bytes (read by engine.gpu.fp9_gemv's kernel:
+    CUDA) rather than decoded copies (the CPU, where the torch path computes)."""
+    from engine.gpu.fp9_gemv import kernel_runs
+    return torch.device(device).type == "cuda" and kernel_runs(torch.device(device))
+
+
+def bytes_per_weight(device, dtype: torch.dtype) -> float:
+    """What one weight of a placement costs device's memory."""
+    return GPU_BYTES_PER_WEIGHT if keeps_fp9(device) else torch.empty(0, dtype=dtype).element_size()
 
 
 class ResidentExperts:
@@ -94,28 +136,41 @@ class ResidentExperts:
 
     @classmethod
     def from_slices(cls, plan: PlacementPlan, slices: dict, device, dtype: torch.dtype,
-                    on_progress=None, threads: int = 1) -> "ResidentExperts":
-        """The plan's experts decoded from the ducks' fp9 slices (FleetFfn.layers) on device."""
-        from engine.gpu.expert_stream import decode_experts
+                    on_progress=None, threads: int = 1, fp9: bool | None = None) -> "ResidentExperts":
+        """The plan's experts from the ducks' fp9 slices (FleetFfn.layers) on device: their bytes as they
+        are (fp9: default on CUDA), or decoded to dtype."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from engine.gpu.expert_stream import _Layer, decode_experts
 
         self = cls(plan, device, dtype)
-        for done, (layer, ids) in enumerate(sorted(plan.gpu.items()), 1):
-            gu, dn = decode_experts(slices[layer], list(ids), self.device, threads)
-            self.add(layer, ids, plan.shapes[layer].experts, gu.to(dtype), dn.to(dtype))
-            if on_progress:
-                on_progress(done, len(plan.gpu))
-        log.info("placement: %d layers' experts on %s (%.2f GB; %d whole)", len(self.layers), self.device,
-                 self.nbytes / 1e9, sum(h.whole for h in self.layers.values()))
+        fp9 = keeps_fp9(self.device) if fp9 is None else fp9
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="placement") as workers:
+            for done, (layer, ids) in enumerate(sorted(plan.gpu.items()), 1):
+                if fp9:
+                    self.add(layer, ids, plan.shapes[layer].experts, fp9=_fp9_on(slices[layer], list(ids),
+                                                                                  self.device, workers))
+                else:
+                    gu, dn = decode_experts(slices[layer], list(ids), self.device, threads)
+                    self.add(layer, ids, plan.shapes[layer].experts, gu.to(dtype), dn.to(dtype))
+                if on_progress:
+                    on_progress(done, len(plan.gpu))
+        log.info("placement: %d layers' experts on %s in %s (%.2f GB; %d whole)", len(self.layers), self.device,
+                 "fp9" if fp9 else str(dtype).removeprefix("torch."), self.nbytes / 1e9,
+                 sum(h.whole for h in self.layers.values()))
         return self
 
-    def add(self, layer: int, ids, experts: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def add(self, layer: int, ids, experts: int, gate_up: torch.Tensor | None = None,
+            down: torch.Tensor | None = None, fp9: tuple | None = None) -> None:
+        """A layer's held experts: decoded (gate_up [n, 2I, H] interleaved, down [n, H, I]) or fp9 bytes."""
         slot = torch.full((experts,), -1, dtype=torch.int32)
         slot[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
-        self.layers[layer] = _Held(experts, tuple(ids), gate_up, down, slot.to(gate_up.device))
+        where = fp9[1].device if fp9 else gate_up.device
+        self.layers[layer] = _Held(experts, tuple(ids), slot.to(where), gate_up, down, fp9)
 
     @property
     def nbytes(self) -> int:
-        return sum(h.gate_up.nbytes + h.down.nbytes for h in self.layers.values())
+        return sum(h.nbytes for h in self.layers.values())
 
     def whole(self, layer: int) -> bool:
         held = self.layers.get(layer)
@@ -136,20 +191,45 @@ class ResidentExperts:
     @staticmethod
     def _compute(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], slots / weights [T, k] (slot -1: not this share) -> [T, H] fp32."""
+        t, k = slots.shape
+        few = t * k <= GEMV_PAIRS or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if held.fp9 is not None:
+            from engine.gpu.fp9_gemv import kernel_runs
+            return _fp9_share(held, x, slots, weights, gemv=few and kernel_runs(x.device))
+        small = few and x.device.type == "cuda"
         gate_up, down = held.gate_up, held.down
         dtype = gate_up.dtype
         if held.experts == 1:                      # a dense FFN: every token, weight 1 (the router's are ones)
             h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
             a = F.silu(h[:, 0::2]) * h[:, 1::2]
             return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
-        t, k = slots.shape
-        if x.device.type == "cuda" and (t * k <= GEMV_PAIRS or torch.cuda.is_current_stream_capturing()):
+        if small:
             from engine.gpu.moe import grouped_gemv
             h = grouped_gemv(x.to(dtype), slots.to(torch.int32), gate_up, k)   # [T*k, 2I] fp32
             a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
             y = grouped_gemv(a, slots.to(torch.int32), down, 1)                # [T*k, H] fp32
             return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
         return _grouped_share(gate_up, down, x.to(dtype), slots, weights)
+
+
+def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gemv: bool) -> torch.Tensor:
+    """The share of experts held in fp9: a decode step's few pairs through the fused GEMV (no host sync:
+    inside the graphs), a prefill's many through groups decoded to bf16 and grouped GEMMs."""
+    from engine.gpu.expert_stream import fp9_experts_forward
+    from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up
+
+    lay, src = held.fp9
+    t, k = slots.shape
+    if held.experts == 1:
+        slots = torch.zeros_like(slots)          # a dense FFN: every token its one expert
+    if not gemv:
+        return fp9_experts_forward(lay, src, lay.held, x, slots, weights)
+    flat = slots.reshape(-1).to(torch.int32)
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    h = fp9_gate_up(lay, src, flat, x.to(dtype), k)                              # [T*k, tp*gu_rows] fp32
+    a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
+    y = fp9_down(lay, src, flat, a)                                              # [T*k, H] fp32
+    return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
 
 
 GEMV_PAIRS = 64   # (token, slot) pairs up to which an eager call runs the grouped GEMV (graphs: always)
@@ -192,18 +272,36 @@ def default_budget(device) -> int:
     return max(0, int(free - MARGIN_BYTES - MARGIN_FRACTION * total))
 
 
+FP9_GEMV_GBPS = 400.0     # the fused fp9 GEMV's read rate on a decode step (H200: 210-587 GB/s measured)
+COPY_GEMV_GBPS = 1000.0   # the grouped GEMV's on decoded bf16 copies (H200: 523-3000 GB/s)
+
+
 def place(model, fleet_ffn, budget_bytes: int, histogram: RoutingHistogram | None = None,
-          on_progress=None, threads: int = 1) -> ResidentExperts | None:
+          on_progress=None, threads: int = 1, duck_gbps: float = DUCK_GBPS, call_s: float = CALL_S,
+          gpu_gbps: float | None = None) -> ResidentExperts | None:
     """Plans the model's FFNs for a GPU budget and makes the model compute the GPU's share; None
-    when the budget holds nothing (every FFN is then the ducks' again)."""
+    when the budget holds nothing, or nothing that pays (every FFN is then the ducks' again).
+    duck_gbps / call_s: the fleet's read rate and a duck call's fixed cost (the plan's cost model);
+    gpu_gbps: the GPU's read rate of its copies (default on CUDA: FP9_GEMV_GBPS or COPY_GEMV_GBPS;
+    elsewhere none: the host's own share is not weighed)."""
     config = model.config
-    plan = plan_placement(model_ffn_shapes(model), max(1, config.num_experts_per_tok or 1), budget_bytes, histogram)
+    weight = model.model.embed_tokens.weight
+    dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    shapes = model_ffn_shapes(model)
+    decoded = torch.empty(0, dtype=dtype).element_size()
+    # fp9 where the budget cannot hold every FFN decoded (it holds 1.78x more experts than bf16, at a slower
+    # GEMV: engine.gpu.fp9_gemv); decoded copies, the fastest to read, where it can
+    fp9 = keeps_fp9(weight.device) and budget_bytes < sum(s.experts * s.expert_weights for s in shapes) * decoded
+    if gpu_gbps is None and weight.device.type == "cuda":
+        gpu_gbps = FP9_GEMV_GBPS if fp9 else COPY_GEMV_GBPS
+    plan = plan_placement(shapes, max(1, config.num_experts_per_tok or 1), budget_bytes, histogram, call_s=call_s,
+                          duck_gbps=duck_gbps, gpu_bytes_per_weight=GPU_BYTES_PER_WEIGHT if fp9 else decoded,
+                          gpu_gbps=gpu_gbps)
     if not plan.gpu:
         model.set_resident(None)
         return None
-    weight = model.model.embed_tokens.weight
-    dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
     model.set_resident(None)     # the old plan's copies go before the new ones are made
-    resident = ResidentExperts.from_slices(plan, fleet_ffn.layers, weight.device, dtype, on_progress, threads)
+    resident = ResidentExperts.from_slices(plan, fleet_ffn.layers, weight.device, dtype, on_progress, threads,
+                                           fp9=fp9)
     model.set_resident(resident)
     return resident

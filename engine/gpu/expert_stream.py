@@ -225,53 +225,28 @@ class ExpertStream:
         before it is weighted and added in fp32."""
         b, g = self._where.pop(layer, (0, 0))
         lay = self.layers[layer]
-        t, k = ids.shape
-        y = torch.zeros(t, self.hidden, dtype=torch.float32, device=x.device)
         if g == 0:
-            return y
-        flat = ids.reshape(-1)
-        mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)                    # pairs of this share
-        experts = flat[mine].long()
-        order = torch.argsort(experts, stable=True)
-        pairs = mine[order]
-        counts = torch.bincount(experts, minlength=g).tolist()                      # one sync: the launch sizes
-        tokens = pairs // k                                                          # [P] token of each pair
-        w = weights.reshape(-1)[pairs].float()
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(self._copied[b])
-            began = torch.cuda.Event(enable_timing=True)
-            began.record(compute)
-        else:
-            began = time.perf_counter()
-        src = self._gpu[b]
-        # the GEMMs in bf16 (the tensor cores; the weights are exact in it); an fp32 model (the CPU
-        # tests) keeps fp32, as its ducks do
-        dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-        group = max(1, DECODE_GROUP_BYTES // (2 * lay.tp * (lay.gu_rows * lay.hidden + lay.hidden * lay.slice_cols)))
-        at = 0
-        for e0 in range(0, g, group):
-            n = min(group, g - e0)
-            rows = sum(counts[e0:e0 + n])
-            if rows == 0:
-                continue
-            gu, dn = self._decode(lay, src, g, e0, n)                                # [n, 2I, H], [n, H, I]
-            if dtype != torch.bfloat16:
-                gu, dn = gu.to(dtype), dn.to(dtype)
-            sel = slice(at, at + rows)
-            xs = x[tokens[sel]].to(dtype)                                            # [R, H]
-            h = _grouped(xs, gu, counts[e0:e0 + n])                                  # [R, 2I]
-            a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                      # [R, I]
-            o = _grouped(a.to(dtype), dn, counts[e0:e0 + n])                         # [R, H]
-            y.index_add_(0, tokens[sel], o.float() * w[sel, None])
-            at += rows
+            return torch.zeros(ids.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        began = None
+
+        def ready():   # after the routing's sync: the compute waits for the copy, not the host
+            nonlocal began
+            if self.cuda:
+                compute.wait_event(self._copied[b])
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(compute)
+            else:
+                began = time.perf_counter()
+
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        y = fp9_experts_forward(lay, self._gpu[b], g, x, ids, weights, ready)
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(compute)
             self._free[b] = ev
-            self._computing.append((layer, g, t, began, ev))
+            self._computing.append((layer, g, ids.shape[0], began, ev))
         else:
-            self._computing.append((layer, g, t, began, time.perf_counter()))
+            self._computing.append((layer, g, ids.shape[0], began, time.perf_counter()))
         return y
 
     def compute_seconds(self) -> list[tuple[int, int, int, float]]:
@@ -306,6 +281,48 @@ class ExpertStream:
             torch.cuda.synchronize(self.device)
         self._gpu = [None, None]
         self.layers.clear()
+
+
+def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor, ready=None) -> torch.Tensor:
+    """x [T, H], ids / weights [T, k] -> [T, H] fp32: the pairs whose id is one of the g experts laid in src
+    (lay's layout, experts [0, g)), decoded to bf16 a group at a time and run as grouped GEMMs; nothing of
+    the other pairs. Each pair's output is rounded to the GEMMs' type (bf16, or fp32 for an fp32 model)
+    before it is weighted and added in fp32. One host sync (the groups' sizes); ready() is called after
+    it, before the first read of src (ExpertStream: the wait for the copy)."""
+    t, k = ids.shape
+    y = torch.zeros(t, lay.hidden, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)                    # pairs of this share
+    experts = flat[mine].long()
+    order = torch.argsort(experts, stable=True)
+    pairs = mine[order]
+    counts = torch.bincount(experts, minlength=g).tolist()                      # one sync: the launch sizes
+    tokens = pairs // k                                                          # [P] token of each pair
+    w = weights.reshape(-1)[pairs].float()
+    if ready is not None:
+        ready()
+    # the GEMMs in bf16 (the tensor cores; the weights are exact in it); an fp32 model (the CPU
+    # tests) keeps fp32, as its ducks do
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    group = max(1, DECODE_GROUP_BYTES // (2 * lay.tp * (lay.gu_rows * lay.hidden + lay.hidden * lay.slice_cols)))
+    at = 0
+    for e0 in range(0, g, group):
+        n = min(group, g - e0)
+        rows = sum(counts[e0:e0 + n])
+        if rows == 0:
+            continue
+        gu, dn = ExpertStream._decode(lay, src, g, e0, n)                         # [n, 2I, H], [n, H, I]
+        if dtype != torch.bfloat16:
+            gu, dn = gu.to(dtype), dn.to(dtype)
+        sel = slice(at, at + rows)
+        xs = x[tokens[sel]].to(dtype)                                            # [R, H]
+        h = _grouped(xs, gu, counts[e0:e0 + n])                                  # [R, 2I]
+        a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                      # [R, I]
+        o = _grouped(a.to(dtype), dn, counts[e0:e0 + n])                         # [R, H]
+        y.index_add_(0, tokens[sel], o.float() * w[sel, None])
+        at += rows
+    return y
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -285,12 +285,14 @@ def test_a_gpu_budget_places_ffns_and_the_plan_shows_fewer_duck_bytes_and_calls(
     assert 14 < m.host_gb < 18                       # attention, routers, embeddings and head in bf16
     assert ffn_budget_gb(m, Fleet(gpu_gb=80)) == pytest.approx(80 - m.host_gb - 2 - 4 - 8)
     assert ffn_budget_gb(m, Fleet(gpu_gb=80, gpu_ffn_gb=5)) == 5 and ffn_budget_gb(m, Fleet(gpu_gb=20)) == 0
-    none, some, more = (decode(m, Fleet(gpu_ffn_gb=gb)) for gb in (0, 20, 200))
+    none, some, more = (decode(m, Fleet(gpu_ffn_gb=gb, gpu_fp9_read_ratio=1.0)) for gb in (0, 20, 200))
     assert "placement" not in none and none["tok_s"] < some["tok_s"] < more["tok_s"]
     assert more["placement"]["duck_calls_per_token"] < some["placement"]["duck_calls_per_token"] < 94
-    assert main(["deepseek-v32", "--gpu-gb", "32"]) == 0
+    assert main(["deepseek-v32", "--gpu-gb", "32", "--gpu-fp9-read-ratio", "1"]) == 0
     out = capsys.readouterr().out
     assert "placement" in out and "3 layers whole" in out      # the dense layers first
-    assert main(["deepseek-v32", "--gpu-gb", "32", "--json"]) == 0
+    # the fused fp9 GEMV as measured (0.2 of the GPU's rate) reads slower than 32 N100: nothing pays
+    assert decode(load_model("deepseek-v32"), Fleet(gpu_gb=80))["placement"]["gpu_gb"] == 0
+    assert main(["deepseek-v32", "--gpu-gb", "32", "--gpu-fp9-read-ratio", "1", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["decode"]["placement"]["duck_gb_per_token"] < 23.2 and p["decode"]["placement"]["gpu_gb"] <= 32

@@ -28,13 +28,13 @@ def test_budget_parses_bytes_fractions_and_auto_and_names_the_key_when_wrong():
 def test_a_budget_puts_layers_on_the_models_device_and_status_shows_it(tmp_path, duckd_daemon):
     want, _ = duckd_daemon.chat(QUESTION, max_tokens=12)
     state = tmp_path / "state"
-    # SmolLM2-135M: 30 dense MLP layers of 5.3 MB each in bf16: 20 MB holds 3 whole
-    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"gpu_ffn_budget": "20M"}),
+    # SmolLM2-135M: 30 dense MLP layers of 2.65 M weights, on the CPU decoded fp32 copies: 35 MB holds 3 whole
+    d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"gpu_ffn_budget": "35M"}),
                       state).start()
     try:
         info = rpc.ModelStub(d.channel()).Info(pb.ModelInfoRequest(), timeout=10)
         assert info.gpu_layers_whole == 3 and info.duck_calls_per_token == 27
-        assert 0.015 < info.gpu_ffn_gb <= 0.021 and info.duck_gb_per_token > 0
+        assert 0.03 < info.gpu_ffn_gb <= 0.037 and info.duck_gb_per_token > 0
         got, stats = d.chat(QUESTION, max_tokens=12)
         assert got == want and "Paris" in got
         r = duckctl(d, "--config", str(d.config), "status")

@@ -22,8 +22,8 @@ TOKENS = 8
 LOGITS_RTOL = 1e-4   # fp32: the same weights, the GPU's share summed apart from the ducks'
 
 
-def _full_bytes(shapes: list[FfnShape]) -> int:
-    return sum(s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes)
+def _full_bytes(shapes: list[FfnShape], per_weight: float = GPU_BYTES_PER_WEIGHT) -> int:
+    return int(sum(s.experts * s.expert_weights * per_weight for s in shapes))
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def test_dense_layers_go_first_then_whole_layers_under_even_routing():
     plan = plan_placement(DEEPSEEK_LIKE, 8, dense + 10)
     assert plan.gpu == {0: (0,)} and plan.whole(0)
     before = plan_placement(DEEPSEEK_LIKE, 8, 0)
-    assert before.duck_bytes_per_token - plan.duck_bytes_per_token == pytest.approx(dense / 2 * 1.125)
+    assert before.duck_bytes_per_token - plan.duck_bytes_per_token == pytest.approx(dense)   # fp9 both sides
     quarter = plan_placement(QWEN_LIKE, 8, _full_bytes(QWEN_LIKE) // 4)
     assert quarter.filling == "whole" and len(quarter.gpu) == 12 and all(quarter.whole(i) for i in quarter.gpu)
     assert quarter.duck_calls_per_token == 36
@@ -62,6 +62,16 @@ def test_a_skewed_histogram_spreads_the_hottest_experts_when_that_saves_more():
     whole = plan_placement(QWEN_LIKE, 8, budget)          # the same budget without a histogram: 3 whole layers
     assert whole.filling == "whole" and sum(whole.whole(i) for i in whole.gpu) == 3
     assert plan.duck_bytes_per_token < whole.duck_bytes_per_token
+
+
+def test_a_gpu_slower_than_the_fleet_holds_only_what_saves_a_call():
+    """With the GPU's read rate in the cost model its time counts too (before or after the ducks', not
+    beside): spreading experts over layers a GPU reads slower than the fleet would cost more than it saves."""
+    budget = 48 * 8 * QWEN_LIKE[0].expert_weights * GPU_BYTES_PER_WEIGHT + 1
+    fast = plan_placement(QWEN_LIKE, 8, budget, gpu_gbps=2000.0)
+    assert fast.gpu and fast.seconds(gpu_gbps=2000.0) < plan_placement(QWEN_LIKE, 8, 0).seconds(gpu_gbps=2000.0)
+    slow = plan_placement(QWEN_LIKE, 8, budget, gpu_gbps=10.0)     # a quarter of the fleet's 40 GB/s
+    assert slow.gpu == {} and slow.filling == "none"
 
 
 def test_the_summary_says_where_the_bytes_are():
@@ -103,9 +113,10 @@ def test_greedy_tokens_are_the_same_whatever_the_budget(kind, family, monkeypatc
                     for i in range(3)]
         batch_ref = _batched(lm, requests)
         moe = [s for s in shapes if not s.dense]
-        budgets = [("half", _full_bytes(shapes) // 2), ("all", _full_bytes(shapes))]
+        per = 4    # the CPU keeps decoded fp32 copies (engine.placement.bytes_per_weight)
+        budgets = [("half", _full_bytes(shapes, per) // 2), ("all", _full_bytes(shapes, per))]
         if moe:   # less than any MoE layer whole: every layer held in part
-            budgets.insert(0, ("part", min(_full_bytes([s]) for s in moe) - 1))
+            budgets.insert(0, ("part", min(_full_bytes([s], per) for s in moe) - 1))
         for name, budget in budgets:
             resident = place(model, lm.ffn, budget)
             assert resident is not None, name

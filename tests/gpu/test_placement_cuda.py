@@ -1,7 +1,7 @@
 """Placement on the device's GPU (engine.placement): a tiny model on CUDA with real local ducks
 decodes through the CUDA-graph lanes (a layer the GPU holds whole computed inside the graph,
-no cut; a layer held in part cut at its duck call, the grouped GEMV skipping the ducks' experts)
-and through the batch graphs. In fp32 the greedy tokens are those of budget 0 whatever the
+no cut; a layer held in part cut at its duck call, the GEMV skipping the ducks' experts: from fp9
+bytes, or from decoded copies when the budget holds every FFN) and through the batch graphs. In fp32 the greedy tokens are those of budget 0 whatever the
 budget. Skipped without CUDA."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.fleet import FleetFfn
 from engine.generate import SamplingParams, generate
 from engine.gpu.moe import grouped_gemv
 from engine.loader import load_model
-from engine.placement import GPU_BYTES_PER_WEIGHT, model_ffn_shapes, place
+from engine.placement import bytes_per_weight, model_ffn_shapes, place
 from tests.engine.test_batch import drain
 from tests.engine.test_prefill import _prompt, family  # noqa: F401 (fixture)
 
@@ -45,12 +45,16 @@ def test_greedy_tokens_on_cuda_are_the_same_whatever_the_budget(kind, family):  
         batch = BatchDecoder(model, lm.tokenizer, slots=4, max_model_len=64, step_tokens=16, path="torch")
         batch_ref = drain(batch, requests)
         shapes = model_ffn_shapes(model)
-        full = sum(s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT for s in shapes)
+        per = bytes_per_weight("cuda", torch.float32)         # the ducks' fp9 bytes, read by the fused GEMV
+        full = int(sum(s.experts * s.expert_weights * per for s in shapes)) + 1
         moe = [s for s in shapes if not s.dense]
-        part = min(s.experts * s.expert_weights * GPU_BYTES_PER_WEIGHT for s in moe) - 1
-        for name, budget in (("part", part), ("half", full // 2), ("all", full)):
+        part = int(min(s.experts * s.expert_weights * per for s in moe)) - 1
+        decoded = int(sum(s.experts * s.expert_weights * 4 for s in shapes))   # every FFN in fp32 copies
+        for name, budget in (("part", part), ("half", full // 2), ("all", full), ("decoded", decoded)):
             resident = place(model, lm.ffn, budget)
             assert resident is not None and resident.device.type == "cuda", name
+            # fp9 bytes (the fused GEMV) where the budget cannot hold every FFN decoded; copies where it can
+            assert all((h.fp9 is None) == (name == "decoded") for h in resident.layers.values()), name
             assert generate(model, lm.tokenizer, prompt, params).token_ids == ref, name
             assert drain(batch, requests) == batch_ref, name
         model.set_resident(None)
