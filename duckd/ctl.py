@@ -3,6 +3,9 @@
     duckctl status [--json]
     duckctl chat [PROMPT] [--json] [--temperature T | --greedy] [--max-tokens N] [--system TEXT]
     duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
+    duckctl placement [--budget B] [--by-routing] [--json]
+                                                  (what the GPU computes beside the ducks, placed again
+                                                   without a restart: docs/gpu.md, Placement)
     duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
     duckctl bench e2e --api openai [--streams N] [--flood N] [--json]
@@ -66,9 +69,7 @@ def cmd_status(args) -> int:
     if info:
         print(f"model {info.name} ({info.architecture}, {info.layers} layers), backend {info.backend}, "
               f"tp {info.tp}, multiple_of {info.multiple_of}")
-        print(f"placement: {info.gpu_ffn_gb:.2f} GB of FFN weights on the GPU ({info.gpu_layers_whole} layers whole, "
-              f"{info.gpu_experts} experts), {info.duck_gb_per_token:.3f} GB per token from the ducks in "
-              f"{info.duck_calls_per_token} calls")
+        print(_placement_line(info))
     else:
         print("model: loading")
     print(f"{'id':>3} {'address':21} {'state':10} {'link ms':>8} {'rtt us':>8} {'GB/s':>7} {'kern ms':>8} "
@@ -128,6 +129,19 @@ def cmd_chat(args) -> int:
         history.append(pb.ChatMessage(role="user", content=line))
         answer, _ = _chat_once(stub, history, args, sys.stdout)
         history.append(pb.ChatMessage(role="assistant", content=answer))
+
+
+def _placement_line(info) -> str:
+    return (f"placement: {info.gpu_ffn_gb:.2f} GB of FFN weights on the GPU ({info.gpu_layers_whole} layers whole, "
+            f"{info.gpu_experts} experts), {info.duck_gb_per_token:.3f} GB per token from the ducks in "
+            f"{info.duck_calls_per_token} calls")
+
+
+def cmd_placement(args) -> int:
+    info = rpc.ModelStub(_stubs(args)).Place(pb.PlaceRequest(budget=args.budget, by_routing=args.by_routing),
+                                             timeout=600)
+    print(json.dumps(MessageToDict(info), indent=2) if args.json else _placement_line(info))
+    return 0
 
 
 def cmd_cache(args) -> int:
@@ -239,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--model")
     k.add_argument("--all", action="store_true")
     k.add_argument("--json", action="store_true")
+    pl = sub.add_parser("placement", help="place the FFNs on the GPU again: another budget, or by the routing "
+                                          "counted while serving (no restart, nothing uploaded)")
+    pl.add_argument("--budget", default="", help="as model.gpu_ffn_budget: auto, bytes (24G, 512M, 0), a fraction "
+                                                  "of auto (0.5); default: the current one")
+    pl.add_argument("--by-routing", action="store_true", help="each layer's experts by how often they were chosen")
+    pl.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon), "
                                      "chaos (faults under load, on a daemon of its own); `duckctl bench WHAT --help`",
                        add_help=False)   # --help goes to the benchmark named
@@ -269,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_chat(args)
         if args.cmd == "cache":
             return cmd_cache(args)
+        if args.cmd == "placement":
+            return cmd_placement(args)
         if args.cmd == "image":
             return cmd_image(args)
         return cmd_bench(args, rest)

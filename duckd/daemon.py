@@ -22,7 +22,7 @@ from duckd.model_host import ModelHost
 from duckd.packcache import PackCache, model_key
 from duckd.cache import CacheService
 from duckd.chat import ChatService
-from duckd.errors import FailedPrecondition, NotFound, Unavailable
+from duckd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger("duckd")
 
@@ -218,6 +218,24 @@ class Daemon:
                             gpu_layers_whole=len(plan.get("gpu_layers_whole", ())),
                             gpu_experts=plan.get("gpu_experts", 0),
                             duck_calls_per_token=plan.get("duck_calls_per_token", len(getattr(ffn, "layers", ()))))
+
+    async def place(self, budget: str, by_routing: bool) -> pb.ModelInfo:
+        """Model.Place: placement again between two steps (ModelHost.replace)."""
+        from duckd.config import ConfigError, parse_budget
+        if self.model.loaded is None:
+            raise Unavailable("the model is still loading")
+        if not hasattr(self.model, "histogram"):
+            raise FailedPrecondition(f"placement needs the fleet backend (model.backend = {self.cfg.model.backend!r})")
+        try:
+            parse_budget(budget or "auto", 0)
+        except ConfigError as e:
+            raise InvalidArgument("budget", str(e).replace("model.gpu_ffn_budget", "budget")) from None
+        plan = await asyncio.to_thread(self.model.replace, budget, by_routing)
+        s = plan or {"gpu_gb": 0.0, "gpu_layers_whole": [], "duck_gb_per_token": 0.0}
+        self.events.add("model", f"placement: {s['gpu_gb']:.2f} GB on the GPU, {len(s['gpu_layers_whole'])} layers "
+                                 f"whole, {s['duck_gb_per_token']:.3f} GB per token from the ducks"
+                                 + (" (by the routing counted)" if by_routing else ""))
+        return self.model_info()
 
     def drop_host_packs(self) -> None:
         if self.packs is not None:

@@ -136,29 +136,54 @@ class ModelHost:
     def _place(self) -> None:
         """With a fleet: the GPU's share of the FFNs within model.gpu_ffn_budget (engine.placement).
         auto leaves room for the streamed prefill's two GPU buffers (a layer's experts each)."""
-        from duckd.config import parse_budget
-        from engine.placement import default_budget, place
+        from engine.placement import RoutingHistogram
 
         if not hasattr(self.ffn, "layers") or not hasattr(self.ffn, "session"):
             return
+        self.histogram = RoutingHistogram().attach(self.loaded.model)   # counted while serving (replace)
+        self._place_now(self.cfg.gpu_ffn_budget)
+
+    def _place_now(self, text: str, histogram=None) -> None:
+        from duckd.config import parse_budget
+        from engine.placement import default_budget, place
+
         model = self.loaded.model
         device = model.lm_head.weight.device
-        auto = default_budget(device)
+        held = model.__dict__.get("resident")
+        auto = default_budget(device) + (held.nbytes if held is not None else 0)   # what it holds now is free
         if auto and self.cfg.gpu_prefill != "off":
             auto = max(0, auto - 2 * max(sum(t.nbytes for duck in slices for e in duck for t in (e.gate_up, e.down))
                                          for slices in self.ffn.layers.values()))
-        budget = parse_budget(self.cfg.gpu_ffn_budget, auto)
-        if budget <= 0:
-            return
+        budget = parse_budget(text, auto)
+        self.budget_text = text
         t0 = time.monotonic()
-        resident = place(model, self.ffn, budget, threads=max(1, (os.cpu_count() or 2) - 1),
+        resident = place(model, self.ffn, budget, histogram, threads=max(1, (os.cpu_count() or 2) - 1),
                          on_progress=lambda done, total: log.info("placement: %d/%d layers on %s", done, total,
                                                                   device) if done == total or done % 8 == 0 else None)
+        streamed = getattr(model, "streamed_prefill", None)
+        if streamed is not None:   # a layer held whole leaves the stream's passes; one held no more comes back
+            stream = streamed.stream
+            stream.order = sorted(i for i in stream.layers if resident is None or not resident.whole(i))
+            streamed.pass_bytes = sum(stream.held(i) * stream.expert_bytes(i) for i in stream.order)
         if resident is not None:
             s = resident.plan.summary()
             log.info("placement: %.2f GB of FFN weights on %s in %.1f s (%d layers whole, %d experts), %.3f GB per "
                      "token from the ducks in %d calls", s["gpu_gb"], device, time.monotonic() - t0,
                      len(s["gpu_layers_whole"]), s["gpu_experts"], s["duck_gb_per_token"], s["duck_calls_per_token"])
+
+    def replace(self, budget: str = "", by_routing: bool = False) -> dict | None:
+        """Placement again between two steps (the chat's lock): another budget ("": the current one), or
+        each layer's experts by the routing counted while serving. The ducks keep every slice: nothing is
+        uploaded; the decode graphs are captured again at their next use. Raises ConfigError on a bad budget."""
+        from duckd.config import parse_budget
+
+        if self.loaded is None or not hasattr(self, "histogram"):
+            raise RuntimeError("placement needs the model loaded with the fleet backend")
+        text = budget or self.budget_text
+        parse_budget(text, 0)     # a bad budget is refused before anything changes
+        with self.lock:
+            self._place_now(text, self.histogram if by_routing else None)
+        return self.placement()
 
     def placement(self) -> dict | None:
         """The plan's summary (engine.placement.PlacementPlan.summary), None when the ducks compute every FFN."""

@@ -39,6 +39,7 @@ class Core(Protocol):
     def events_since(self, cursor: int) -> tuple[list[pb.FleetEvent], int]: ...
     async def restart_duck(self, duck_id: int) -> pb.DuckStatus: ...
     def model_info(self) -> pb.ModelInfo: ...
+    async def place(self, budget: str, by_routing: bool) -> pb.ModelInfo: ...
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -232,6 +233,12 @@ class ModelServicer(rpc.ModelServicer):
     async def Info(self, request, context):
         try:
             return self.core.model_info()
+        except errors.ServiceError as e:
+            await _abort(context, e)
+
+    async def Place(self, request, context):
+        try:
+            return await self.core.place(request.budget, request.by_routing)
         except errors.ServiceError as e:
             await _abort(context, e)
 

@@ -51,24 +51,49 @@ def model_ffn_shapes(model) -> list[FfnShape]:
 
 
 class RoutingHistogram:
-    """How often each expert of each layer was chosen (kept while serving: counts [layers, experts])."""
+    """How often each expert of each MoE layer was chosen. attach() makes the model's routed FFN modules
+    count every call on the model's device (an index_add: no host sync, so the decode graphs count too);
+    add() counts on the host (tests, a replay). frequencies() reads a layer's counts (one sync)."""
 
     def __init__(self):
         self.counts: dict[int, torch.Tensor] = {}
+
+    def attach(self, model) -> "RoutingHistogram":
+        """Counts kept on the model's device for each of its routed layers, fed by every FFN call
+        (RoutedExperts.routed); before the decode graphs are captured, so that they count too."""
+        device = model.model.embed_tokens.weight.device
+        for m in model.ffn_modules():
+            if hasattr(m, "experts") and m.layer_idx < model.config.num_hidden_layers:
+                self.counts.setdefault(m.layer_idx, torch.zeros(len(m.experts), dtype=torch.int64, device=device))
+                m.histogram = self
+        return self
+
+    def count(self, layer: int, ids: torch.Tensor) -> None:
+        """A call's routing [T, k] into the layer's counts, on their device."""
+        c = self.counts[layer]
+        flat = ids.reshape(-1).long()
+        c.index_add_(0, flat, torch.ones_like(flat))
 
     def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
         c = self.counts.get(layer)
         if c is None:
             c = self.counts[layer] = torch.zeros(experts, dtype=torch.int64)
         flat = ids.reshape(-1)
-        c += torch.bincount(flat[flat >= 0].long().cpu(), minlength=experts)[:experts]
+        c += torch.bincount(flat[flat >= 0].long().cpu(), minlength=experts)[:experts].to(c.device)
 
     def frequencies(self, layer: int, experts: int) -> list[float] | None:
         """Each expert's share of the layer's choices (None before any)."""
         c = self.counts.get(layer)
-        if c is None or int(c.sum()) == 0:
+        if c is None:
             return None
-        return (c.double() / c.sum()).tolist()
+        c = c.cpu()
+        total = int(c.sum())
+        return None if total == 0 else (c.double() / total).tolist()
+
+    @property
+    def choices(self) -> int:
+        """Choices counted, all layers (one sync)."""
+        return int(sum(int(c.sum()) for c in self.counts.values()))
 
 
 # -- the GPU's share --------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class RoutedExperts(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
         self.ffn: FfnBackend = NO_FFN
         self.resident = None   # engine.placement.ResidentExperts when the GPU computes some of the experts
+        self.histogram = None  # engine.placement.RoutingHistogram counting this layer's choices
 
     def ffn_layer(self) -> FfnLayer:
         return FfnLayer(self.layer_idx, [e.expert_weights() for e in self.experts], self.hidden_size)
@@ -78,6 +79,8 @@ class RoutedExperts(nn.Module):
         return [p for e in self.experts for p in e.expert_parameters()]
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.histogram is not None:
+            self.histogram.count(self.layer_idx, ids)
         if self.resident is not None:
             return self.resident.call(self.ffn, self.layer_idx, x, ids, weights)
         return ffn_call(self.ffn, self.layer_idx, x, ids, weights)   # [T, H]

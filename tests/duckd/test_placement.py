@@ -45,5 +45,16 @@ def test_a_budget_puts_layers_on_the_models_device_and_status_shows_it(tmp_path,
         req = urllib.request.Request(f"http://{d.http_address}/metrics", headers={"Authorization": f"Bearer {d.token}"})
         text = urllib.request.urlopen(req, timeout=10).read().decode()
         assert "duck_placement_gpu_layers_whole 3.0" in text and "duck_placement_duck_bytes_per_token" in text
+        # placed again without a restart: none, then six layers; the answer stays
+        r = duckctl(d, "--config", str(d.config), "placement", "--budget", "0")
+        assert r.returncode == 0 and "0 layers whole" in r.stdout and "in 30 calls" in r.stdout, r.stderr
+        assert d.chat(QUESTION, max_tokens=12)[0] == want
+        r = duckctl(d, "--config", str(d.config), "placement", "--budget", "70M", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["gpuLayersWhole"] == 6, r.stderr
+        assert d.chat(QUESTION, max_tokens=12)[0] == want
+        r = duckctl(d, "--config", str(d.config), "placement", "--budget", "lots")
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "budget = 'lots'" in r.stderr
+        info = rpc.ModelStub(d.channel()).Info(pb.ModelInfoRequest(), timeout=10)
+        assert info.gpu_layers_whole == 6           # a refused request changed nothing
     finally:
         d.stop()

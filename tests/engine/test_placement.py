@@ -141,6 +141,33 @@ def test_greedy_tokens_are_the_same_whatever_the_budget(kind, family, monkeypatc
         lm.ffn.close()
 
 
+def test_the_routing_counted_while_serving_picks_each_layers_experts(family, monkeypatch):  # noqa: F811
+    """RoutingHistogram.attach: every routed call counts its choices on the model's device; a plan by
+    those counts holds each layer's most chosen experts, and the tokens stay those of budget 0."""
+    monkeypatch.setenv("DUCK_CPU_NATIVE", "0")
+    folder, vocab = family("qwen3_moe")
+    lm = load_model(folder, device="cpu", backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        model, prompt = lm.model, _prompt(vocab, 40, seed=9)
+        hist = RoutingHistogram().attach(model)
+        _, ref = _greedy(model, prompt)
+        k = model.config.num_experts_per_tok
+        shapes = [s for s in model_ffn_shapes(model) if not s.dense]
+        assert hist.choices == len(shapes) * (len(prompt) + TOKENS) * k
+        dense = sum(s.expert_weights * 4 for s in model_ffn_shapes(model) if s.dense)
+        one = shapes[0].expert_weights * 4
+        resident = place(model, lm.ffn, dense + 2 * len(shapes) * one + 1, hist)   # the dense, 2 x layers experts
+        # the most chosen experts of all layers (each layer counted the same choices): none left out is chosen more
+        held = [(s.layer, e) for s in shapes for e in (resident.layers[s.layer].ids if s.layer in resident.layers
+                                                       else ())]
+        counts = {(s.layer, e): c for s in shapes for e, c in enumerate(hist.counts[s.layer].tolist())}
+        assert len(held) == 2 * len(shapes)
+        assert min(counts[h] for h in held) >= max(c for key, c in counts.items() if key not in held), (held, counts)
+        assert _greedy(model, prompt)[1] == ref
+    finally:
+        lm.ffn.close()
+
+
 def _batched(lm, requests) -> list[list[int]]:
     from tests.engine.test_batch import drain
     return drain(BatchDecoder(lm.model, lm.tokenizer, slots=2, max_model_len=64, step_tokens=8, path="torch"),
