@@ -1,27 +1,23 @@
-"""Where each expert FFN is computed: the GPU keeps what a token saves most by (dense FFN
-layers, then whole MoE layers or their hottest experts) within a memory budget; the ducks
-compute the rest. The ducks keep every slice whatever the plan (nothing is uploaded again
-when it changes, and a lost duck's cover is untouched): the plan decides who computes.
+"""Where each expert FFN is computed: the GPU keeps what saves a token most (dense FFN layers,
+then whole MoE layers or their most chosen experts) within a memory budget; the ducks compute
+the rest. The ducks keep every slice whatever the plan (nothing is uploaded again when it
+changes, and a lost duck's cover is untouched): the plan decides who computes.
 
-    plan = plan_placement(ffn_shapes(model), topk, budget_bytes)      # what goes where
-    resident = ResidentExperts.from_slices(plan, fleet_ffn.layers, device, dtype)
-    model.set_resident(resident)                                       # the FFN modules split their calls
+    resident = place(model, fleet_ffn, budget_bytes)      # plan (engine.placement_plan), copies, split
+    place(model, fleet_ffn, other_budget, histogram)      # again, between two steps
 
 A layer the GPU holds whole never reaches the ducks: its FFN is computed inline (inside the
 decode step's CUDA graph: no cut, no duck call, no transport round trip). A layer held in part
 sends the routing with the GPU's experts masked out (-1, which a duck skips: it reads nothing of
 them) and adds the GPU's share to the ducks' sum. The GPU's copies are the ducks' own fp9
-weights decoded to bf16 (engine.gpu.expert_stream.decode_experts), so the greedy output is the
-same whatever the budget, up to the order of the sums.
+weights: kept as fp9 bytes and read by a fused GEMV (engine.gpu.fp9_gemv) where the budget cannot
+hold every FFN decoded, decoded to the model's dtype where it can (the faster read). Either way
+the greedy output is the same whatever the budget, up to the order of the sums.
 
-The plan's order (bytes a token saves per byte of GPU memory, and the duck calls it saves):
-  1. dense FFN layers (every token reads all of them),
-  2. then whichever of two fillings the cost model (duck calls x call_s + bytes / duck_gbps)
-     finds cheaper: whole MoE layers (each one a duck call less per token) with what is left
-     spread over the others, or the whole remainder spread over every MoE layer;
-  spreading takes each layer's hottest experts by a routing histogram (RoutingHistogram),
-  or with none, as many of each layer's experts as the next (so every duck call shrinks alike).
-Under an even routing whole layers always win: they save the same bytes and a call besides.
+The plan (engine.placement_plan.plan_placement): dense layers first, then whole MoE layers or a
+spread of the most chosen experts (RoutingHistogram, counted on the device while serving), or
+nothing, whichever its cost model finds fastest: the ducks' calls and bytes, and on a GPU its own
+bytes at its read rate (the share runs before or after the ducks', not beside them).
 """
 from __future__ import annotations
 
