@@ -37,7 +37,8 @@ def rotating(items):
 
 
 # The int8 peer runs on the vector width of the fp9 kernel set it is compared with.
-ISA_OF_KERNELS = {"ref": lib.DUCK_BENCH_SCALAR, "avx2-xor": lib.DUCK_BENCH_AVX2, "avx2-blend": lib.DUCK_BENCH_AVX2,
+ISA_OF_KERNELS = {"ref": lib.DUCK_BENCH_SCALAR, "avx2": lib.DUCK_BENCH_AVX2, "avx2-xor": lib.DUCK_BENCH_AVX2,
+                  "avx2-blend": lib.DUCK_BENCH_AVX2,
                   "avx512": lib.DUCK_BENCH_AVX512, "avx512-bf16": lib.DUCK_BENCH_AVX512,
                   "amx": lib.DUCK_BENCH_AVX512, "amx-emu": lib.DUCK_BENCH_AVX512}
 ISA_NAMES = {lib.DUCK_BENCH_SCALAR: "scalar", lib.DUCK_BENCH_AVX2: "avx2", lib.DUCK_BENCH_AVX512: "avx512"}

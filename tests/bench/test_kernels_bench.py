@@ -138,3 +138,15 @@ def test_bench_kernels_gemm_on_fp32_activations(capsys):
     assert all(c["gflops"] > 0 and c["tokens"] == 8 and c["kernels"] == sets[0] for c in gemms.values())
     (moe,) = [c for c in r["cases"] if c["name"] == "moe_prefill"]   # beside the bf16 GEMM, as before
     assert moe["ratio_to_gemm"] > 0
+
+
+def test_bench_kernels_takes_avx2_by_its_plain_name(capsys):
+    """`--kernels avx2` (the variant for this CPU's vendor) is measured against the AVX2 int8 peer
+    (it raised KeyError: the peer table knew only avx2-xor and avx2-blend)."""
+    if "avx2" not in kernels_available():
+        pytest.skip("this CPU lacks AVX2+FMA")
+    assert duckctl(["bench", "kernels", "--kernels", "avx2", "--threads", "1", "--json"] + TINY) == 0
+    r = json.loads(capsys.readouterr().out)
+    fp9 = [c for c in r["cases"] if c["name"] == "fp9_gemv"]
+    assert fp9 and {c["kernels"] for c in fp9} == {"avx2"} and {c["int8_peer_isa"] for c in fp9} == {"avx2"}
+    assert all(c["ratio_to_int8"] > 0 for c in fp9)
