@@ -38,7 +38,7 @@ def copy_gbps(device, mib: int = 1024) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.synthetic import synthetic_config
-    from engine.gpu.expert_stream import _Layer, decode_experts
+    from engine.gpu.expert_stream import decode_experts, held_experts
     from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up
     from engine.gpu.moe import grouped_gemv
     from native.transport import synth_experts, synth_seed
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     per_duck = synth_experts(n, h, i, args.ducks, 64, seed=synth_seed(1, 0), name="bench")
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(16) as workers:
-        lay = _Layer(0, per_duck, None, False, workers)
-    src, lay.host = lay.host.to(device), None
+        lay, src = held_experts(per_duck, list(range(n)), device, workers)
     gu, dn = decode_experts(per_duck, list(range(n)), device, threads=16)
     x = torch.randn(1, h, device=device, dtype=torch.bfloat16)
     slots = torch.randperm(n, device=device)[:k].to(torch.int32)

@@ -109,14 +109,9 @@ def build_host_model(config: ModelConfig, device: torch.device | str, dtype: tor
 
 
 def ffn_shapes(model) -> list[tuple[int, int, int, int]]:
-    """(layer, experts, hidden, intermediate) of every FFN the backends run."""
-    out = []
-    for m in model.ffn_modules():
-        if hasattr(m, "experts"):
-            out.append((m.layer_idx, len(m.experts), m.hidden_size, m.experts[0].gate_proj.out_features))
-        else:
-            out.append((m.layer_idx, 1, m.gate_proj.in_features, m.gate_proj.out_features))
-    return out
+    """(layer, experts, hidden, intermediate) of every FFN the backends run (the MTP layer's too)."""
+    from engine.placement import model_ffn_shapes
+    return [(s.layer, s.experts, s.hidden, s.intermediate) for s in model_ffn_shapes(model, main_only=False)]
 
 
 def ffn_bytes_per_token(model, top_k: int) -> int:

@@ -221,16 +221,15 @@ class Daemon:
 
     async def place(self, budget: str, by_routing: bool) -> pb.ModelInfo:
         """Model.Place: placement again between two steps (ModelHost.replace)."""
-        from duckd.config import ConfigError, parse_budget
+        from duckd.config import ConfigError
         if self.model.loaded is None:
             raise Unavailable("the model is still loading")
         if not hasattr(self.model, "histogram"):
             raise FailedPrecondition(f"placement needs the fleet backend (model.backend = {self.cfg.model.backend!r})")
-        try:
-            parse_budget(budget or "auto", 0)
+        try:   # a bad budget is refused before anything changes
+            plan = await asyncio.to_thread(self.model.replace, budget, by_routing)
         except ConfigError as e:
             raise InvalidArgument("budget", str(e).replace("model.gpu_ffn_budget", "budget")) from None
-        plan = await asyncio.to_thread(self.model.replace, budget, by_routing)
         s = plan or {"gpu_gb": 0.0, "gpu_layers_whole": [], "duck_gb_per_token": 0.0}
         self.events.add("model", f"placement: {s['gpu_gb']:.2f} GB on the GPU, {len(s['gpu_layers_whole'])} layers "
                                  f"whole, {s['duck_gb_per_token']:.3f} GB per token from the ducks"

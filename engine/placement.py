@@ -33,11 +33,12 @@ from engine.placement_plan import (CALL_S, DUCK_BYTES_PER_WEIGHT, DUCK_GBPS, GPU
 log = logging.getLogger(__name__)
 
 
-def model_ffn_shapes(model) -> list[FfnShape]:
-    """The FFN layers of the main model (an MTP layer's FFN runs only when drafting: not placed)."""
+def model_ffn_shapes(model, main_only: bool = True) -> list[FfnShape]:
+    """The FFN layers the backends run; main_only: of the main model (an MTP layer's FFN runs only
+    when drafting: not placed)."""
     out = []
     for m in model.ffn_modules():
-        if m.layer_idx >= model.config.num_hidden_layers:
+        if main_only and m.layer_idx >= model.config.num_hidden_layers:
             continue
         if hasattr(m, "experts"):
             out.append(FfnShape(m.layer_idx, len(m.experts), m.hidden_size, m.experts[0].gate_proj.out_features))
@@ -49,7 +50,7 @@ def model_ffn_shapes(model) -> list[FfnShape]:
 class RoutingHistogram:
     """How often each expert of each MoE layer was chosen. attach() makes the model's routed FFN modules
     count every call on the model's device (an index_add: no host sync, so the decode graphs count too);
-    add() counts on the host (tests, a replay). frequencies() reads a layer's counts (one sync)."""
+    frequencies() reads a layer's counts (one sync)."""
 
     def __init__(self):
         self.counts: dict[int, torch.Tensor] = {}
@@ -69,13 +70,6 @@ class RoutingHistogram:
         c = self.counts[layer]
         flat = ids.reshape(-1).long()
         c.index_add_(0, flat, torch.ones_like(flat))
-
-    def add(self, layer: int, ids: torch.Tensor, experts: int) -> None:
-        c = self.counts.get(layer)
-        if c is None:
-            c = self.counts[layer] = torch.zeros(experts, dtype=torch.int64)
-        flat = ids.reshape(-1)
-        c += torch.bincount(flat[flat >= 0].long().cpu(), minlength=experts)[:experts].to(c.device)
 
     def frequencies(self, layer: int, experts: int) -> list[float] | None:
         """Each expert's share of the layer's choices (None before any)."""
@@ -111,31 +105,6 @@ class _Held:
         return self.fp9[1].numel() if self.fp9 else self.gate_up.nbytes + self.down.nbytes
 
 
-FP9_PART_BYTES = 1 << 30   # host memory a layer's fp9 copy passes through at a time on its way to the device
-
-
-def _fp9_on(per_duck, ids: list[int], device, workers) -> tuple:
-    """(layout, device bytes) of the experts ids of one layer in fp9 (engine.gpu.expert_stream's layout),
-    laid out on the host a part of at most FP9_PART_BYTES at a time: the host also holds the ducks'
-    and the streamed prefill's copies, and one DeepSeek layer is 12.7 GB."""
-    from engine.gpu.expert_stream import _Layer
-
-    lay = _Layer(-1, per_duck, None, False, workers, which=ids[:1])
-    per_expert = lay.tp * (lay.gu_slot + lay.dn_slot)
-    step = max(1, FP9_PART_BYTES // per_expert)
-    n = len(ids)
-    src = torch.empty(n * per_expert, dtype=torch.uint8, device=device)
-    gu_bytes = n * lay.tp * lay.gu_slot
-    for at in range(0, n, step):
-        part = _Layer(-1, per_duck, None, False, workers, which=ids[at:at + step])
-        m = part.held
-        src[at * lay.tp * lay.gu_slot:(at + m) * lay.tp * lay.gu_slot].copy_(part.host[:part.gu_bytes])
-        src[gu_bytes + at * lay.tp * lay.dn_slot:gu_bytes + (at + m) * lay.tp * lay.dn_slot].copy_(
-            part.host[part.gu_bytes:])
-    lay.held, lay.gu_bytes, lay.host = n, gu_bytes, None
-    return lay, src
-
-
 def keeps_fp9(device) -> bool:
     """Whether a placement on device keeps the ducks' fp9 bytes (read by engine.gpu.fp9_gemv's kernel:
     CUDA) rather than decoded copies (the CPU, where the torch path computes)."""
@@ -145,7 +114,7 @@ def keeps_fp9(device) -> bool:
 
 def bytes_per_weight(device, dtype: torch.dtype) -> float:
     """What one weight of a placement costs device's memory."""
-    return GPU_BYTES_PER_WEIGHT if keeps_fp9(device) else torch.empty(0, dtype=dtype).element_size()
+    return GPU_BYTES_PER_WEIGHT if keeps_fp9(device) else dtype.itemsize
 
 
 class ResidentExperts:
@@ -162,15 +131,15 @@ class ResidentExperts:
         are (fp9: default on CUDA), or decoded to dtype."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from engine.gpu.expert_stream import _Layer, decode_experts
+        from engine.gpu.expert_stream import decode_experts, held_experts
 
         self = cls(plan, device, dtype)
         fp9 = keeps_fp9(self.device) if fp9 is None else fp9
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="placement") as workers:
             for done, (layer, ids) in enumerate(sorted(plan.gpu.items()), 1):
                 if fp9:
-                    self.add(layer, ids, plan.shapes[layer].experts, fp9=_fp9_on(slices[layer], list(ids),
-                                                                                  self.device, workers))
+                    self.add(layer, ids, plan.shapes[layer].experts,
+                             fp9=held_experts(slices[layer], list(ids), self.device, workers))
                 else:
                     gu, dn = decode_experts(slices[layer], list(ids), self.device, threads)
                     self.add(layer, ids, plan.shapes[layer].experts, gu.to(dtype), dn.to(dtype))
@@ -212,8 +181,10 @@ class ResidentExperts:
     @staticmethod
     def _compute(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], slots / weights [T, k] (slot -1: not this share) -> [T, H] fp32."""
+        from engine.gpu.moe import MAX_PAIRS
+
         t, k = slots.shape
-        few = t * k <= GEMV_PAIRS or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        few = t * k <= MAX_PAIRS or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if held.fp9 is not None:
             from engine.gpu.fp9_gemv import kernel_runs
             return _fp9_share(held, x, slots, weights, gemv=few and kernel_runs(x.device))
@@ -253,29 +224,16 @@ def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch
     return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
 
 
-GEMV_PAIRS = 64   # (token, slot) pairs up to which an eager call runs the grouped GEMV (graphs: always)
-
-
 def _grouped_share(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
-    """The reference (and prefill) path: pairs sorted by slot, one grouped GEMM per weight (one host sync)."""
-    from engine.gpu.expert_stream import _grouped
+    """The reference (and prefill) path on decoded copies: pairs sorted by slot, one grouped GEMM per
+    weight (one host sync)."""
+    from engine.gpu.expert_stream import grouped_ffn, route_pairs
 
-    t, k = slots.shape
-    y = torch.zeros(t, down.shape[1], dtype=torch.float32, device=x.device)
-    flat = slots.reshape(-1)
-    mine = (flat >= 0).nonzero().squeeze(1)
-    if mine.numel() == 0:
-        return y
-    experts = flat[mine].long()
-    order = torch.argsort(experts, stable=True)
-    pairs = mine[order]
-    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
-    tokens = pairs // k
-    h = _grouped(x[tokens], gate_up, counts)                                   # [P, 2I]
-    a = (F.silu(h[:, 0::2].float()) * h[:, 1::2].float()).to(x.dtype)
-    o = _grouped(a, down, counts)                                              # [P, H]
-    y.index_add_(0, tokens, o.float() * weights.reshape(-1)[pairs].float()[:, None])
+    y = torch.zeros(slots.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    tokens, w, counts = route_pairs(slots, weights, gate_up.shape[0])
+    if tokens.numel():
+        y.index_add_(0, tokens, grouped_ffn(x[tokens], gate_up, down, counts).float() * w[:, None])
     return y
 
 
@@ -309,7 +267,7 @@ def place(model, fleet_ffn, budget_bytes: int, histogram: RoutingHistogram | Non
     weight = model.model.embed_tokens.weight
     dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
     shapes = model_ffn_shapes(model)
-    decoded = torch.empty(0, dtype=dtype).element_size()
+    decoded = dtype.itemsize
     # fp9 where the budget cannot hold every FFN decoded (it holds 1.78x more experts than bf16, at a slower
     # GEMV: engine.gpu.fp9_gemv); decoded copies, the fastest to read, where it can
     fp9 = keeps_fp9(weight.device) and budget_bytes < sum(s.experts * s.expert_weights for s in shapes) * decoded

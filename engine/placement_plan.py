@@ -65,13 +65,13 @@ class PlacementPlan:
         """fp9 bytes the ducks hold (all of it: they keep every slice)."""
         return int(sum(s.experts * s.expert_weights for s in self.shapes.values()) * DUCK_BYTES_PER_WEIGHT)
 
-    def _read(self, layer: int) -> float:
+    def _duck_read(self, layer: int) -> float:
         """Expected fp9 bytes one token has the ducks read of this layer."""
         return self._reads(layer) * DUCK_BYTES_PER_WEIGHT * (1.0 - self.share.get(layer, 0.0))
 
     @property
     def duck_bytes_per_token(self) -> float:
-        return sum(self._read(layer) for layer in self.shapes)
+        return sum(self._duck_read(layer) for layer in self.shapes)
 
     @property
     def duck_calls_per_token(self) -> int:

@@ -45,6 +45,12 @@ def _tensor_bytes(t) -> int:
     return int(t.nbytes)
 
 
+def _slots(per_duck) -> tuple[int, int]:
+    """(gate_up slot, down slot) of a layer: its largest tensor of each kind, rounded to SLOT_ALIGN."""
+    tensors = [e for duck in per_duck for e in duck]
+    return _slot(max(_tensor_bytes(e.gate_up) for e in tensors)), _slot(max(_tensor_bytes(e.down) for e in tensors))
+
+
 class _Layer:
     """One layer's experts in host memory: shapes, slot sizes and the pinned bytes."""
 
@@ -62,8 +68,7 @@ class _Layer:
                     raise ValueError(f"layer {index}: expert {e} slice {d} is {s.gate_up.shape} / {s.down.shape}, "
                                      f"expert 0 slice 0 {first.gate_up.shape} / {first.down.shape}: the GPU stream "
                                      "needs slices of one shape")
-        self.gu_slot = _slot(max(_tensor_bytes(per_duck[d][e].gate_up) for d in range(tp) for e in range(experts)))
-        self.dn_slot = _slot(max(_tensor_bytes(per_duck[d][e].down) for d in range(tp) for e in range(experts)))
+        self.gu_slot, self.dn_slot = _slots(per_duck)
         if which is None:
             which = list(range(experts if max_experts is None else max(0, min(experts, max_experts))))
         self.held = len(which)
@@ -283,6 +288,26 @@ class ExpertStream:
         self.layers.clear()
 
 
+def route_pairs(ids: torch.Tensor, weights: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, expert) pairs of ids [T, k] whose expert is in [0, g), sorted by expert: their tokens [P],
+    weights [P] fp32 and the count of each expert (one host sync: the grouped GEMMs' sizes)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)
+    experts = flat[mine].long()
+    pairs = mine[torch.argsort(experts, stable=True)]
+    counts = torch.bincount(experts, minlength=g).tolist()
+    return pairs // k, weights.reshape(-1)[pairs].float(), counts
+
+
+def grouped_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """xs [R, H] rows grouped by expert (counts[i] rows for expert i), gate_up [n, 2I, H] interleaved,
+    down [n, H, I] -> [R, H] in xs' dtype: each row's expert FFN as two grouped GEMMs."""
+    h = _grouped(xs, gate_up, counts)                                            # [R, 2I]
+    a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                          # [R, I]
+    return _grouped(a.to(xs.dtype), down, counts)                                # [R, H]
+
+
 def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor,
                         weights: torch.Tensor, ready=None) -> torch.Tensor:
     """x [T, H], ids / weights [T, k] -> [T, H] fp32: the pairs whose id is one of the g experts laid in src
@@ -290,16 +315,8 @@ def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor,
     the other pairs. Each pair's output is rounded to the GEMMs' type (bf16, or fp32 for an fp32 model)
     before it is weighted and added in fp32. One host sync (the groups' sizes); ready() is called after
     it, before the first read of src (ExpertStream: the wait for the copy)."""
-    t, k = ids.shape
-    y = torch.zeros(t, lay.hidden, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)                    # pairs of this share
-    experts = flat[mine].long()
-    order = torch.argsort(experts, stable=True)
-    pairs = mine[order]
-    counts = torch.bincount(experts, minlength=g).tolist()                      # one sync: the launch sizes
-    tokens = pairs // k                                                          # [P] token of each pair
-    w = weights.reshape(-1)[pairs].float()
+    y = torch.zeros(ids.shape[0], lay.hidden, dtype=torch.float32, device=x.device)
+    tokens, w, counts = route_pairs(ids, weights, g)
     if ready is not None:
         ready()
     # the GEMMs in bf16 (the tensor cores; the weights are exact in it); an fp32 model (the CPU
@@ -313,13 +330,8 @@ def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor,
         if rows == 0:
             continue
         gu, dn = ExpertStream._decode(lay, src, g, e0, n)                         # [n, 2I, H], [n, H, I]
-        if dtype != torch.bfloat16:
-            gu, dn = gu.to(dtype), dn.to(dtype)
         sel = slice(at, at + rows)
-        xs = x[tokens[sel]].to(dtype)                                            # [R, H]
-        h = _grouped(xs, gu, counts[e0:e0 + n])                                  # [R, 2I]
-        a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                      # [R, I]
-        o = _grouped(a.to(dtype), dn, counts[e0:e0 + n])                         # [R, H]
+        o = grouped_ffn(x[tokens[sel]].to(dtype), gu.to(dtype), dn.to(dtype), counts[e0:e0 + n])
         y.index_add_(0, tokens[sel], o.float() * w[sel, None])
         at += rows
     return y
@@ -339,28 +351,52 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tenso
         return torch.cat(out)
 
 
-def decode_experts(per_duck, which: list[int], device, threads: int = 1,
-                   group_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts `which` of one layer (per duck, per expert ExpertSlice: FleetFfn.layers[layer])
-    decoded on device: bf16 gate_up [n, 2I, H] (gate row i at 2i, up at 2i + 1) and down [n, H, I],
-    I padded as the slices are (zeros). Exactly the ducks' weights (engine.placement keeps them).
-    In groups of experts of at most group_bytes of fp9, so that a layer's copy is made a part at a time."""
+PART_BYTES = 1 << 30   # host memory a layer's experts pass through at a time on their way to the GPU
+
+
+def _parts(per_duck, which: list[int], workers, part_bytes: int = PART_BYTES):
+    """(position, _Layer of the experts which[position:position + n]) in parts of at most part_bytes of
+    host memory: the host also holds the ducks' and the streamed prefill's copies (a DeepSeek layer is
+    12.7 GB of fp9)."""
+    gu_slot, dn_slot = _slots(per_duck)
+    step = max(1, part_bytes // (len(per_duck) * (gu_slot + dn_slot)))
+    for at in range(0, len(which), step):
+        yield at, _Layer(-1, per_duck, None, False, workers, which=which[at:at + step])
+
+
+def held_experts(per_duck, which: list[int], device, workers) -> tuple[_Layer, torch.Tensor]:
+    """The experts `which` of one layer (per duck, per expert ExpertSlice: FleetFfn.layers[layer]) as fp9
+    bytes on device, in this module's layout with them as experts [0, n): (the layout, the bytes).
+    Exactly the ducks' weights (engine.placement keeps them; engine.gpu.fp9_gemv reads them)."""
+    layout, src = None, None
+    for at, part in _parts(per_duck, which, workers):
+        if layout is None:
+            layout = part
+            src = torch.empty(len(which) * part.expert_bytes, dtype=torch.uint8, device=device)
+            gu_bytes = len(which) * part.tp * part.gu_slot
+        m, gu, dn = part.held, part.tp * part.gu_slot, part.tp * part.dn_slot
+        src[at * gu:(at + m) * gu].copy_(part.host[:part.gu_bytes])
+        src[gu_bytes + at * dn:gu_bytes + (at + m) * dn].copy_(part.host[part.gu_bytes:])
+    layout.held, layout.gu_bytes, layout.host = len(which), gu_bytes, None   # the first part's layout, all of them
+    return layout, src
+
+
+def decode_experts(per_duck, which: list[int], device, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts `which` of one layer decoded on device: bf16 gate_up [n, 2I, H] (gate row i at 2i, up
+    at 2i + 1) and down [n, H, I], I padded as the slices are (zeros). Exactly the ducks' weights
+    (engine.placement keeps them where the budget holds every FFN decoded); a part at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     device = torch.device(device)
     gu = dn = None
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="expert-decode") as workers:
-        at = 0
-        while at < len(which):
-            first = _Layer(-1, per_duck, None, False, workers, which=which[at:at + 1])
-            n = max(1, min(len(which) - at, group_bytes // max(1, first.host.numel())))
-            lay = first if n == 1 else _Layer(-1, per_duck, None, False, workers, which=which[at:at + n])
-            part_gu, part_dn = ExpertStream._decode(lay, lay.host.to(device), n, 0, n)
+        for at, part in _parts(per_duck, which, workers):
+            n = part.held
+            part_gu, part_dn = ExpertStream._decode(part, part.host.to(device), n, 0, n)
             if gu is None:
                 gu = torch.empty((len(which), *part_gu.shape[1:]), dtype=part_gu.dtype, device=device)
                 dn = torch.empty((len(which), *part_dn.shape[1:]), dtype=part_dn.dtype, device=device)
             gu[at:at + n], dn[at:at + n] = part_gu, part_dn
-            at += n
     return gu, dn
 
 

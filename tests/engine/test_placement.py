@@ -53,7 +53,8 @@ def test_dense_layers_go_first_then_whole_layers_under_even_routing():
 def test_a_skewed_histogram_spreads_the_hottest_experts_when_that_saves_more():
     hist = RoutingHistogram()
     for s in QWEN_LIKE:      # every layer: experts 0..7 take 90 % of the choices
-        hist.add(s.layer, torch.tensor([e % 8 for e in range(900)] + list(range(8, 108))), s.experts)
+        hist.counts[s.layer] = torch.bincount(torch.tensor([e % 8 for e in range(900)] + list(range(8, 108))),
+                                              minlength=s.experts)
     budget = 48 * 8 * QWEN_LIKE[0].expert_weights * GPU_BYTES_PER_WEIGHT    # 8 experts of every layer
     plan = plan_placement(QWEN_LIKE, 8, budget, hist)
     assert plan.filling == "spread"
