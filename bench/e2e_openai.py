@@ -10,6 +10,13 @@ official `openai` client on the daemon's OpenAI-compatible HTTP API.
     3. with `--flood N`: N streams at once, each must complete or get 429 (the bounded
        queue), within `--flood-timeout` seconds: nothing hangs, nothing is lost.
 
+With `--turns N` instead: the prefix cache as a chat meets it. `--rounds` chats of two
+turns, each on a document of its own of about N prompt tokens: the second turn (the
+first's answer, then a short question) streamed after the first, its TTFT over the
+first's, and the prompt tokens the daemon says it found cached
+(usage.prompt_tokens_details.cached_tokens). Run it against a daemon with
+`model.prefix_cache = false` for the figures without the cache.
+
 A stream's decode rate is measured by the client: (completion tokens - 1) over the time
 from its first content chunk to its last. Exit status 3 when a concurrent text differs
 from its alone text, a stream failed, or the flood lost or hung a request.
@@ -40,11 +47,13 @@ def _quantile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
 
 
-async def _stream(client, model: str, i: int, tokens: int) -> dict:
-    """One greedy streamed chat: its text, chunk times, TTFT and client-side decode rate."""
+async def _stream(client, model: str, i: int | list[dict], tokens: int) -> dict:
+    """One greedy streamed chat (prompt(i), or the messages i): its text, chunk times, TTFT,
+    client-side decode rate and usage."""
+    messages = [{"role": "user", "content": prompt(i)}] if isinstance(i, int) else i
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt(i)}], max_tokens=tokens, temperature=0,
+        model=model, messages=messages, max_tokens=tokens, temperature=0,
         stream=True, stream_options={"include_usage": True})
     parts, stamps, usage = [], [], None
     async for chunk in stream:
@@ -55,8 +64,40 @@ async def _stream(client, model: str, i: int, tokens: int) -> dict:
             parts.append(chunk.choices[0].delta.content)
     n = usage.completion_tokens if usage is not None else len(stamps)
     span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    details = getattr(usage, "prompt_tokens_details", None)
     return {"text": "".join(parts), "stamps": stamps, "tokens": n, "ttft_s": stamps[0] - t0 if stamps else None,
-            "decode_tok_s": (n - 1) / span if span > 0 else None}
+            "decode_tok_s": (n - 1) / span if span > 0 else None,
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "cached_tokens": getattr(details, "cached_tokens", None) if details is not None else None}
+
+
+def document(n_tokens: int, seed: int) -> str:
+    """A made-up ledger of about n_tokens tokens (~19 a line in a BPE vocabulary), different for every seed."""
+    lines = []
+    for i in range(max(1, n_tokens // 19)):
+        k = seed * 7919 + i
+        lines.append(f"Row {i}: {TOPICS[k % len(TOPICS)]}, {k * 37 % 1009} units, shelf {k % 97}.")
+    return "\n".join(lines)
+
+
+async def _turns(client, model: str, n_tokens: int, tokens: int, rounds: int) -> dict:
+    """--turns: two-turn chats on long documents; the second turn's TTFT over the first's."""
+    chats, run = [], time.time_ns() % 1_000_003   # documents of this run only: no earlier run's cache helps
+    for r in range(rounds):
+        history = [{"role": "user", "content": f"Here is ledger {run}-{r}.\n" + document(n_tokens, run + r)
+                    + "\nWhich topic appears in row 3?"}]
+        first = await _stream(client, model, history, tokens)
+        history += [{"role": "assistant", "content": first["text"]},
+                    {"role": "user", "content": "And in row 5?"}]
+        second = await _stream(client, model, history, tokens)
+        chat = {"first_prompt_tokens": first["prompt_tokens"], "first_ttft_s": first["ttft_s"],
+                "second_prompt_tokens": second["prompt_tokens"], "second_cached_tokens": second["cached_tokens"],
+                "second_ttft_s": second["ttft_s"], "ttft_ratio": second["ttft_s"] / first["ttft_s"]}
+        chats.append(chat)
+        print(f"chat {r + 1}: first turn {chat['first_prompt_tokens']} prompt tokens, TTFT {chat['first_ttft_s']:.3f} s;"
+              f" second {chat['second_prompt_tokens']} ({chat['second_cached_tokens']} cached), TTFT "
+              f"{chat['second_ttft_s']:.3f} s = {chat['ttft_ratio']:.3f}x", file=sys.stderr)
+    return {"chats": chats, "ttft_ratio_median": statistics.median(c["ttft_ratio"] for c in chats)}
 
 
 async def _status_while(fleet, tasks) -> list[float]:
@@ -143,6 +184,11 @@ async def run(args, endpoint, fleet) -> dict:
     async with openai.AsyncOpenAI(base_url=f"{endpoint.http_url}/v1", api_key=endpoint.token,
                                   max_retries=0, timeout=args.flood_timeout, **tls) as client:
         model = (await client.models.list()).data[0].id
+        if args.turns:
+            print(f"{model} at {endpoint.http_url}/v1: {args.rounds} chats of two turns, the first on ~{args.turns} "
+                  "prompt tokens", file=sys.stderr)
+            return {"api": "openai", "model": model, "tokens": args.tokens, "turns": args.turns,
+                    **await _turns(client, model, args.turns, args.tokens, args.rounds)}
         print(f"{model} at {endpoint.http_url}/v1: {args.streams} prompts alone, then together "
               f"({args.rounds} rounds of {args.runs} single streams + {args.streams} at once)", file=sys.stderr)
         alone = [await _stream(client, model, i, args.tokens) for i in range(args.streams)]
@@ -185,6 +231,8 @@ def main(argv: list[str], endpoint, channel) -> int:
     ap.add_argument("--streams", type=int, default=32, help="concurrent streams, each its own prompt")
     ap.add_argument("--runs", type=int, default=3, help="single streams a round, for its one-stream rate")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=0, metavar="N",
+                    help="instead: --rounds two-turn chats on ~N-token documents (the prefix cache's TTFT)")
     ap.add_argument("--flood", type=int, default=0, help="then this many streams at once: completed or 429")
     ap.add_argument("--flood-timeout", type=float, default=600.0, help="seconds before the flood counts as hung")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
@@ -212,7 +260,12 @@ def main(argv: list[str], endpoint, channel) -> int:
         return 1
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
+    elif args.turns:
+        print(f"{result['model']} via openai: second turn's TTFT / first's, median of {args.rounds} chats: "
+              f"{result['ttft_ratio_median']:.3f}")
+    if args.turns:
+        return 0
+    if not args.json:
         r = result["median_all_decoding_over_one_stream"]
         print(f"{result['model']} via openai: {args.streams} streams, all identical to alone: "
               f"{result['all_identical']}; " + (f"median ratio while all decode {r:.2f}x one stream" if r

@@ -229,11 +229,11 @@ class ChatService:
             return None
         from engine.batch import BatchRunner, batch_decoder
         batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens,
-                              gpu=cfg.gpu_batching, mtp=cfg.mtp)
+                              gpu=cfg.gpu_batching, mtp=cfg.mtp, prefix_cache=cfg.prefix_cache)
         if batch is not None:
             self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
-            log.info("continuous batching (%s path%s): up to %d sequences per step", batch.path,
-                     ", MTP drafts" if batch.mtp else "", cfg.max_seqs)
+            log.info("continuous batching (%s path%s%s): up to %d sequences per step", batch.path,
+                     ", MTP drafts" if batch.mtp else "", ", prefix cache" if batch.prefix_cache else "", cfg.max_seqs)
         return self._batch
 
     def _admit(self, job) -> None:

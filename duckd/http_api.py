@@ -191,7 +191,8 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
 # -- responses ------------------------------------------------------------------------------
 def _usage(done: DoneEvent) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.stats.cached}}
 
 
 class _Completion:

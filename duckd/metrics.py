@@ -72,6 +72,8 @@ class Metrics:
         self.e2e = Histogram("duck_request_seconds", "request start to its last token", buckets=LATENCY_BUCKETS,
                              registry=r)
         self.tokens_in = Counter("duck_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.tokens_cached = Counter("duck_prompt_tokens_cached", "prompt tokens found in the prefix cache "
+                                     "(not read again), of duck_prompt_tokens", registry=r)
         self.tokens_out = Counter("duck_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("duck_requests", "finished requests by finish reason", ["finish_reason"], registry=r)
         self.mtp_accepted = Counter("duck_mtp_drafts_accepted", "MTP1 drafts accepted", registry=r)
@@ -82,6 +84,7 @@ class Metrics:
         s = done.stats
         self.requests.labels(done.finish_reason).inc()
         self.tokens_in.inc(s.input_len)
+        self.tokens_cached.inc(s.cached)
         self.tokens_out.inc(s.output_len)
         if s.output_len:
             self.ttft.observe(s.ttft)

@@ -223,7 +223,7 @@ def stats_message(done: DoneEvent) -> pb.GenerationStats:
     return pb.GenerationStats(time_s=s.time, input_len=s.input_len, output_len=s.output_len, ttft_s=s.ttft,
                               tpot_s=s.tpot, prefill_tok_s=s.prefill_tps, decode_tok_s=s.decode_tps,
                               finish_reason=done.finish_reason, line=str(s), mtp_accepted=accepted,
-                              mtp_verified=verified)
+                              mtp_verified=verified, cached_tokens=s.cached)
 
 
 class ModelServicer(rpc.ModelServicer):

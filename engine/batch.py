@@ -30,6 +30,21 @@ Each sequence keeps its own sampling generator, stop strings and text stream
 long as the per-token arithmetic does not depend on the batch (tests hold that).
 A sequence ends at EOS, a stop string, max_tokens, its slot's max_model_len, or
 when its should_stop says so (cancel); its slot is free for the next step.
+
+The prefix cache (prefix_cache, on where the slot cache has only per-position entries:
+copy_prefix; not Qwen3.5, whose DeltaNet state is one per sequence): a free slot keeps
+what its last sequence wrote (prompt and output but the last token) until it is taken
+again, and a new sequence prefills only what no slot already holds. It takes
+    - the free slot whose tokens it continues (the next turn of that chat: all but fewer
+      than PREFIX_COPY_MIN of the tokens the slot holds begin the new prompt), reading the
+      rest from there;
+    - else the least recently freed slot, into which the longest prefix any slot holds
+      (free or decoding: a shared system prompt, an agent's tool list) is copied first
+      when it is PREFIX_COPY_MIN tokens or more.
+At least the prompt's last token is always read (its logits give the first new token).
+With MTP drafts, a slot's prefix counts only as far as the MTP layer has read it too.
+The memory is the slots' own: nothing is allocated for the cache, and a sequence that
+needs a slot evicts the least recently freed one.
 """
 from __future__ import annotations
 
@@ -46,6 +61,7 @@ from engine.mtp import verify_draft
 log = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 256   # tokens per step: decode tokens first, prefill chunks fill the rest
+PREFIX_COPY_MIN = 16        # the shortest prefix copied from another slot (a chat template's first tokens are fewer)
 
 
 @dataclass(eq=False)
@@ -68,6 +84,8 @@ class Sequence:
     mtp_follow: list[int] = field(default_factory=list)            # the token after each of those positions
     accepted: int = 0
     verified: int = 0
+    cached: int = 0                     # prompt tokens found in the prefix cache (not prefilled)
+    mtp_done: int = 0                   # positions the MTP layer has read (its cache entries 0..mtp_done-1)
 
     @property
     def decoding(self) -> bool:
@@ -83,7 +101,7 @@ class BatchDecoder:
     """Continuous batching on the native or the torch path (see the module docstring)."""
 
     def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 path: str = "native", mtp: bool = False):
+                 path: str = "native", mtp: bool = False, prefix_cache: bool = True):
         if slots < 1 or max_model_len < 2:
             raise ValueError(f"a batch needs slots >= 1 and max_model_len >= 2, got {slots} and {max_model_len}")
         if not 1 <= step_tokens:
@@ -119,9 +137,12 @@ class BatchDecoder:
         if self.step_tokens < slots:
             raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "
                              f"{self.step_tokens}")
-        self.free = list(range(slots - 1, -1, -1))   # popped from the end: slot 0 first
+        self.free = list(range(slots))               # least recently freed first
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
+        self.prefix_cache = prefix_cache and hasattr(self.cache, "copy_prefix")
+        self.held: list[list[int]] = [[] for _ in range(slots)]   # a free slot's tokens, from position 0
+        self.cached_tokens = 0                       # prompt tokens read from the prefix cache, all sequences
         from engine.batch_torch import cache_tensors
         cache_mb = sum(t.numel() * t.element_size() for t in cache_tensors(self.cache)) / 1e6
         log.info("batch decoder (%s path): %d slots of %d positions (%.0f MB of cache), steps of up to %d tokens",
@@ -142,10 +163,47 @@ class BatchDecoder:
             return None
         device = self.model.model.embed_tokens.weight.device
         emit = (lambda text: _report(on_text, text)) if on_text is not None else None   # one caller's error stays its own
-        seq = Sequence(prompt, params, self.free.pop(), TokenStream(self.tokenizer, prompt, params, device, emit),
-                       should_stop, speculate=self.mtp and params.repetition_penalty == 1.0)
+        slot, cached = self._take_slot(prompt)
+        seq = Sequence(prompt, params, slot, TokenStream(self.tokenizer, prompt, params, device, emit),
+                       should_stop, speculate=self.mtp and params.repetition_penalty == 1.0,
+                       prefilled=cached, cached=cached, mtp_done=cached)
+        self.cached_tokens += cached
         self.active.append(seq)
         return seq
+
+    def _written(self, seq: Sequence) -> list[int]:
+        """The tokens whose cache entries seq's slot holds now, from position 0: the prompt
+        read so far, then every output token but the last (not fed yet); with MTP drafts
+        only as far as the MTP layer has read them too."""
+        tokens = seq.prompt + seq.out.out_ids[:-1] if seq.decoding else seq.prompt[:seq.prefilled]
+        return tokens[:seq.mtp_done] if self.mtp else tokens
+
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for prompt and how many of its first tokens are in it already (see the
+        module docstring's prefix cache)."""
+        if not self.prefix_cache:
+            return self.free.pop(0), 0
+        best, src = 0, None
+        for slot in self.free:
+            n = common_prefix(self.held[slot], prompt)
+            if n > best:
+                best, src = n, slot
+        for seq in self.active:
+            n = common_prefix(self._written(seq), prompt)
+            if n > best:
+                best, src = n, seq.slot
+        # an MTP entry at position i read token i+1 too: with drafts, one position less is sure
+        reuse = min(best - self.mtp, len(prompt) - 1)
+        # the slot it continues (its chat's next turn: all but a few of the tokens held), or the one
+        # to be evicted anyway: taken as it is; else the prefix goes into the least recently freed
+        if src in self.free and reuse > 0 and (src == self.free[0] or len(self.held[src]) - best < PREFIX_COPY_MIN):
+            self.free.remove(src)
+            return src, reuse
+        slot = self.free.pop(0)
+        if reuse < PREFIX_COPY_MIN:
+            return slot, 0
+        self.cache.copy_prefix(src, slot, reuse)
+        return slot, reuse
 
     def _plan(self):
         """The step's ids, positions, slots; (sequence, first row, rows) of the rows that get
@@ -251,6 +309,7 @@ class BatchDecoder:
         hidden = torch.cat([h for seq in seqs for h in seq.mtp_hidden])
         logits = self.decoder.draft(torch.tensor(ids), hidden, torch.tensor(positions), torch.tensor(slots))
         for seq, row in zip(seqs, last):
+            seq.mtp_done = seq.mtp_from + len(seq.mtp_follow)
             seq.mtp_hidden, seq.mtp_follow = [], []
             if seq.params.temperature == 0.0:
                 seq.draft, seq.q = int(logits[row].argmax()), None
@@ -280,9 +339,11 @@ class BatchDecoder:
     def _end(self, seq: Sequence, finish: str | None = None) -> None:
         text = seq.out.close(finish)
         stats = GenerationStats(len(seq.prompt), len(seq.out.out_ids), time.perf_counter() - seq.start, seq.ttft,
-                                mtp=(seq.accepted, seq.verified) if seq.speculate else None)
+                                mtp=(seq.accepted, seq.verified) if seq.speculate else None, cached=seq.cached)
         seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats)
         self.active.remove(seq)
+        # a failed step may have left the slot half written: it keeps nothing
+        self.held[seq.slot] = self._written(seq) if self.prefix_cache and finish != "error" else []
         self.free.append(seq.slot)
 
     def fail_all(self) -> list[Sequence]:
@@ -291,6 +352,23 @@ class BatchDecoder:
         for seq in ended:
             self._end(seq, "error")
         return ended
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens a and b share (list slices compare in C: a bisection of them)."""
+    n = min(len(a), len(b))
+    if not n or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _greedy_rows(wants) -> list[int]:
@@ -305,7 +383,7 @@ def _greedy_rows(wants) -> list[int]:
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                  gpu: bool = False, mtp: bool = False):
+                  gpu: bool = False, mtp: bool = False, prefix_cache: bool = True):
     """A BatchDecoder where one applies, None otherwise (with why at info level): on the
     CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), else the torch path's (other
     families with slot_batching, or any with DUCK_CPU_NATIVE=0); on a GPU host the torch path's only when gpu is set (duckd's
@@ -320,14 +398,16 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
         return None
     if mtp and getattr(model, "mtp_layers", None):
         try:
-            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path="torch", mtp=True)
+            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path="torch", mtp=True,
+                                prefix_cache=prefix_cache)
         except (UnsupportedModel, ValueError) as e:
             log.warning("continuous batching without MTP drafts: %s", e)
     paths = ["native", "torch"] if on_cpu and native_mode() != "off" else ["torch"]
     why = []
     for path in paths:   # on the CPU host: the native decoder, else the torch path (a family it lacks)
         try:
-            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path)
+            return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path,
+                                prefix_cache=prefix_cache)
         except UnsupportedModel as e:
             why.append(f"{path} path: {e}")
     log.info("no continuous batching: %s", "; ".join(why))

@@ -50,6 +50,7 @@ class GenerationStats:
     time: float   # seconds, request start to last token
     ttft: float   # seconds, request start to first token
     mtp: tuple[int, int] | None = None   # MTP1 drafts (accepted, verified), when speculative decoding ran
+    cached: int = 0                      # prompt tokens found in the prefix cache (engine.batch), not prefilled
 
     @property
     def tpot(self) -> float:
@@ -57,7 +58,7 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.input_len / self.ttft if self.ttft > 0 else 0.0
+        return (self.input_len - self.cached) / self.ttft if self.ttft > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -67,7 +68,8 @@ class GenerationStats:
         return (f"Generation stats: time {self.time:.3f}s, input_len {self.input_len}, "
                 f"output_len {self.output_len}, ttft {self.ttft:.3f}s, tpot {self.tpot:.3f}s, "
                 f"prefill {self.prefill_tps:.3f} tok/s, decode {self.decode_tps:.3f} tok/s"
-                + (f", accept=1 {self.mtp[0]}/{self.mtp[1]}" if self.mtp is not None else ""))
+                + (f", accept=1 {self.mtp[0]}/{self.mtp[1]}" if self.mtp is not None else "")
+                + (f", cached {self.cached}" if self.cached else ""))
 
 
 @dataclass(slots=True)

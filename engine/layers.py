@@ -151,6 +151,12 @@ class SlotKVCache:
     def slot(self, s: int) -> KVCache:
         return KVCache(self.k[:, s], self.v[:, s])
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of slot src into slot dst (engine.batch's prefix cache: a cache of
+        per-position entries only, so a prefix read once serves any sequence that begins with it)."""
+        for t in (self.k, self.v):
+            t[:, dst, :n].copy_(t[:, src, :n])
+
 
 @dataclass(slots=True)
 class SlotBatch:

@@ -183,6 +183,11 @@ class SlotMlaCache:
     def max_model_len(self) -> int:
         return self.latent.shape[2]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of slot src into slot dst (engine.batch's prefix cache)."""
+        for t in (self.latent, self.k_rope):
+            t[:, dst, :n].copy_(t[:, src, :n])
+
 
 class DeepseekV32Indexer(nn.Module):
     """DSA lightning indexer: loaded and shape-checked; dense attention within index_topk needs no selection."""

@@ -142,7 +142,9 @@ class SlotHybridCache:
     conv inputs conv [n_linear, slots, C, K-1] (model dtype) and the delta-rule state
     recurrent [n_linear, slots, Hv, Dk, Dv] (fp32). Not zeroed: a sequence's run from
     position 0 zeroes its slot's states first (a slot serves one sequence after another);
-    consumed[linear index][slot] counts the tokens those states have taken."""
+    consumed[linear index][slot] counts the tokens those states have taken. No copy_prefix:
+    a recurrent state holds every token read so far, not one entry per position, so
+    engine.batch's prefix cache passes this family by."""
     kv: SlotKVCache
     conv: torch.Tensor
     recurrent: torch.Tensor

@@ -138,7 +138,7 @@ def test_the_torch_path_batches_in_the_daemon(tmp_path):
 
         alone = asyncio.run(one_by_one())
         assert asyncio.run(together()) == alone and all(alone)
-        assert "continuous batching (torch path)" in d.log_path.read_text(errors="replace")
+        assert "continuous batching (torch path, prefix cache)" in d.log_path.read_text(errors="replace")
     finally:
         d.stop()
 

@@ -81,6 +81,24 @@ def test_seeded_sampling_repeats(client, model):
     assert a == b
 
 
+def test_the_next_turn_of_a_chat_reads_only_its_new_tokens(duckd_daemon, client, model):
+    """The prefix cache (engine.batch): a chat's second turn finds its first turn (prompt and
+    answer) in the slot that turn left, says so in usage.prompt_tokens_details.cached_tokens
+    and /metrics, and reads only what is new."""
+    history = [{"role": "system", "content": "You answer in one short sentence. " * 8}, *QUESTION]
+    first = client.chat.completions.create(model=model, messages=history, max_tokens=16, temperature=0)
+    answer = first.choices[0].message.content
+    history += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model=model, messages=history, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens, (first.usage, second.usage)
+    assert "Rome" in second.choices[0].message.content
+    _, body = _get(duckd_daemon, "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert [s.value for s in families["duck_prompt_tokens_cached"].samples if s.name.endswith("_total")][0] >= cached
+
+
 def test_wrong_token_is_401_in_openai_shape(duckd_daemon, model):
     bad = openai.OpenAI(base_url=f"http://{duckd_daemon.http_address}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
@@ -185,7 +203,7 @@ def test_mtp_in_serving_is_greedy_identical_and_reports_acceptance(tmp_path, mtp
             families = {f.name: f for f in text_string_to_metric_families(body.decode())}
             stats[mtp] = [s.value for s in families["duck_mtp_drafts_verified"].samples if s.name.endswith("_total")]
             # served by the batch (max_seqs 32), which drafts with the MTP layer when mtp is on
-            assert f"continuous batching (torch path{', MTP drafts' if mtp else ''})" in daemon.log()
+            assert f"continuous batching (torch path{', MTP drafts' if mtp else ''}, prefix cache)" in daemon.log()
             # a healthy fleet shows no errors: the host's early resends (its timer running out while a duck
             # stores an upload) are the ducks' early_resends, not drops
             assert [(d.errors, d.drops) for d in daemon.ducks()] == [(0, 0)] * 2, daemon.ducks()
