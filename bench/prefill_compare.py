@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -71,17 +69,6 @@ def measure_streamed(runner, stream, split, prompt_len: int, room: int) -> dict:
 def _best(runs: list[dict]) -> dict:
     best = max(runs, key=lambda r: r["prefill_tok_s"])
     return {**best, "prefill_tok_s_all": [round(r["prefill_tok_s"], 1) for r in runs]}
-
-
-def _commit() -> str:
-    """HEAD, marked "+changes" where the tree differs from it (a device's copy of a working tree)."""
-    if os.environ.get("DUCK_COMMIT"):
-        return os.environ["DUCK_COMMIT"]
-    try:
-        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
-        return git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _profile(runner, stream, split, prompt_len: int, room: int, path: str) -> None:
@@ -159,123 +146,104 @@ def measure_placements(runner, backend, config, args) -> dict:
 
 
 def run(args) -> dict:
-    from bench.e2e_synthetic import Runner
-    from bench.synthetic import build_host_model, ffn_bytes_per_token, ffn_shapes, install_synthetic_fleet, \
-        synthetic_config
-    from bench.synthetic_ducks import duck_cpus, duck_share, duck_spin_us, measure_fleet_read
-    from engine.fleet import FleetFfn, LocalDucks
+    from bench.synthetic_ducks import SyntheticFleet, measure_fleet_read, synthetic_run
     from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
-    from engine.gpu.hybrid_prefill import PrefillSplit, StreamedPrefill
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = synthetic_config(args.synthetic, args.layers, args.experts, args.dense_layers)
-    out: dict = {"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "model": args.synthetic,
-                 "machine": {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-                             "cpus": len(os.sched_getaffinity(0))},
-                 "shape": {"layers": config.num_hidden_layers, "experts": config.num_experts,
-                           "experts_per_token": config.num_experts_per_tok, "hidden": config.hidden_size},
-                 "fleet": {"ducks": args.ducks, "duck_threads": args.duck_threads}}
+    device, dtype, config, out = synthetic_run(args)
     out["read_gbps"] = measure_fleet_read(args.ducks, args.duck_threads)
     out["pcie_gbps"] = pinned_copy_gbps(device)
-    model = build_host_model(config, device, dtype, seed=args.seed)
-    per_duck = sum(duck_share(n, h, i, args.ducks, 64) for _, n, h, i in ffn_shapes(model))
-    args.multiple_of = 64
-    cpus = duck_cpus(args)
-    local = LocalDucks(args.ducks, threads=args.duck_threads, cpus=cpus, spin_us=duck_spin_us(args),
-                       cache_capacity=f"{(per_duck * 1.05 + (64 << 20)) // (1 << 20):.0f}M")
-    backend = FleetFfn(addresses=local.addresses, key=local.key, deadline_ms=60000)
-    stream = None
-    try:
-        install_synthetic_fleet(model, backend, seed=args.seed)
+    with SyntheticFleet(args, config, device, dtype) as synth:
+        model, backend = synth.model, synth.backend
         stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
-        runner = Runner(model, backend, device, use_graphs=device.type == "cuda")
-        engine = StreamedPrefill(stream, backend, "hybrid", out["pcie_gbps"])    # the engine's choices
-        hybrid = engine.split
-        gpu = PrefillSplit("gpu", out["pcie_gbps"])
-        room = args.steps + 4
-        # warm-up: allocations, the ducks' workspace at a whole chunk, the kernels' first compiles
-        runner.decode(runner.prefill(8, 4)["cache"], 8, 2)
-        runner.prefill(min(args.fleet_chunk, max(args.prompts)), 4, args.fleet_chunk)
-        for split in (gpu, hybrid, hybrid):
-            measure_streamed(runner, stream, split, min(args.prompts), room)
-        table = {"duck": {}, "duck_gpu_only": {}, "duck_fleet_only": {}}
-        for p in args.prompts:
-            fleet = [runner.prefill(p, 4, args.fleet_chunk, overlap=True) for _ in range(args.repeats)]
-            for r in fleet:
-                r.pop("cache")
-            table["duck_fleet_only"][str(p)] = _best(fleet)
-            for r in fleet:
-                engine.fleet_timed(p, r["ttft_s"])
-            runs = [measure_streamed(runner, stream, gpu, p, room) for _ in range(args.repeats)]
-            for r in runs:
-                r.pop("cache")
-            table["duck_gpu_only"][str(p)] = _best(runs)
-            if engine.worth(p):
-                runs = [measure_streamed(runner, stream, hybrid, p, room) for _ in range(args.repeats)]
-            else:
-                runs = [{**runner.prefill(p, args.steps, args.fleet_chunk, overlap=True), "plan": "fleet",
-                         "gpu_experts_per_moe_layer": 0.0, "experts": stream.experts(stream.order[-1])}
-                        for _ in range(args.repeats)]
-            caches = [r.pop("cache") for r in runs]
-            table["duck"][str(p)] = _best(runs)
-            log.info("prefill %d: fleet %.0f, gpu %.0f, duck %.0f tok/s (plan %s, GPU takes %.1f of %d experts)", p,
-                     table["duck_fleet_only"][str(p)]["prefill_tok_s"], table["duck_gpu_only"][str(p)]["prefill_tok_s"],
-                     table["duck"][str(p)]["prefill_tok_s"], table["duck"][str(p)]["plan"],
-                     table["duck"][str(p)]["gpu_experts_per_moe_layer"],
-                     table["duck"][str(p)]["experts"])
-            if p == args.prompts[0]:
-                decode = runner.decode(caches[-1], p, args.steps)
-            del caches
-        if engine.worth(args.ttft_tokens):
-            ttft = [measure_streamed(runner, stream, hybrid, args.ttft_tokens, room) for _ in range(args.repeats)]
-        else:
-            ttft = [runner.prefill(args.ttft_tokens, 4, args.fleet_chunk, overlap=True) for _ in range(args.repeats)]
-        for r in ttft:
-            r.pop("cache")
-        out["ttft_1024_runs"] = [round(r["ttft_s"], 4) for r in ttft]
-        for name, rows in table.items():
-            out[name] = {"prefill_tok_s": {p: round(r["prefill_tok_s"], 1) for p, r in rows.items()},
-                         "detail": rows}
-        out["duck"]["ttft_s_1024"] = min(r["ttft_s"] for r in ttft)
-        out["duck"]["decode_tok_s"] = decode["tok_s"]
-        out["duck"]["decode"] = {k: decode[k] for k in ("step_ms", "tok_s", "step_ms_all", "per_layer_ms", "driver")}
-        per_pass = {p: r["pcie_bytes_per_pass"] for p, r in table["duck_gpu_only"].items()}
-        out["duck"]["pcie_limit_tok_s"] = {p: round(int(p) / (b / (out["pcie_gbps"] * 1e9)), 1) if b and
-                                           out["pcie_gbps"] else None for p, b in per_pass.items()}
-        out["duck_gb_per_token"] = (decode["ffn_bytes_streamed_per_step"] or 0) / 1e9
-        out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, config.num_experts_per_tok or 1)
-        out.update(measure_placements(runner, backend, config, args))
-        out["read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
-        if args.profile:
-            _profile(runner, stream, gpu, max(args.prompts), room, args.profile)
-    finally:
-        if stream is not None:
+        try:
+            out.update(_measure(args, config, device, model, backend, stream, out))
+        finally:
             stream.close()
-        backend.close()
-        local.stop()
-        del model
-        gc.collect()
+            del model
+    gc.collect()
+    return out
+
+
+def _measure(args, config, device, model, backend, stream, out: dict) -> dict:
+    """run()'s measurements on the model and its fleet; out holds the rates measured before."""
+    from bench.e2e_synthetic import Runner
+    from bench.synthetic import ffn_bytes_per_token
+    from bench.synthetic_ducks import measure_fleet_read
+    from engine.gpu.hybrid_prefill import PrefillSplit, StreamedPrefill
+
+    out = dict(out)
+    runner = Runner(model, backend, device, use_graphs=device.type == "cuda")
+    engine = StreamedPrefill(stream, backend, "hybrid", out["pcie_gbps"])    # the engine's choices
+    hybrid = engine.split
+    gpu = PrefillSplit("gpu", out["pcie_gbps"])
+    room = args.steps + 4
+    # warm-up: allocations, the ducks' workspace at a whole chunk, the kernels' first compiles
+    runner.decode(runner.prefill(8, 4)["cache"], 8, 2)
+    runner.prefill(min(args.fleet_chunk, max(args.prompts)), 4, args.fleet_chunk)
+    for split in (gpu, hybrid, hybrid):
+        measure_streamed(runner, stream, split, min(args.prompts), room)
+    table = {"duck": {}, "duck_gpu_only": {}, "duck_fleet_only": {}}
+    for p in args.prompts:
+        fleet = [runner.prefill(p, 4, args.fleet_chunk, overlap=True) for _ in range(args.repeats)]
+        for r in fleet:
+            r.pop("cache")
+        table["duck_fleet_only"][str(p)] = _best(fleet)
+        for r in fleet:
+            engine.fleet_timed(p, r["ttft_s"])
+        runs = [measure_streamed(runner, stream, gpu, p, room) for _ in range(args.repeats)]
+        for r in runs:
+            r.pop("cache")
+        table["duck_gpu_only"][str(p)] = _best(runs)
+        if engine.worth(p):
+            runs = [measure_streamed(runner, stream, hybrid, p, room) for _ in range(args.repeats)]
+        else:
+            runs = [{**runner.prefill(p, args.steps, args.fleet_chunk, overlap=True), "plan": "fleet",
+                     "gpu_experts_per_moe_layer": 0.0, "experts": stream.experts(stream.order[-1])}
+                    for _ in range(args.repeats)]
+        caches = [r.pop("cache") for r in runs]
+        table["duck"][str(p)] = _best(runs)
+        log.info("prefill %d: fleet %.0f, gpu %.0f, duck %.0f tok/s (plan %s, GPU takes %.1f of %d experts)", p,
+                 table["duck_fleet_only"][str(p)]["prefill_tok_s"], table["duck_gpu_only"][str(p)]["prefill_tok_s"],
+                 table["duck"][str(p)]["prefill_tok_s"], table["duck"][str(p)]["plan"],
+                 table["duck"][str(p)]["gpu_experts_per_moe_layer"],
+                 table["duck"][str(p)]["experts"])
+        if p == args.prompts[0]:
+            decode = runner.decode(caches[-1], p, args.steps)
+        del caches
+    if engine.worth(args.ttft_tokens):
+        ttft = [measure_streamed(runner, stream, hybrid, args.ttft_tokens, room) for _ in range(args.repeats)]
+    else:
+        ttft = [runner.prefill(args.ttft_tokens, 4, args.fleet_chunk, overlap=True) for _ in range(args.repeats)]
+    for r in ttft:
+        r.pop("cache")
+    out["ttft_1024_runs"] = [round(r["ttft_s"], 4) for r in ttft]
+    for name, rows in table.items():
+        out[name] = {"prefill_tok_s": {p: round(r["prefill_tok_s"], 1) for p, r in rows.items()},
+                     "detail": rows}
+    out["duck"]["ttft_s_1024"] = min(r["ttft_s"] for r in ttft)
+    out["duck"]["decode_tok_s"] = decode["tok_s"]
+    out["duck"]["decode"] = {k: decode[k] for k in ("step_ms", "tok_s", "step_ms_all", "per_layer_ms", "driver")}
+    per_pass = {p: r["pcie_bytes_per_pass"] for p, r in table["duck_gpu_only"].items()}
+    out["duck"]["pcie_limit_tok_s"] = {p: round(int(p) / (b / (out["pcie_gbps"] * 1e9)), 1) if b and
+                                       out["pcie_gbps"] else None for p, b in per_pass.items()}
+    out["duck_gb_per_token"] = (decode["ffn_bytes_streamed_per_step"] or 0) / 1e9
+    out["ffn_bytes_per_token"] = ffn_bytes_per_token(model, config.num_experts_per_tok or 1)
+    out.update(measure_placements(runner, backend, config, args))
+    out["read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
+    if args.profile:
+        _profile(runner, stream, gpu, max(args.prompts), room, args.profile)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.synthetic import SHAPES
+    from bench.synthetic_ducks import add_synthetic_arguments, run_and_write
     ap = argparse.ArgumentParser(prog="python -m bench.prefill_compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--synthetic", required=True, choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--experts", type=int, default=None)
-    ap.add_argument("--dense-layers", type=int, default=None)
-    ap.add_argument("--ducks", type=int, default=4)
-    ap.add_argument("--duck-threads", type=int, default=4)
-    ap.add_argument("--pin-ducks", action="store_true", help="each duck on CPUs of its own (as boxes are)")
-    ap.add_argument("--duck-spin-us", type=int, default=None)
+    add_synthetic_arguments(ap)
     ap.add_argument("--prompts", default="512,2048,8192")
     ap.add_argument("--ttft-tokens", type=int, default=1024)
     ap.add_argument("--fleet-chunk", type=int, default=1024, help="the fleet alone: duckd's model.prefill_chunk")
     ap.add_argument("--repeats", type=int, default=2, help="runs per length (the best is kept, all are listed)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps")
-    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--gpu-budgets", default="0,dense,quarter,auto",
                     help="decode measured at these GPU placement budgets (0, dense, quarter, auto; '' for none)")
     ap.add_argument("--json", help="write the result here (default: stdout)")
@@ -284,16 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.prompts = [int(p) for p in args.prompts.split(",") if p]
     args.gpu_budgets = [b for b in args.gpu_budgets.split(",") if b]
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    out = run(args)
-    text = json.dumps(out, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return run_and_write(run, args)
 
 
 if __name__ == "__main__":

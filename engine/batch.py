@@ -45,6 +45,14 @@ At least the prompt's last token is always read (its logits give the first new t
 With MTP drafts, a slot's prefix counts only as far as the MTP layer has read it too.
 The memory is the slots' own: nothing is allocated for the cache, and a sequence that
 needs a slot evicts the least recently freed one.
+
+A long prompt on a GPU host with a fleet (the model's streamed_prefill,
+engine.gpu.hybrid_prefill, on the torch path): a sequence whose unread prompt the
+streamed prefill judges long enough (worth()) reads it alone, in a step of up to the
+streamed prefill's chunk (each expert crosses PCIe once per such step, the ducks computing
+their share beside the GPU), again while the unread rest is worth a pass, and the rest in
+the batch's own steps; the other sequences wait for such a step as they would for any
+prompt chunk. A prompt the prefix cache mostly holds is judged by its unread rest.
 """
 from __future__ import annotations
 
@@ -143,6 +151,8 @@ class BatchDecoder:
         self.prefix_cache = prefix_cache and hasattr(self.cache, "copy_prefix")
         self.held: list[list[int]] = [[] for _ in range(slots)]   # a free slot's tokens, from position 0
         self.cached_tokens = 0                       # prompt tokens read from the prefix cache, all sequences
+        # long prompts' experts streamed to the GPU (a CUDA host with a fleet): engine.gpu.hybrid_prefill
+        self.streamed = getattr(model, "streamed_prefill", None) if path == "torch" else None
         from engine.batch_torch import cache_tensors
         cache_mb = sum(t.numel() * t.element_size() for t in cache_tensors(self.cache)) / 1e6
         log.info("batch decoder (%s path): %d slots of %d positions (%.0f MB of cache), steps of up to %d tokens",
@@ -205,20 +215,21 @@ class BatchDecoder:
         self.cache.copy_prefix(src, slot, reuse)
         return slot, reuse
 
-    def _plan(self):
+    def _plan(self, alone: Sequence | None = None, budget: int = 0):
         """The step's ids, positions, slots; (sequence, first row, rows) of the rows that get
         logits (a decoding sequence's last token, and its draft; a prompt's last token); and
-        (sequence, first row, tokens, first position) of the prefill chunks."""
+        (sequence, first row, tokens, first position) of the prefill chunks. alone: only that
+        sequence's next prompt chunk, of up to budget tokens (a streamed prefill's step)."""
         ids, positions, slots, wants, chunks = [], [], [], [], []
-        for seq in self.active:
+        for seq in self.active if alone is None else ():
             if seq.decoding:
                 pair = [seq.draft] if seq.draft is not None else []
                 wants.append((seq, len(ids), 1 + len(pair)))
                 ids += [seq.out.out_ids[-1]] + pair
                 positions += range(seq.position, seq.position + 1 + len(pair))
                 slots += [seq.slot] * (1 + len(pair))
-        budget = self.step_tokens - len(ids)
-        for seq in self.active:
+        budget = (budget or self.step_tokens) - len(ids)
+        for seq in self.active if alone is None else [alone]:
             if budget <= 0:
                 break
             if seq.decoding:
@@ -242,11 +253,18 @@ class BatchDecoder:
             self._end(seq, "cancelled")
         if not self.active:
             return finished
-        if self.mtp:
-            self._drafts()
-        ids, positions, slots, wants, chunks = self._plan()
+        long = self._long_prompt()
+        if long is not None:    # this step: its next chunk alone, the experts streamed to the GPU
+            ids, positions, slots, wants, chunks = self._plan(long, self.streamed.chunk)
+            with self.streamed.hook(len(ids)):
+                y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions),
+                                        torch.tensor(slots, dtype=torch.int32), limit=len(ids))
+        else:
+            if self.mtp:
+                self._drafts()
+            ids, positions, slots, wants, chunks = self._plan()
+            y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
         wants.sort(key=lambda w: w[1])
-        y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
         rows = [r for _, first, n in wants for r in range(first, first + n)]
         logits, greedy = self._logits(y, rows, wants)
         self.steps += 1
@@ -273,6 +291,14 @@ class BatchDecoder:
             self._end(seq)
             finished.append(seq)
         return finished
+
+    def _long_prompt(self) -> Sequence | None:
+        """The oldest sequence still reading a prompt whose unread rest the streamed prefill
+        takes (None: no such sequence, or no streamed prefill here)."""
+        if self.streamed is None:
+            return None
+        return next((s for s in self.active
+                     if not s.decoding and self.streamed.worth(len(s.prompt) - s.prefilled)), None)
 
     def _logits(self, y: torch.Tensor, rows: list[int], wants) -> tuple[torch.Tensor | None, dict[int, int]]:
         """The logits of rows, and {logits row: its argmax} of the greedy ones: one argmax per

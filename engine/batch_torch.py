@@ -64,15 +64,18 @@ class TorchSlotDecoder:
                   cache.slots, cache.max_model_len)
 
     @torch.inference_mode()
-    def layers(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """ids, positions, slots [T] (host) -> the last layer's normed hidden states [T, H]."""
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               limit: int | None = None) -> torch.Tensor:
+        """ids, positions, slots [T] (host) -> the last layer's normed hidden states [T, H].
+        limit: the most tokens this step may have (default max_tokens; a streamed prefill's
+        step of one long prompt is larger, and eager)."""
         if ids.dim() != 1 or ids.shape != positions.shape or ids.shape != slots.shape:
             raise ValueError(f"ids {tuple(ids.shape)}, positions {tuple(positions.shape)} and slots "
                              f"{tuple(slots.shape)} must be one [T] each")
-        if not 0 < ids.shape[0] <= self.max_tokens:
-            raise ValueError(f"a step of {ids.shape[0]} tokens: this decoder takes 1..{self.max_tokens}")
+        if not 0 < ids.shape[0] <= (limit or self.max_tokens):
+            raise ValueError(f"a step of {ids.shape[0]} tokens: this decoder takes 1..{limit or self.max_tokens}")
         self._ntok = ids.shape[0]
-        if self.graphs is not None:
+        if self.graphs is not None and limit is None:
             hidden = self.graphs.step(ids, positions, slots)
             if hidden is not None:
                 self.last_batch = None

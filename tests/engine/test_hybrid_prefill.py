@@ -184,3 +184,49 @@ def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F
         assert streamed.split.history == [] and len(short.token_ids) == 6
     finally:
         lm.ffn.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_a_batch_streams_a_long_prompt_alone_beside_decoding_sequences(kind, family):  # noqa: F811
+    """engine.batch on the torch path with a model's streamed_prefill (a GPU host with a fleet): a
+    prompt from min_tokens on is read alone, in steps of the stream's chunk while its unread rest
+    is worth a pass, while two short requests decode around it; every request's tokens are those of the batch without the
+    streamed prefill. A prompt that continues a slot's tokens (the prefix cache) is streamed
+    only when its unread rest is long enough."""
+    from engine.batch import BatchDecoder
+    from engine.generate import SamplingParams
+    from engine.gpu.hybrid_prefill import StreamedPrefill
+    from tests.engine.test_batch import drain_results
+
+    folder, vocab = family(kind)
+    lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
+    try:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        long = _prompt(vocab, PROMPT, seed=15)
+        requests = [(_prompt(vocab, 9, seed=16), params), (long, params), (_prompt(vocab, 12, seed=17), params)]
+
+        def run(reqs):
+            batch = BatchDecoder(lm.model, lm.tokenizer, slots=3, max_model_len=PROMPT + 40, step_tokens=16,
+                                 path="torch", prefix_cache=False)
+            return [r.token_ids for r in drain_results(batch, reqs)]
+
+        ref = run(requests)
+        stream = ExpertStream(lm.ffn.layers, lm.ffn.hidden, "cpu", threads=1)
+        streamed = lm.model.streamed_prefill = StreamedPrefill(stream, lm.ffn, "hybrid", chunk=64, min_tokens=50)
+        assert run(requests) == ref
+        # 96 tokens: a streamed step of 64; the unread 32 are too few for a pass of every expert over PCIe
+        assert len(streamed.split.history) == len(stream.order)
+        streamed.split.history = []
+        assert len(run([(long[:40], params)])[0]) == 6 and streamed.split.history == []   # 40 tokens: the ducks'
+        batch = BatchDecoder(lm.model, lm.tokenizer, slots=2, max_model_len=PROMPT + 40, step_tokens=16,
+                             path="torch")
+        first = drain_results(batch, [(long, params)])[0]
+        streamed.split.history = []
+        turn = long + first.token_ids + [5, 6, 7]
+        second = drain_results(batch, [(turn, params)])[0]
+        assert second.stats.cached == len(long) + 5 and streamed.split.history == []   # 8 unread tokens
+        lm.model.streamed_prefill = None
+        assert second.token_ids == run([(turn, params)])[0]
+    finally:
+        lm.model.streamed_prefill = None
+        lm.ffn.close()

@@ -128,3 +128,16 @@ def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint):
                                                   requests)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+def test_gpu_batch_prefix_cache_gives_the_uncached_tokens(kind, tmp_path):
+    """The prefix cache on CUDA (slot copies on the device, decode steps from the bucket graphs),
+    fp32: a chat's second turn and a request sharing its first turn's prompt beside it get the
+    tokens they get with the cache off, and say how much they found."""
+    from tests.engine.test_prefix_cache import _two_turns
+    with _tiny_on_cuda(tmp_path, kind, "float32") as lm:
+        on = _two_turns(lm, "torch", cache=True)
+        off = _two_turns(lm, "torch", cache=False)
+        assert [r.token_ids for r in [on[0], *on[1]]] == [r.token_ids for r in [off[0], *off[1]]]
+        assert all(r.stats.cached > 16 for r in on[1]) and on[2].decoder.graph_steps > 0

@@ -1,0 +1,197 @@
+"""`python -m bench.loop_compare --synthetic qwen3-30b-a3b --json out.json`: the request loop
+against the one-request path, in one run, on a synthetic model at real widths (bench.synthetic)
+whose experts a fleet of local ducks holds (on a GPU host as duckd runs there; on the CPU too):
+
+  one_request   one request through the path duckd takes where batching is off
+                (engine.generate.generate; engine.mtp.generate_mtp where the model has an MTP
+                head): TTFT, decode tok/s
+  batch_of_one  the same request alone in the batch loop (engine.batch.BatchDecoder on the torch
+                path: CUDA graphs per batch-size bucket where the family has them): TTFT, decode
+                tok/s, and its ratio to one_request
+  users         N requests at once in the loop (--users): tok/s while all of them decode, over
+                batch_of_one's
+  prefix        a chat of two turns in the loop: the first on --turn-tokens prompt tokens, the
+                second its answer and --more new tokens, with the prefix cache on and then off:
+                TTFTs, the tokens found cached, the ratio of the second TTFT to the first, and
+                whether both second turns gave the same tokens
+
+Both paths prefill long prompts with the model's streamed prefill (engine.gpu.hybrid_prefill:
+the experts over PCIe, the ducks beside), as duckd installs it on a CUDA host with a fleet.
+Tokens are random ids, every request greedy with ignore_eos (so lengths are fixed).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+log = logging.getLogger("bench.loop_compare")
+
+
+def word_tokenizer(vocab: int):
+    """An engine Tokenizer over words 'w0' .. 'w<vocab-1>' (the ids are what matter here)."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from engine.tokenizer import Tokenizer
+    hf = HfTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.decoder = decoders.WordPiece(prefix="##")
+    return Tokenizer(hf, eos_token_ids=(1,), source="<words>")
+
+
+class Loop:
+    """The model, its tokenizer and one batch decoder; random prompts from one generator."""
+
+    def __init__(self, model, slots: int, max_model_len: int, step_tokens: int, seed: int):
+        from engine.batch import BatchDecoder
+        self.model, self.vocab = model, model.config.vocab_size
+        self.tokenizer = word_tokenizer(self.vocab)
+        self.mtp = bool(getattr(model, "mtp_layers", None))
+        self.max_model_len = max_model_len
+        self.batch = BatchDecoder(model, self.tokenizer, slots, max_model_len, step_tokens, path="torch",
+                                  mtp=self.mtp)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def prompt(self, n: int) -> list[int]:
+        return torch.randint(2, self.vocab, (n,), generator=self.gen).tolist()
+
+    def one_request(self, prompt: list[int], tokens: int):
+        """The one-request path (duckd's where batching is off) -> GenerationResult."""
+        from engine.generate import SamplingParams, generate
+        from engine.mtp import generate_mtp
+        run = generate_mtp if self.mtp else generate
+        return run(self.model, self.tokenizer, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
+                   max_model_len=len(prompt) + tokens + 2)
+
+    def in_loop(self, prompts: list[list[int]], tokens: int) -> tuple[list, float]:
+        """prompts at once through the batch -> (their results, tok/s while all of them decoded)."""
+        from engine.generate import SamplingParams
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        seqs = [self.batch.add(p, params) for p in prompts]
+        if any(s is None for s in seqs):
+            raise ValueError(f"{len(prompts)} requests, {self.batch.slots} slots")
+        while not all(s.decoding and s.out.out_ids for s in seqs):
+            self.batch.step()
+        out0, t0 = sum(len(s.out.out_ids) for s in seqs), time.perf_counter()
+        while all(s.result is None for s in seqs):
+            self.batch.step()
+        rate = (sum(len(s.out.out_ids) for s in seqs) - out0) / (time.perf_counter() - t0)
+        while self.batch.active:
+            self.batch.step()
+        return [s.result for s in seqs], rate
+
+
+def _stats(result) -> dict:
+    s = result.stats
+    return {"ttft_s": round(s.ttft, 4), "decode_tok_s": round(s.decode_tps, 2), "prompt_tokens": s.input_len,
+            "cached_tokens": s.cached, "tokens": s.output_len,
+            **({"mtp_accepted": s.mtp[0], "mtp_verified": s.mtp[1]} if s.mtp else {})}
+
+
+def measure(loop: Loop, args) -> dict:
+    out: dict = {}
+    loop.one_request(loop.prompt(16), 4)                         # warm-up: graphs, kernels, the ducks' workspace
+    loop.in_loop([loop.prompt(16)], 4)
+    one = [loop.one_request(loop.prompt(args.prompt), args.tokens) for _ in range(args.repeats)]
+    alone = [loop.in_loop([loop.prompt(args.prompt)], args.tokens)[0][0] for _ in range(args.repeats)]
+    out["one_request"] = {"runs": [_stats(r) for r in one],
+                          "decode_tok_s": statistics.median(r.stats.decode_tps for r in one)}
+    out["batch_of_one"] = {"runs": [_stats(r) for r in alone],
+                           "decode_tok_s": statistics.median(r.stats.decode_tps for r in alone)}
+    out["batch_of_one_over_one_request"] = out["batch_of_one"]["decode_tok_s"] / out["one_request"]["decode_tok_s"]
+    log.info("decode: one request %.2f tok/s, batch of one %.2f tok/s (%.3fx)", out["one_request"]["decode_tok_s"],
+             out["batch_of_one"]["decode_tok_s"], out["batch_of_one_over_one_request"])
+    out["users"] = {}
+    for n in args.users:
+        _, rate = loop.in_loop([loop.prompt(args.prompt) for _ in range(n)], args.tokens)
+        out["users"][str(n)] = {"tok_s": round(rate, 2),
+                                "over_batch_of_one": rate / out["batch_of_one"]["decode_tok_s"]}
+        log.info("%d users: %.1f tok/s while all decode (%.2fx one)", n, rate, out["users"][str(n)]["over_batch_of_one"])
+    if args.turn_tokens:
+        out["prefix"] = prefix_turns(loop, args)
+    return out
+
+
+def prefix_turns(loop: Loop, args) -> dict:
+    """Two turns of one chat, the second with the prefix cache on, then off."""
+    first_prompt = loop.prompt(args.turn_tokens)
+    one_alone = loop.one_request(first_prompt, args.turn_out)        # the one-request path's TTFT at this length
+    (first,), _ = loop.in_loop([first_prompt], args.turn_out)
+    second_prompt = first_prompt + first.token_ids + loop.prompt(args.more)
+    (on,), _ = loop.in_loop([second_prompt], args.turn_out)
+    loop.batch.prefix_cache = False
+    try:
+        (off,), _ = loop.in_loop([second_prompt], args.turn_out)
+    finally:
+        loop.batch.prefix_cache = True
+    out = {"first": _stats(first), "second_cached": _stats(on), "second_uncached": _stats(off),
+           "first_one_request_ttft_s": round(one_alone.stats.ttft, 4),
+           "ttft_ratio": on.stats.ttft / first.stats.ttft,
+           "ttft_ratio_uncached": off.stats.ttft / first.stats.ttft,
+           "identical": on.token_ids == off.token_ids}
+    log.info("prefix: first turn %d tokens TTFT %.3f s (one-request path %.3f s); second %d tokens (%d cached) "
+             "TTFT %.3f s = %.3fx, uncached %.3f s; identical %s", len(first_prompt), first.stats.ttft,
+             one_alone.stats.ttft, len(second_prompt), on.stats.cached, on.stats.ttft, out["ttft_ratio"],
+             off.stats.ttft, out["identical"])
+    return out
+
+
+def run(args) -> dict:
+    from bench.synthetic_ducks import SyntheticFleet, synthetic_run
+    from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
+    from engine.gpu.hybrid_prefill import StreamedPrefill
+
+    device, dtype, config, out = synthetic_run(args)
+    out.update(prompt_tokens=args.prompt, tokens=args.tokens)
+    with SyntheticFleet(args, config, device, dtype) as synth:
+        model, backend = synth.model, synth.backend
+        stream = None
+        if device.type == "cuda":    # as duckd: long prompts' experts over PCIe, the ducks beside
+            stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
+            model.streamed_prefill = StreamedPrefill(stream, backend, "hybrid", pinned_copy_gbps(device))
+        try:
+            longest = max(args.prompt + args.tokens, args.turn_tokens + args.more + 2 * args.turn_out) + 8
+            loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed)
+            out["mtp"] = loop.mtp
+            out["graphs"] = getattr(loop.batch.decoder, "graphs", None) is not None
+            out.update(measure(loop, args))
+            del loop
+        finally:
+            model.streamed_prefill = None
+            if stream is not None:
+                stream.close()
+            del model
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.synthetic_ducks import add_synthetic_arguments, run_and_write
+    ap = argparse.ArgumentParser(prog="python -m bench.loop_compare", description=__doc__.split("\n\n")[0])
+    add_synthetic_arguments(ap)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the decode runs")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens each decode run generates")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--users", default="8,32", help="requests at once in the loop")
+    ap.add_argument("--step-tokens", type=int, default=256, help="duckd's model.step_tokens")
+    ap.add_argument("--turn-tokens", type=int, default=4000, help="the first turn's prompt (0: no prefix run)")
+    ap.add_argument("--turn-out", type=int, default=32, help="tokens each turn generates")
+    ap.add_argument("--more", type=int, default=40, help="the second turn's new prompt tokens")
+    ap.add_argument("--json", help="write the result here (default: stdout)")
+    args = ap.parse_args(argv)
+    try:
+        args.users = [int(u) for u in args.users.split(",") if u]
+    except ValueError:
+        ap.error(f"--users {args.users!r}: expected counts, e.g. 8,32")
+    if any(u <= 0 for u in args.users) or min(args.prompt, args.tokens, args.repeats) <= 1:
+        ap.error("--users must be positive; --prompt, --tokens and --repeats at least 2")
+    return run_and_write(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the lent GPU host, in one call: the request loop against the one-request path
+# (bench.loop_compare: one request, the same alone in the batch loop, many users, a chat's two
+# turns with the prefix cache on and off), shape by shape, into $OUT/<date>-loop-<shape>-<machine>.json.
+#   SHAPES="qwen3 deepseek" MACHINE=h100 [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] bash scripts/device_loop.sh
+# TESTS run first (pytest); LOOP_ARGS go to bench.loop_compare.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MACHINE=${MACHINE:-h100}; SHAPES=${SHAPES:-qwen3 deepseek}
+t0=$(date +%s); say() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+if [ "${SKIP_DUCK_BUILD:-0}" != 1 ]; then
+    bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py >>"$OUT/build.log" 2>&1 \
+        || { tail -30 "$OUT/build.log"; exit 1; }
+    say "built"
+fi
+export PYTHONPATH=/tmp/site:$PWD
+if [ -n "${TESTS:-}" ]; then
+    python3 -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tail -15
+    say "tests done"
+fi
+for shape in $SHAPES; do
+    case $shape in
+    qwen3) synth="--synthetic qwen3-30b-a3b" ;;
+    deepseek) synth="--synthetic deepseek-v3 --layers 4 --dense-layers 1" ;;
+    *) echo "SHAPES: qwen3 or deepseek, not $shape"; exit 2 ;;
+    esac
+    name="$(date +%F)-loop-$shape-$MACHINE.json"
+    python3 -m bench.loop_compare $synth --pin-ducks ${LOOP_ARGS:-} --json "$OUT/$name" 2>"$OUT/loop-$shape.log"
+    rc=$?; grep -E "loop_compare|Error|error" "$OUT/loop-$shape.log" | tail -12
+    [ $rc -eq 0 ] || tail -30 "$OUT/loop-$shape.log"
+    say "$shape: done"
+done
