@@ -9,7 +9,7 @@ that share one memory system do not share it evenly: at 16 x 1 on the H200 host 
 the slowest at 0.69. Each layer waits for the slowest duck, so after a free-running second the
 probe runs rounds as a fleet's layers run (every duck starts a call at once, a round lasts its
 slowest duck's call), and the planner takes a duck's bytes per median round over the read share
-as the run's ratio (bench/plan_cli.py, from_e2e). Each duck's slices make 32 x the host's
+as the run's ratio (duckd/plan/cli.py, from_e2e). Each duck's slices make 32 x the host's
 last-level cache in all, a layer per call in turn: a run's ducks read every layer from memory.
 
     measure_fleet_kernel(ducks=8, threads=2, experts=256, hidden=7168, width=256, cpus=...)

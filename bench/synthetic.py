@@ -23,7 +23,7 @@ from engine.config import ModelConfig
 from engine.ffn import ExpertWeights, FfnBackend, FfnLayer, TorchFfn
 from engine.models import model_class
 
-from bench.shapes import SHAPES
+from duckd.plan.shapes import SHAPES
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,11 @@
     duckctl bench chaos [--chats N] [--faults LIST] [--count N] [--seed S] [--json [PATH]]
                                                   (faults under load on a daemon of its own:
                                                    bench/chaos.py, docs/faults.md)
-    duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: bench/plan_cli.py)
+    duckctl bench loop|prefill --synthetic NAME [args...]
+                                                  (the batch loop against one request; prefill against
+                                                   the GPU alone and the ducks alone: a GPU host's)
+    The benchmarks run as `python -m bench WHAT` (bench/__main__.py), a process of their own.
+    duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: duckd/plan/cli.py)
     duckctl image build [--out DIR] [--kernel PATH] [--busybox PATH] [--json]
                                                   (the duck boot image, from duckd's config; docs/boot.md)
 
@@ -170,24 +174,12 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    if args.what == "chaos":
-        from bench.chaos import main as chaos_main
-        return chaos_main(rest)
-    if args.what == "kernels":
-        from bench.kernels import main as bench_main
-        return bench_main(rest)
-    if args.what == "transport":
-        from bench.transport import main as bench_main
-        return bench_main(rest)
-    if any(a == "--synthetic" or a.startswith("--synthetic=") for a in rest):
-        from bench.e2e_synthetic import main as synthetic_main
-        return synthetic_main(rest)
-    if any(a == "--api" or a.startswith("--api=") for a in rest):
-        from bench.e2e_openai import main as openai_main
-        endpoint = _endpoint(args)
-        return openai_main(rest, endpoint, sync_channel(endpoint))
-    from bench.e2e import main as bench_main
-    return bench_main(rest, _stubs(args))
+    """The benchmarks' front door (`python -m bench`, bench/__main__.py) in a process of its own,
+    with the connection arguments given here (e2e through the daemon reads them)."""
+    import subprocess
+    conn = [f"--{name}={value}" for name in ("address", "token", "config", "ca", "fingerprint")
+            if (value := getattr(args, name, None))] if args.what == "e2e" else []
+    return subprocess.call([sys.executable, "-m", "bench", args.what, *conn, *rest])
 
 
 def cmd_image(args) -> int:
@@ -260,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--by-routing", action="store_true", help="each layer's experts by how often they were chosen")
     pl.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon), "
-                                     "chaos (faults under load, on a daemon of its own); `duckctl bench WHAT --help`",
+                                     "chaos (faults under load, on a daemon of its own), loop and prefill (a "
+                                     "synthetic model on local ducks); `duckctl bench WHAT --help`",
                        add_help=False)   # --help goes to the benchmark named
-    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos"])
+    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos", "loop", "prefill"])
     sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
                    add_help=False)
     im = sub.add_parser("image", help="the duck boot image (kernel + initramfs) for network-booted ducks")
@@ -278,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args, rest = ap.parse_known_args(join_option_values(sys.argv[1:] if argv is None else argv))
     if args.cmd == "plan":
-        from bench.plan_cli import main as plan_main
+        from duckd.plan.cli import main as plan_main
         return plan_main(rest)
     if rest and args.cmd != "bench":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

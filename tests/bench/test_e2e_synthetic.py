@@ -26,12 +26,12 @@ def test_synthetic_configs_keep_the_published_widths():
     assert synthetic_config("deepseek-v3").model_type == "deepseek_v3" and "index_topk" not in SHAPES["deepseek-v3"]
 
 
-def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capsys):
+def test_bench_e2e_synthetic_runs_fleet_and_cpu_offload(capfd):
     rc = duckctl(["bench", "e2e", "--synthetic", "qwen3-30b-a3b", "--layers", "2", "--experts", "16",
                   "--ducks", "2", "--duck-threads", "1", "--prompts", "5,12", "--steps", "3", "--prefill-chunk", "8",
                   "--backends", "fleet,cpu-torch", "--batch", "1,3", "--prefill-overlap", "both", "--json"])
     assert rc == 0
-    r = json.loads(capsys.readouterr().out)
+    r = json.loads(capfd.readouterr().out)
     assert "synthetic" in r["note"] and r["shape"]["hidden"] == 2048 and r["shape"]["layers"] == 2
     fleet, cpu = r["fleet"], r["cpu-torch"]
     assert fleet["duck_spin_us"] == 0          # unpinned ducks share the cores: they block

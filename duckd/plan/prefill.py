@@ -6,7 +6,7 @@ an NVMe pack cache at the lesser of the drive's and PCIe's, or none (the fleet a
     streamed_prefill(model, fleet, tokens) -> {"tok_s", "gpu_share", "bound", ...}
 
 The fleet's share costs its GEMM or read time in proportion to the experts it keeps, plus its
-wire and host stage in full (bench.plan.prefill's parts); the GPU's, its pass over PCIe or its
+wire and host stage in full (duckd.plan.model.prefill's parts); the GPU's, its pass over PCIe or its
 matrix time, whichever is longer. The share is where the two end together (all to one side
 where that is faster), and never worse than the fleet alone."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from bench.plan import FP9_BYTES, Fleet, ModelShape, PlanError, prefill
+from duckd.plan.model import FP9_BYTES, Fleet, ModelShape, PlanError, prefill
 
 HOST_COPIES = ("ram", "nvme", "none")
 

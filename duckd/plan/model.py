@@ -22,7 +22,7 @@ reads each distinct expert once per chunk and is bound by the ducks' GEMM rate
 Slices are zero-padded to multiple_of columns, so past tp = moe_intermediate /
 multiple_of more ducks stop shrinking the kernel: the planner shows it.
 Every input is a field of Fleet with the seeds' N100 fleet as the default;
-bench/plan_cli.py calibrates them from `bench kernels|transport|e2e` JSON files.
+duckd/plan/cli.py calibrates them from `bench kernels|transport|e2e` JSON files.
 """
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def _host_gb(t: dict, layers: int, hidden: int, experts: int) -> float:
 
 
 def load_model(what: str) -> ModelShape:
-    """A synthetic name (bench/shapes.py), a checkpoint folder or its config.json."""
-    from bench.shapes import SHAPES
+    """A synthetic name (duckd/plan/shapes.py), a checkpoint folder or its config.json."""
+    from duckd.plan.shapes import SHAPES
     if what in SHAPES:
         return ModelShape.from_config(SHAPES[what], what)
     p = Path(what).expanduser()

@@ -1,12 +1,12 @@
-"""The planner (bench/plan.py): the seeds' figures, the H200 runs in bench/results,
+"""The planner (duckd/plan/model.py): the seeds' figures, the H200 runs in bench/results,
 its inputs checked by name, and `duckctl plan` as a user runs it."""
 import json
 from pathlib import Path
 
 import pytest
 
-from bench.plan import Fleet, ModelShape, PlanError, load_model, plan, slice_width
-from bench.plan_cli import RESULTS, main, validate
+from duckd.plan.model import Fleet, ModelShape, PlanError, load_model, plan, slice_width
+from duckd.plan.cli import RESULTS, main, validate
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_run_with_its_own_kernels_file_takes_the_kernels_rate_on_its_slice(row
     """DeepSeek-V3.2 at 8 x 2: `bench kernels --moe-width 256` in the same lease reads the slice at 0.77
     of the probe at 2 threads; taken as read-bound the run is +40 % (like the two 12-02 8 x 2 runs),
     with the measured ratio within 15 %."""
-    from bench.plan_cli import RESULTS as R, SAME_LEASE_KERNELS, from_e2e, slice_read_ratio
+    from duckd.plan.cli import RESULTS as R, SAME_LEASE_KERNELS, from_e2e, slice_read_ratio
     name = "2026-12-04-e2e-synthetic-deepseek-v32-h200-8x2-kernels.json"
     fleet, m, measured = from_e2e(json.loads((R / name).read_text()), name[:10], name)
     kernels = json.loads((R / SAME_LEASE_KERNELS[name]).read_text())
@@ -110,7 +110,7 @@ def test_a_run_with_a_kernel_probe_takes_its_slowest_duck(rows):
     """DeepSeek-V3.2 at 16 x 1: every duck's kernel at once on its own slice (bench/kernel_probe.py), the
     slowest at 5.48 GB/s of the read probe's 6.96 per duck beside it; a layer waits for it: within 15 %
     (+13.5 %; the machine's read rose by 29 % by the run's end, and the prediction with it)."""
-    from bench.plan_cli import RESULTS as R, from_e2e
+    from duckd.plan.cli import RESULTS as R, from_e2e
     name = "2026-12-04-e2e-synthetic-deepseek-v32-h200-16x1-probe.json"
     d = json.loads((R / name).read_text())
     fleet, m, measured = from_e2e(d, name[:10], name)
@@ -126,7 +126,7 @@ def test_a_probe_of_rounds_on_more_than_the_cache_predicts_every_fleet_shape(row
     slowest duck, on slices of 32 x the host's last-level cache): DeepSeek-V3.2 at 16 x 1 and 4 x 4,
     Qwen3-30B-A3B at 4 x 4 and 8 x 2 within 10 %; DeepSeek at 8 x 2 within 15 % (+13.7 %: its steps fell
     in two modes, and the probe's rounds saw the fast one)."""
-    from bench.plan_cli import RESULTS as R, from_e2e
+    from duckd.plan.cli import RESULTS as R, from_e2e
     llc = sorted(p.name for p in R.glob("2026-12-04-e2e-synthetic-*-llc.json"))
     assert len(llc) == 5
     for name in llc:
@@ -147,7 +147,7 @@ def test_the_probe_predicts_every_fleet_shape_of_another_machine_within_ten_perc
     within 10 %, DeepSeek 8 x 2 included; on a second machine Qwen3 at 8 x 2 within 15 % (its blocking
     run -11.2 %: the read probe rose by 19 % during it, which the prediction follows; with the ratio
     over the mean of the two reads, as before, it was -16.6 %)."""
-    from bench.plan_cli import RESULTS as R
+    from duckd.plan.cli import RESULTS as R
     runs = {p.name for p in R.glob("2026-12-04-e2e-synthetic-*-steps24*.json")}
     gated = {r["case"]: r for r in rows if r["case"] in runs and r["source"] == "H200 e2e"}
     assert len(runs) == 8 and len(gated) == 7   # the Qwen3 8 x 2 run of the first machine is filed as noisy
@@ -171,7 +171,7 @@ def test_duckctl_plan_takes_the_slice_ratio_from_a_kernels_file(capsys):
 
 
 def test_the_pool_run_is_read_from_a_kernels_file():
-    from bench.plan_cli import from_kernels
+    from duckd.plan.cli import from_kernels
     d = json.loads((RESULTS / "2026-12-01-kernels-h200-gemm.json").read_text())   # 43.19 us at 4 threads
     assert from_kernels(d, 4)["kernel_call_us"] == d["pool_wake"][0]["blocked"]["run_us"]
     m = load_model("qwen3-30b-a3b")
@@ -261,8 +261,8 @@ def test_the_emulated_fleet_repeated_runs_merge_by_median_and_fall_within_15_per
 def test_streamed_prefill_is_never_below_the_fleet_alone_and_ram_beats_nvme():
     import dataclasses
 
-    from bench.plan import Fleet, load_model
-    from bench.plan_prefill import streamed_prefill
+    from duckd.plan.model import Fleet, load_model
+    from duckd.plan.prefill import streamed_prefill
     m, f = load_model("deepseek-v32"), Fleet()
     for tokens in (512, 1024, 8192, 32768):
         runs = {c: streamed_prefill(m, dataclasses.replace(f, host_copy=c), tokens) for c in ("ram", "nvme", "none")}
@@ -280,7 +280,7 @@ def test_a_gpu_budget_places_ffns_and_the_plan_shows_fewer_duck_bytes_and_calls(
     """duckctl plan --gpu-gb: the budget is what the model's own weights and duckd's margin leave
     (engine.placement's plan on it); more budget never slows decode; a budget the model's own weights
     take whole places nothing."""
-    from bench.plan import Fleet, decode, ffn_budget_gb, load_model
+    from duckd.plan.model import Fleet, decode, ffn_budget_gb, load_model
     m = load_model("qwen3-235b-a22b")
     assert 14 < m.host_gb < 18                       # attention, routers, embeddings and head in bf16
     assert ffn_budget_gb(m, Fleet(gpu_gb=80)) == pytest.approx(80 - m.host_gb - 2 - 4 - 8)

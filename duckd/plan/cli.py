@@ -1,5 +1,5 @@
-"""`duckctl plan`: the planner (bench/plan.py) from the command line, calibrated
-from benchmark JSON files, and its validation against measured runs.
+"""`duckctl plan`: the planner (duckd/plan/model.py) from the command line, calibrated
+out of the benchmarks' JSON files, and its validation against measured runs.
 
   duckctl plan MODEL [--ducks N] [fleet options] [--kernels F] [--transport F] [--e2e F] [--json]
   duckctl plan --validate [--json]      predicted vs measured: the seeds, bench/results, --transport F
@@ -19,12 +19,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.plan import Fleet, ModelShape, PlanError, load_model, plan, slice_width, transport_us
-from bench.plan_prefill import streamed_prefill
+from duckd.plan.model import Fleet, ModelShape, PlanError, load_model, plan, slice_width, transport_us
+from duckd.plan.prefill import streamed_prefill
 
 log = logging.getLogger("duck.plan")
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"   # the measured runs, in the source tree
 STREAMED_PROMPTS = (1024, 8192, 32768)
 HIDDEN = 7168
 
@@ -103,7 +103,7 @@ def from_e2e(d: dict, day: str = "2026-12-01", name_of_file: str = "") -> tuple[
     the ducks' kernel reads their slice (kernel_read_ratio: the run's probe of every duck at once,
     its rounds of all ducks together or else its slowest duck, for a layer waits for the slowest,
     over the start's read probe, taken beside it; else `bench kernels` in the same lease; else 1)."""
-    from bench.shapes import SHAPES
+    from duckd.plan.shapes import SHAPES
     fl, shape = d["fleet"], d["shape"]
     dec = fl["prompts"][0]["decode"]
     name = d.get("model", "").replace("synthetic ", "")
@@ -190,7 +190,7 @@ def netns_fleet(d: dict, ducks: int, dtype: str, calibrate_at: int | None) -> Fl
 def validate(transport_file: str | None = None) -> dict:
     """Predicted vs measured: the seeds (inputs documented in docs/plan.md), the H200 e2e files, and the
     emulated fleet's round trips (calibrated at its smallest size, predicted at the others)."""
-    from bench.plan_seeds import SEED_CASES
+    from duckd.plan.seeds import SEED_CASES
     rows = []
     for case in SEED_CASES:
         p = plan(load_model(case["model"]), Fleet(**case["fleet"]))
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet, _ = make_fleet(args)
         sizes = [int(s) for s in args.sizes.split(",") if s] or [fleet.ducks]
         plans = [plan(m, dataclasses.replace(fleet, ducks=n)) for n in sizes]
-        for p, n in zip(plans, sizes):   # long prompts with the GPU streaming the experts (bench/plan_prefill.py)
+        for p, n in zip(plans, sizes):   # long prompts with the GPU streaming the experts (duckd/plan/prefill.py)
             p["streamed_prefill"] = [streamed_prefill(m, dataclasses.replace(fleet, ducks=n), t)
                                      for t in STREAMED_PROMPTS]
     except PlanError as e:
