@@ -84,7 +84,7 @@ class Timed:
 
     def run(self, prompts: list[list[int]], steps: int) -> list[dict]:
         """prefill every prompt, then time `steps` steps in which all of them decode."""
-        from engine.generate import SamplingParams
+        from engine.tokens import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
         seqs = [self.batch.add(p, params) for p in prompts]

@@ -63,7 +63,8 @@ class Loop:
 
     def one_request(self, prompt: list[int], tokens: int):
         """The one-request path (duckd's where batching is off) -> GenerationResult."""
-        from engine.generate import SamplingParams, generate
+        from engine.generate import generate
+        from engine.tokens import SamplingParams
         from engine.mtp import generate_mtp
         run = generate_mtp if self.mtp else generate
         return run(self.model, self.tokenizer, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
@@ -71,7 +72,7 @@ class Loop:
 
     def in_loop(self, prompts: list[list[int]], tokens: int) -> tuple[list, float]:
         """prompts at once through the batch -> (their results, tok/s while all of them decoded)."""
-        from engine.generate import SamplingParams
+        from engine.tokens import SamplingParams
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         seqs = [self.batch.add(p, params) for p in prompts]
         if any(s is None for s in seqs):

@@ -62,7 +62,7 @@ class TokenEvent:
 
 @dataclass(slots=True, frozen=True)
 class DoneEvent:
-    stats: object            # engine.generate.GenerationStats
+    stats: object            # engine.tokens.GenerationStats
     finish_reason: str       # eos, stop, length, cancelled
 
     @property
@@ -197,7 +197,7 @@ class ChatService:
             raise InvalidArgument("messages", f"cannot render the chat template: {e}") from None
 
     def _params(self, r: ChatRequest, prompt_len: int):
-        from engine.generate import SamplingParams
+        from engine.tokens import SamplingParams
         cfg = self.daemon.cfg.model
         if prompt_len + 1 > cfg.max_model_len:
             raise InvalidArgument("messages" if r.prompt is None else "prompt",
@@ -381,7 +381,7 @@ class ChatService:
 
     async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping):
         """What the generation thread reports, as events, until it is done."""
-        from engine.generate import GenerationStats
+        from engine.tokens import GenerationStats
         while True:
             kind, value = await queue.get()
             if kind == "token":

@@ -6,7 +6,7 @@ DUCK_CPU_NATIVE=0), and a cache with one slot per sequence.
     seq = batch.add(prompt_ids, params, on_text=...)   # None: no free slot
     while batch.active:
         for seq in batch.step():                        # one forward for every sequence
-            seq.result                                  # a finished one: engine.generate.GenerationResult
+            seq.result                                  # a finished one: engine.tokens.GenerationResult
 
 Every step is one forward of the model over the tokens of all sequences: the
 next token of each decoding sequence, then prefill chunks of sequences still
@@ -21,12 +21,12 @@ With mtp (a model with an MTP head, DeepSeek-V3/V3.2, on the torch path), each s
 first drafts the next token of every decoding sequence with the MTP layer (one forward
 over all of them: the positions each has accepted since its last draft), then feeds
 each the pair (its last token, its draft) at two positions and verifies the draft as
-engine.mtp does (engine.mtp.verify_draft): greedy output is token-identical to plain
+engine.mtp does (engine.tokens.verify_draft): greedy output is token-identical to plain
 decoding, sampled output keeps its distribution. A sequence with a repetition penalty
 takes no drafts (they know no penalty).
 
 Each sequence keeps its own sampling generator, stop strings and text stream
-(engine.generate.TokenStream), so its output is the one it would get alone as
+(engine.tokens.TokenStream), so its output is the one it would get alone as
 long as the per-token arithmetic does not depend on the batch (tests hold that).
 A sequence ends at EOS, a stop string, max_tokens, its slot's max_model_len, or
 when its should_stop says so (cancel); its slot is free for the next step.
@@ -63,8 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.generate import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs
-from engine.mtp import verify_draft
+from engine.tokens import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs, verify_draft
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

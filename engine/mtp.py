@@ -24,14 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.generate import (
-    GenerationResult,
-    GenerationStats,
-    SamplingParams,
-    TokenStream,
-    cuda_decoder,
-    sampling_probs,
-)
+from engine.generate import cuda_decoder
 from engine.lanes import (
     EagerLane,
     FfnWorker,
@@ -40,12 +33,13 @@ from engine.lanes import (
 )
 from engine.prefill import DEFAULT_CHUNK, check_chunk, prefill_hidden
 from engine.tokenizer import Tokenizer
+from engine.tokens import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs, verify_draft
 
 log = logging.getLogger(__name__)
 
 
 class _Output(TokenStream):
-    """Token bookkeeping of one request (engine.generate.TokenStream: EOS, stop strings,
+    """Token bookkeeping of one request (engine.tokens.TokenStream: EOS, stop strings,
     max_tokens, streamed text), the tokens chosen here; push() says whether to go on."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, on_text, should_stop=None):
@@ -66,23 +60,6 @@ class _Output(TokenStream):
             self.finish = "cancelled"
             return False
         return True
-
-
-def verify_draft(p: torch.Tensor, q: torch.Tensor | None, draft: int,
-                 gen: torch.Generator | None) -> tuple[bool, int]:
-    """The main model's distribution p [V] at the draft's position, the MTP head's q [V] the
-    draft was drawn from (gen None: greedy, q unused) -> (accepted, the token there): the draft
-    when u * q(d) <= p(d) (greedy: d = argmax p), else a draw from max(0, p - q) (greedy:
-    argmax p), which keeps the output distributed as p. Shared by generate_mtp and engine.batch."""
-    if gen is None:
-        best = int(p.argmax())
-        return best == draft, best
-    u = float(torch.rand((), generator=gen, device=p.device))
-    if u * float(q[draft]) <= float(p[draft]):
-        return True, draft
-    residual = (p - q).clamp_min(0.0)
-    probs = residual / residual.sum() if float(residual.sum()) > 0 else p
-    return False, int(torch.multinomial(probs, 1, generator=gen))
 
 
 @torch.inference_mode()

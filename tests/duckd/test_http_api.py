@@ -219,7 +219,8 @@ def test_requests_without_sampling_settings_take_the_checkpoints(tmp_path, mtp_c
     import json
     import shutil
 
-    from engine.generate import SamplingParams, generate
+    from engine.generate import generate
+    from engine.tokens import SamplingParams
     from engine.loader import load_model
     from tests.duckd_fixture import RunningDaemon, write_config
 

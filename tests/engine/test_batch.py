@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.batch import BatchDecoder
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.conftest import TINY
 
 KINDS = ["llama", "qwen3", "qwen3_moe"]

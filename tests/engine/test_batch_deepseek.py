@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from engine.batch import BatchDecoder, batch_decoder
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
 from engine.models import deepseek_v3 as ds
+from engine.tokens import SamplingParams
 from tests.engine.test_batch import drain
 from tests.engine.test_deepseek import TINY_DS, ds_checkpoint  # noqa: F401 - the fixture
 

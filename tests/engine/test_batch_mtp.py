@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine.batch import BatchDecoder, batch_decoder
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.test_batch import drain, drain_results
 from tests.engine.test_deepseek import TINY_DS
 from tests.engine.test_deepseek_mtp import KIND, mtp_checkpoint  # noqa: F401 - the fixture

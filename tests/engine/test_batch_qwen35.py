@@ -12,8 +12,9 @@ import torch
 from engine.batch import BatchDecoder
 from engine.batch_torch import TorchSlotDecoder
 from engine.delta_rule import gated_delta_mixer, gated_delta_mixer_slots
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.test_batch import drain
 from tests.engine.test_qwen3_5 import KINDS, _prompt
 

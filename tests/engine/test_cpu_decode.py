@@ -16,9 +16,10 @@ from engine.config import ModelConfig
 from engine.cpu.decode import CpuDecoder, NativeDecodeError, cpu_decoder, decoder_on_own_cache, native_cache
 from engine.cpu.host_model import UnsupportedModel
 from engine.ffn import TorchFfn, install
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
 from engine.models import model_class
+from engine.tokens import SamplingParams
 from native.host import ops
 from tests.engine.conftest import TINY
 

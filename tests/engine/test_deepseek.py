@@ -12,9 +12,10 @@ import torch
 
 from engine.config import ConfigError, ModelConfig
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, forward_logits, generate
+from engine.generate import forward_logits, generate
 from engine.loader import load_model
 from engine.models import deepseek_v3 as ds
+from engine.tokens import SamplingParams
 from tests.engine.conftest import write_word_tokenizer
 from tests.engine.test_tokenizer import _data
 

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
 from engine.mtp import generate_mtp
+from engine.tokens import SamplingParams
 from tests.engine.conftest import write_word_tokenizer
 from tests.engine.test_deepseek import TINY_DS, hf_deepseek
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, forward_logits, generate
+from engine.generate import forward_logits, generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.conftest import TINY
 from tests.engine.test_models import FP9_MIN_TOP1_AGREEMENT, FP9_STEPS, _prompt
 

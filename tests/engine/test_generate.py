@@ -6,8 +6,9 @@ import re
 import pytest
 import torch
 
-from engine.generate import GenerationStats, SamplingParams, generate, sample
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import GenerationStats, SamplingParams, sample
 
 STATS_LINE = re.compile(r"^Generation stats: time \d+\.\d{3}s, input_len \d+, output_len \d+, ttft \d+\.\d{3}s, "
                         r"tpot \d+\.\d{3}s, prefill \d+\.\d{3} tok/s, decode \d+\.\d{3} tok/s$")

@@ -163,7 +163,8 @@ def test_the_split_times_its_plans_and_keeps_the_faster():
 def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F811
     """engine.generate with a model's streamed_prefill: a prompt from min_tokens on goes in passes of
     the stream's chunk (two here), the tokens those of the fleet alone; a shorter one stays on the ducks."""
-    from engine.generate import SamplingParams, generate
+    from engine.generate import generate
+    from engine.tokens import SamplingParams
     from engine.gpu.hybrid_prefill import StreamedPrefill
 
     folder, vocab = family("deepseek_v3")    # no native CPU decoder: generate's torch path
@@ -194,7 +195,7 @@ def test_a_batch_streams_a_long_prompt_alone_beside_decoding_sequences(kind, fam
     streamed prefill. A prompt that continues a slot's tokens (the prefix cache) is streamed
     only when its unread rest is long enough."""
     from engine.batch import BatchDecoder
-    from engine.generate import SamplingParams
+    from engine.tokens import SamplingParams
     from engine.gpu.hybrid_prefill import StreamedPrefill
     from tests.engine.test_batch import drain_results
 

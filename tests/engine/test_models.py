@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generate import SamplingParams, forward_logits, generate
+from engine.generate import forward_logits, generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.conftest import TINY
 
 FP32_LOGITS_RTOL = 1e-4        # max |ours - transformers| / max |transformers|, fp32 torch backend

@@ -11,10 +11,11 @@ import torch
 
 from engine.batch import BatchDecoder
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
 from engine.placement import (FfnShape, PlacementPlan, RoutingHistogram, model_ffn_shapes, place,
                               plan_placement, GPU_BYTES_PER_WEIGHT)
+from engine.tokens import SamplingParams
 from tests.engine.test_prefill import _prompt, _rel, family  # noqa: F401 (fixture)
 
 DUCKS = 2

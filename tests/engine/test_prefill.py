@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
 from engine.lanes import StepTrace
 from engine.prefill import check_chunk, prefill_chunks, prefill_hidden, prefill_hidden_overlapped
+from engine.tokens import SamplingParams
 from native.transport.step import HostStep
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
 

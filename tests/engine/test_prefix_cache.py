@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.batch import PREFIX_COPY_MIN, BatchDecoder, common_prefix
-from engine.generate import SamplingParams
+from engine.tokens import SamplingParams
 from engine.loader import load_model
 from tests.engine.conftest import TINY
 from tests.engine.test_batch import drain_results

@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, forward_logits, generate
+from engine.generate import forward_logits, generate
 from engine.loader import load_model
 from engine.delta_rule import gated_delta_chunked, gated_delta_recurrent
 from engine.models.qwen3_5 import HybridSettings
 from engine.tokenizer import Tokenizer
+from engine.tokens import SamplingParams
 from engine.weights import WeightError
 from tests.engine.conftest import write_word_tokenizer
 from tests.engine.test_ops_triton import check_model_matches_reference

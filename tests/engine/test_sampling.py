@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from engine.generate import SamplingParams, generate, penalize
+from engine.generate import generate
 from engine.loader import load_model, sampling_defaults
+from engine.tokens import SamplingParams, penalize
 
 
 def test_penalty_is_transformers_processor():

@@ -8,9 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from engine.generate import SamplingParams, forward_logits, generate
+from engine.generate import forward_logits, generate
 from engine.gguf_file import GgufCheckpoint, unpermute_qk
 from engine.loader import default_model_path, load_model
+from engine.tokens import SamplingParams
 
 # fixed before measuring; not chosen for how the backends answer them
 PROMPTS = ["Which city is the capital of France?", "Write a haiku about the sea.",

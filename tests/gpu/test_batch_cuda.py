@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine.batch import batch_decoder
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.loader import load_model
+from engine.tokens import SamplingParams
 from tests.engine.conftest import TINY, hf_model, write_word_tokenizer
 from tests.engine.test_batch import drain
 from tests.engine.test_deepseek_mtp import mtp_checkpoint  # noqa: F401 - the fixture

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine.ffn import TorchFfn
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.gpu.decode import cuda_decoder, release_cuda_decoder
+from engine.tokens import SamplingParams
 from bench.gpu_stage import stage_times
 from engine.gpu.graphs import GraphLane
 from engine.lanes import FfnWorker, run_lane, run_two_lanes

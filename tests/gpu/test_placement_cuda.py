@@ -10,10 +10,11 @@ import torch
 
 from engine.batch import BatchDecoder
 from engine.fleet import FleetFfn
-from engine.generate import SamplingParams, generate
+from engine.generate import generate
 from engine.gpu.moe import grouped_gemv
 from engine.loader import load_model
 from engine.placement import bytes_per_weight, model_ffn_shapes, place
+from engine.tokens import SamplingParams
 from tests.engine.test_batch import drain
 from tests.engine.test_prefill import _prompt, family  # noqa: F401 (fixture)
 

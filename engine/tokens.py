@@ -1,0 +1,203 @@
+"""Token logic, in a room of its own: what happens to each new token of a request, whoever
+computed its logits (engine.batch's loop, engine.generate and engine.mtp one request at a time),
+and what the daemon reads back.
+
+    SamplingParams     a request's sampling: temperature, top-k, top-p, seed, stop strings,
+                       max_tokens, repetition penalty
+    TokenStream        one request's tokens: penalty, sampling with its own generator, EOS,
+                       stop strings (text that might begin one held back), text deltas, final text
+    verify_draft       an MTP draft kept or replaced so that the output keeps its distribution
+    GenerationStats    TTFT, decode rate, prompt tokens found in the prefix cache, MTP acceptance
+    GenerationResult   the tokens, the text, why it ended, the stats
+
+A per-request feature (logprobs, a grammar's mask) belongs here, once: every loop calls
+TokenStream.push or add for every token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0      # 0: greedy
+    top_k: int = 0                # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0   # > 1: tokens already in the sequence are less likely (transformers' rule)
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    input_len: int
+    output_len: int
+    time: float   # seconds, request start to last token
+    ttft: float   # seconds, request start to first token
+    mtp: tuple[int, int] | None = None   # MTP1 drafts (accepted, verified), when speculative decoding ran
+    cached: int = 0                      # prompt tokens found in the prefix cache (engine.batch), not prefilled
+
+    @property
+    def tpot(self) -> float:
+        return (self.time - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return (self.input_len - self.cached) / self.ttft if self.ttft > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.output_len - 1) / (self.time - self.ttft) if self.output_len > 1 and self.time > self.ttft else 0.0
+
+    def __str__(self) -> str:
+        return (f"Generation stats: time {self.time:.3f}s, input_len {self.input_len}, "
+                f"output_len {self.output_len}, ttft {self.ttft:.3f}s, tpot {self.tpot:.3f}s, "
+                f"prefill {self.prefill_tps:.3f} tok/s, decode {self.decode_tps:.3f} tok/s"
+                + (f", accept=1 {self.mtp[0]}/{self.mtp[1]}" if self.mtp is not None else "")
+                + (f", cached {self.cached}" if self.cached else ""))
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str   # "eos", "stop" or "length"
+    stats: GenerationStats
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] -> the distribution sampling draws from (temperature, top-k, top-p applied)."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum()
+    return probs
+
+
+def penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """logits [V] with the tokens in seen made less likely, as transformers' repetition
+    penalty does: a positive logit divided by penalty, a negative one multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = torch.tensor(sorted(set(seen)), device=logits.device)
+    picked = logits[ids]
+    return logits.index_copy(0, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [V] -> a token id."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+class TokenStream:
+    """What happens to each new token of one request, whoever computed its logits (generate()
+    one request at a time, engine.batch many at once): the repetition penalty, sampling with
+    the request's own generator, EOS, stop strings (text that might begin one held back),
+    text deltas to on_text, and the final text."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, device,
+                 on_text: Callable[[str], None] | None = None, keep_logits: bool = False):
+        self.tokenizer, self.prompt_ids, self.params, self.on_text = tokenizer, prompt_ids, params, on_text
+        self.generator = None
+        if params.temperature > 0 and device is not None:   # None: the caller samples (engine.mtp)
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.stream = StreamDecoder(tokenizer)
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.out_ids: list[int] = []
+        self.logits_kept: list[torch.Tensor] = []
+        self.keep_logits = keep_logits
+        self.text, self.emitted, self.finish = "", 0, "length"
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the logits and nothing else (greedy, no penalty, no logits
+        kept): a caller with many such streams may take the argmax of all their rows at once and add() it."""
+        p = self.params
+        return p.temperature == 0.0 and p.repetition_penalty == 1.0 and not self.keep_logits
+
+    def push(self, logits: torch.Tensor) -> bool:
+        """logits [V] of the next token -> whether the request is done (eos, stop or max_tokens);
+        self.out_ids[-1] is the token."""
+        params = self.params
+        logits = penalize(logits, self.prompt_ids + self.out_ids, params.repetition_penalty)
+        if self.keep_logits:
+            self.logits_kept.append(logits.float().cpu())
+        return self.add(sample(logits, params, self.generator))
+
+    def add(self, token: int) -> bool:
+        """A token chosen by the caller -> whether the request is done (eos, stop or max_tokens)."""
+        params = self.params
+        self.out_ids.append(token)
+        if token in self.eos:
+            self.finish = "eos"
+            return True
+        self.text += self.stream.push(token)
+        cut = min((i for i in (self.text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return True
+        if self.on_text and len(self.text) - self.hold > self.emitted:
+            self.on_text(self.text[self.emitted:len(self.text) - self.hold])
+            self.emitted = len(self.text) - self.hold
+        return len(self.out_ids) >= params.max_tokens
+
+    def close(self, finish: str | None = None) -> str:
+        """The request's final text (the last deltas go to on_text); finish overrides the reason."""
+        self.finish = finish or self.finish
+        if self.finish != "stop":
+            body = self.out_ids[:-1] if self.finish == "eos" else self.out_ids
+            self.text = self.tokenizer.decode(body, skip_special_tokens=True)
+        if self.on_text and len(self.text) > self.emitted:
+            self.on_text(self.text[self.emitted:])
+            self.emitted = len(self.text)
+        return self.text
+
+
+def verify_draft(p: torch.Tensor, q: torch.Tensor | None, draft: int,
+                 gen: torch.Generator | None) -> tuple[bool, int]:
+    """The main model's distribution p [V] at the draft's position, the MTP head's q [V] the
+    draft was drawn from (gen None: greedy, q unused) -> (accepted, the token there): the draft
+    when u * q(d) <= p(d) (greedy: d = argmax p), else a draw from max(0, p - q) (greedy:
+    argmax p), which keeps the output distributed as p. Shared by generate_mtp and engine.batch."""
+    if gen is None:
+        best = int(p.argmax())
+        return best == draft, best
+    u = float(torch.rand((), generator=gen, device=p.device))
+    if u * float(q[draft]) <= float(p[draft]):
+        return True, draft
+    residual = (p - q).clamp_min(0.0)
+    probs = residual / residual.sum() if float(residual.sum()) > 0 else p
+    return False, int(torch.multinomial(probs, 1, generator=gen))
