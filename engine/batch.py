@@ -32,7 +32,7 @@ A sequence ends at EOS, a stop string, max_tokens, its slot's max_model_len, or
 when its should_stop says so (cancel); its slot is free for the next step.
 
 The prefix cache (prefix_cache, on where the slot cache has only per-position entries:
-copy_prefix; not Qwen3.5, whose DeltaNet state is one per sequence): a free slot keeps
+no per_sequence() state; not Qwen3.5, whose DeltaNet state is one per sequence): a free slot keeps
 what its last sequence wrote (prompt and output but the last token) until it is taken
 again, and a new sequence prefills only what no slot already holds. It takes
     - the free slot whose tokens it continues (the next turn of that chat: all but fewer
@@ -147,7 +147,7 @@ class BatchDecoder:
         self.free = list(range(slots))               # least recently freed first
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
-        self.prefix_cache = prefix_cache and hasattr(self.cache, "copy_prefix")
+        self.prefix_cache = prefix_cache and not self.cache.per_sequence()
         self.held: list[list[int]] = [[] for _ in range(slots)]   # a free slot's tokens, from position 0
         self.cached_tokens = 0                       # prompt tokens read from the prefix cache, all sequences
         # long prompts' experts streamed to the GPU (a CUDA host with a fleet): engine.gpu.hybrid_prefill
@@ -211,7 +211,8 @@ class BatchDecoder:
         slot = self.free.pop(0)
         if reuse < PREFIX_COPY_MIN:
             return slot, 0
-        self.cache.copy_prefix(src, slot, reuse)
+        for t in self.cache.per_position():     # [layers, slots, S, ...]
+            t[:, slot, :reuse].copy_(t[:, src, :reuse])
         return slot, reuse
 
     def _plan(self, alone: Sequence | None = None, budget: int = 0):

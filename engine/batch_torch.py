@@ -23,7 +23,6 @@ DUCK_CUDA_GRAPHS=0; steps with prefill chunks or MTP pairs, and the other famili
 eagerly."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -111,12 +110,5 @@ class TorchSlotDecoder:
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
-    """The tensors of a slot cache (a dataclass of tensors and of such dataclasses)."""
-    out = []
-    for f in dataclasses.fields(cache):
-        v = getattr(cache, f.name)
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif dataclasses.is_dataclass(v):
-            out += cache_tensors(v)
-    return out
+    """The tensors of a slot cache: its per-position entries and its per-sequence state."""
+    return cache.per_position() + cache.per_sequence()

@@ -121,6 +121,14 @@ class KVCache:
     def max_model_len(self) -> int:
         return self.k.shape[1]
 
+    def per_position(self) -> list[torch.Tensor]:
+        """The tensors with an entry per position ([layers, S, ...]): a position's entries hold that token alone."""
+        return [self.k, self.v]
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """The tensors of state a sequence carries past every position (none)."""
+        return []
+
 
 @dataclass(slots=True)
 class SlotKVCache:
@@ -151,11 +159,13 @@ class SlotKVCache:
     def slot(self, s: int) -> KVCache:
         return KVCache(self.k[:, s], self.v[:, s])
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of slot src into slot dst (engine.batch's prefix cache: a cache of
-        per-position entries only, so a prefix read once serves any sequence that begins with it)."""
-        for t in (self.k, self.v):
-            t[:, dst, :n].copy_(t[:, src, :n])
+    def per_position(self) -> list[torch.Tensor]:
+        """The tensors with an entry per position ([layers, slots, S, ...]): a position's entries hold that token alone."""
+        return [self.k, self.v]
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """The tensors of state a sequence carries past every position (none)."""
+        return []
 
 
 @dataclass(slots=True)

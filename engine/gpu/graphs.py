@@ -43,7 +43,7 @@ import torch
 from engine.ffn import FfnRequest
 from engine.host_ffn import WIRE_DTYPES, FfnIO
 from engine.lanes import EagerLane, calls_to
-from engine.layers import KVCache, static_decode
+from engine.layers import static_decode
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +52,11 @@ WARMUP_FORWARDS = 2       # eager forwards on the lane's stream before capture (
 
 # -- what a cache holds -----------------------------------------------------------------
 def _cache_parts(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(per-position tensors [layers, S, ...], per-sequence state tensors) of a cache."""
-    from engine.models.deepseek_v3 import MlaCache
-    from engine.models.qwen3_5 import HybridCache
-
-    if isinstance(cache, KVCache):
-        return [cache.k, cache.v], []
-    if isinstance(cache, MlaCache):
-        return [cache.latent, cache.k_rope], []
-    if isinstance(cache, HybridCache):
-        return [cache.kv.k, cache.kv.v], [cache.conv, cache.recurrent]
-    raise TypeError(f"{type(cache).__name__}: not a cache the CUDA-graph path knows (KVCache, MlaCache, HybridCache)")
+    """(per-position tensors [layers, S, ...], per-sequence state tensors) of a cache: what every
+    cache class says of itself (per_position, per_sequence)."""
+    if not hasattr(cache, "per_position"):
+        raise TypeError(f"{type(cache).__name__}: not a cache (it says nothing of per_position, per_sequence)")
+    return cache.per_position(), cache.per_sequence()
 
 
 def reset_sequence_state(cache) -> None:

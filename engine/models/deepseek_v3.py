@@ -166,6 +166,14 @@ class MlaCache:
     def max_model_len(self) -> int:
         return self.latent.shape[1]
 
+    def per_position(self) -> list[torch.Tensor]:
+        """The tensors with an entry per position ([layers, S, ...]): a position's entries hold that token alone."""
+        return [self.latent, self.k_rope]
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """The tensors of state a sequence carries past every position (none)."""
+        return []
+
 
 @dataclass(slots=True)
 class SlotMlaCache:
@@ -183,10 +191,13 @@ class SlotMlaCache:
     def max_model_len(self) -> int:
         return self.latent.shape[2]
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of slot src into slot dst (engine.batch's prefix cache)."""
-        for t in (self.latent, self.k_rope):
-            t[:, dst, :n].copy_(t[:, src, :n])
+    def per_position(self) -> list[torch.Tensor]:
+        """The tensors with an entry per position ([layers, slots, S, ...]): a position's entries hold that token alone."""
+        return [self.latent, self.k_rope]
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """The tensors of state a sequence carries past every position (none)."""
+        return []
 
 
 class DeepseekV32Indexer(nn.Module):

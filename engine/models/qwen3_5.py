@@ -120,6 +120,14 @@ class HybridCache:
     def max_model_len(self) -> int:
         return self.kv.max_model_len
 
+    def per_position(self) -> list[torch.Tensor]:
+        """The full-attention layers' k, v [layers, S, ...]."""
+        return self.kv.per_position()
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """The linear-attention layers' conv inputs and delta-rule states: every token read so far."""
+        return [self.conv, self.recurrent]
+
 
 def _hybrid_shapes(config: ModelConfig, s: HybridSettings, max_model_len: int, *slots: int):
     """A hybrid cache's kv, conv and recurrent shapes (slots, where given, after the layer
@@ -142,9 +150,9 @@ class SlotHybridCache:
     conv inputs conv [n_linear, slots, C, K-1] (model dtype) and the delta-rule state
     recurrent [n_linear, slots, Hv, Dk, Dv] (fp32). Not zeroed: a sequence's run from
     position 0 zeroes its slot's states first (a slot serves one sequence after another);
-    consumed[linear index][slot] counts the tokens those states have taken. No copy_prefix:
-    a recurrent state holds every token read so far, not one entry per position, so
-    engine.batch's prefix cache passes this family by."""
+    consumed[linear index][slot] counts the tokens those states have taken. Its per-sequence
+    state holds every token read so far, not one entry per position: engine.batch's prefix
+    cache passes this family by."""
     kv: SlotKVCache
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -171,6 +179,14 @@ class SlotHybridCache:
     @property
     def max_model_len(self) -> int:
         return self.kv.max_model_len
+
+    def per_position(self) -> list[torch.Tensor]:
+        """The full-attention layers' k, v [layers, slots, S, ...]."""
+        return self.kv.per_position()
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """Per linear-attention layer and slot: the conv inputs and the delta-rule state."""
+        return [self.conv, self.recurrent]
 
 
 class Qwen3_5GatedDeltaNet(nn.Module):
