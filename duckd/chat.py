@@ -29,6 +29,7 @@ from duckd.fleet import State
 log = logging.getLogger("duckd.chat")
 
 ROLES = ("system", "user", "assistant")
+MAX_LOGPROBS = 20   # engine.tokens.MAX_LOGPROBS (the engine is imported when the model is)
 COVER_HINT = " (fleet.host_cover_mb sets that budget)"
 TOKENIZE_OFF_LOOP_CHARS = 16 << 10
 
@@ -53,11 +54,23 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repetition_penalty: float | None = None   # 1: off
+    frequency_penalty: float = 0.0     # OpenAI's, on the tokens generated so far (0: off)
+    presence_penalty: float = 0.0
+    logprobs: int | None = None        # each token's log-probability and this many likeliest (None: none)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A generated token's text, log-probability and the likeliest tokens' ((text, log-probability), ...)."""
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
 class TokenEvent:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()   # the tokens read since the last event, when asked for
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,8 +119,16 @@ class _Call:
         self.emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
         self.record = ActiveRequest(next(service._ids), len(prompt), time.monotonic())
 
-    def text(self, text: str) -> None:
-        """A text delta (on the generation thread)."""
+    def text(self, text: str, logprobs=None) -> None:
+        """A text delta (on the generation thread), with engine.tokens.TokenLogprobs when asked for."""
+        if logprobs is not None:
+            piece = self.service.daemon.model.loaded.tokenizer.decode
+            word = lambda t: piece([t], skip_special_tokens=False)  # noqa: E731
+            self.put(("token", (text, tuple(TokenLogprob(word(e.token), e.logprob,
+                                                         tuple((word(t), lp) for t, lp in e.top))
+                                            for e in logprobs))))
+        if not text:
+            return
         emitted = self.emitted
         if not emitted["n"]:
             emitted["ttft"] = time.perf_counter() - emitted["t0"]
@@ -115,7 +136,8 @@ class _Call:
         emitted["n"] += 1
         self.service.tokens_out += 1
         self.record.generated = emitted["n"]
-        self.put(("token", text))
+        if logprobs is None:
+            self.put(("token", (text, ())))
 
 
 def validate(r: ChatRequest) -> None:
@@ -144,6 +166,11 @@ def validate(r: ChatRequest) -> None:
     if r.repetition_penalty is not None and not 0.0 < r.repetition_penalty <= 10.0:
         raise InvalidArgument("repetition_penalty",
                               f"repetition_penalty = {r.repetition_penalty}: expected 0 < value <= 10 (1: off)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= getattr(r, name) <= 2.0:
+            raise InvalidArgument(name, f"{name} = {getattr(r, name)}: expected -2 .. 2 (0: off)")
+    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument("logprobs", f"logprobs = {r.logprobs}: expected 0 .. {MAX_LOGPROBS} alternatives")
     if any(not s for s in r.stop):
         raise InvalidArgument("stop", "stop strings must not be empty")
 
@@ -207,7 +234,9 @@ class ChatService:
         pick = lambda name, off: getattr(r, name) if getattr(r, name) is not None else d.get(name, off)  # noqa: E731
         return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature", 0.0), top_k=pick("top_k", 0),
                               top_p=pick("top_p", 1.0), seed=r.seed, stop=tuple(r.stop),
-                              repetition_penalty=pick("repetition_penalty", 1.0))
+                              repetition_penalty=pick("repetition_penalty", 1.0),
+                              frequency_penalty=r.frequency_penalty, presence_penalty=r.presence_penalty,
+                              logprobs=r.logprobs)
 
     def sampling_defaults(self) -> dict:
         """What a request that names no sampling settings gets: [model] settings of the
@@ -321,17 +350,17 @@ class ChatService:
 
         loaded = self.daemon.model.loaded
         mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
-        run = generate_mtp if mtp and params.repetition_penalty == 1.0 else generate   # MTP1 drafts know no penalty
+        run = generate_mtp if mtp and params.drafts_apply else generate   # drafts know no penalty, give no logprobs
 
         call = _Call(self, prompt)
         queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
         loop = asyncio.get_running_loop()
 
-        def on_text(text: str) -> None:
+        def on_text(text: str, logprobs=None) -> None:
             if cancel.is_set() or stopping.is_set():
                 raise Cancelled()
-            call.text(text)
+            call.text(text, logprobs)
 
         def work() -> None:
             with self.daemon.model.lock:
@@ -385,7 +414,7 @@ class ChatService:
         while True:
             kind, value = await queue.get()
             if kind == "token":
-                yield TokenEvent(value)
+                yield TokenEvent(*value)
             elif kind == "done":
                 self.daemon.model.last_decode_tps = value.stats.decode_tps
                 yield self._finish(DoneEvent(value.stats, value.finish_reason))

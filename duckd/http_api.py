@@ -5,7 +5,8 @@ server-sent events), and duckd.errors into HTTP statuses with OpenAI's error JSO
 Every path but /health needs the daemon's bearer token.
 
     POST /v1/chat/completions   messages, max_tokens (max_completion_tokens), temperature,
-                                top_p, seed, stop, stream (+ stream_options.include_usage)
+                                top_p, seed, stop, frequency_penalty, presence_penalty,
+                                logprobs + top_logprobs, stream (+ stream_options.include_usage)
     POST /v1/completions        prompt, and the same settings
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text format
@@ -37,7 +38,6 @@ STATUS = {errors.InvalidArgument: (400, "invalid_request_error"), errors.NotFoun
           errors.Busy: (429, "rate_limit_error"), errors.TooLarge: (413, "invalid_request_error")}
 PARSE_OFF_LOOP_BYTES = 256 << 10   # a body this large is parsed in a thread: the loop serves the others meanwhile
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
-UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only at their neutral value
 # the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
 
 # Every field of OpenAI's chat and completions requests, and what duckd does with it: HONOURED
@@ -50,7 +50,7 @@ UNSUPPORTED_ZERO = ("frequency_penalty", "presence_penalty")   # accepted only a
 # HONOURED).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "top_k",
-            "repetition_penalty", "user", "safety_identifier", "prompt_cache_key"}
+            "repetition_penalty", "logprobs", "top_logprobs", "user", "safety_identifier", "prompt_cache_key"}
 
 
 def _off(*values):
@@ -65,8 +65,6 @@ OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in 
     "tool_choice": (_off("none", "auto"), '"none" (tool calls are not served yet)'),
     "function_call": (_off("none", "auto"), '"none" (function calls are not served yet)'),
     "parallel_tool_calls": (_off(True, False), "true or false (no tools are served)"),
-    "logprobs": (_off(False, 0), "false: logprobs are not served yet"),
-    "top_logprobs": (_off(0), "0: logprobs are not served yet"),
     "logit_bias": (_off({}), "{}: logit_bias is not supported"),
     "modalities": (_off(["text"]), '["text"]: duckd answers in text'),
     "audio": (_off(), "null: duckd answers in text"),
@@ -75,8 +73,8 @@ OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in 
     "web_search_options": (_off(), "null: duckd does not search the web"),
     "verbosity": (_off(), "null: verbosity is not supported"),
     "moderation": (_off(), "null: duckd does not moderate"),
-    "prompt_cache_retention": (_off(), "null: duckd keeps no prompt cache per request"),
-    "prompt_cache_options": (_off(), "null: duckd keeps no prompt cache per request"),
+    "prompt_cache_retention": (_off(), "null: the prefix cache is the daemon's (model.prefix_cache), not a request's"),
+    "prompt_cache_options": (_off(), "null: the prefix cache is the daemon's (model.prefix_cache), not a request's"),
     "store": (_off(False), "false: duckd stores no completions"),
     "metadata": (_off({}), "{}: duckd stores no completions to tag"),
     "service_tier": (_off("auto", "default"), '"auto" or "default": duckd has one tier'),
@@ -143,8 +141,6 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
         raise errors.NotFound(f"model {model!r} is not served here (serving {served!r}); see /v1/models")
     if _get(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)") != 1:
         raise errors.InvalidArgument("n", "n must be 1")
-    for name in UNSUPPORTED_ZERO:
-        _get(body, name, (int, float), 0, lambda v: v == 0, f"0 ({name} is not supported)")
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
@@ -157,7 +153,12 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
                       seed=_get(body, "seed", int, None, lambda v: v >= 0, "a non-negative integer"), stop=stop,
                       top_k=_get(body, "top_k", int, None, lambda v: v >= 0, "a count >= 0 (0: off)"),
                       repetition_penalty=_get(body, "repetition_penalty", (int, float), None,
-                                              lambda v: 0 < v <= 10, "0 < value <= 10 (1: off)"))
+                                              lambda v: 0 < v <= 10, "0 < value <= 10 (1: off)"),
+                      frequency_penalty=_get(body, "frequency_penalty", (int, float), 0, lambda v: -2 <= v <= 2,
+                                             "-2 .. 2"),
+                      presence_penalty=_get(body, "presence_penalty", (int, float), 0, lambda v: -2 <= v <= 2,
+                                            "-2 .. 2"),
+                      logprobs=_logprobs(body, chat))
     if chat:
         messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
         if messages is None:
@@ -188,6 +189,35 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
     return req, stream, bool(options.get("include_usage"))
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: none asked for): chat's
+    logprobs (true/false) and top_logprobs (0 .. 20, needs logprobs), completions' logprobs (0 .. 5)."""
+    if not chat:
+        return _get(body, "logprobs", int, None, lambda v: 0 <= v <= 5, "0 .. 5 (the likeliest tokens listed)")
+    wanted = _get(body, "logprobs", bool, False, what="true or false")
+    top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= 20, "0 .. 20")
+    if top is not None and not wanted:
+        raise errors.InvalidArgument("top_logprobs", "top_logprobs needs logprobs = true")
+    return (top or 0) if wanted else None
+
+
+def logprobs_json(entries, chat: bool) -> dict | None:
+    """OpenAI's logprobs object of chat (content: token, logprob, bytes, top_logprobs) or of
+    completions (tokens, token_logprobs, top_logprobs, text_offset) for duckd.chat.TokenLogprobs."""
+    if entries is None:
+        return None
+    if chat:
+        word = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode())}  # noqa: E731
+        return {"content": [word(e.token, e.logprob) | {"top_logprobs": [word(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
 # -- responses ------------------------------------------------------------------------------
 def _usage(done: DoneEvent) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
@@ -209,19 +239,23 @@ class _Completion:
             out["usage"] = usage
         return out
 
-    def whole(self, text: str, done: DoneEvent) -> dict:
+    def whole(self, text: str, done: DoneEvent, logprobs=None) -> dict:
         finish = FINISH.get(done.finish_reason, "stop")
+        lp = logprobs_json(logprobs, self.chat)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish}
             return self._envelope("chat.completion", [choice], _usage(done))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         return self._envelope("text_completion", [choice], _usage(done))
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, logprobs=None) -> dict:
+        lp = logprobs_json(logprobs, self.chat)
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+            choice = {"index": 0, "delta": delta, "finish_reason": finish} | ({"logprobs": lp} if lp else {})
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
                                                    "finish_reason": finish}])
 
     def usage_chunk(self, done: DoneEvent) -> dict:
@@ -297,18 +331,21 @@ class HttpApi:
             return error_response(e)
         shape = _Completion(chat, self.model_name)
         if stream:
-            return StreamingResponse(self._stream(shape, first, events, include_usage),
+            return StreamingResponse(self._stream(shape, first, events, include_usage, req.logprobs is not None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, event = [], first
+        logprobs = [] if req.logprobs is not None else None
         try:
             while not isinstance(event, DoneEvent):
                 text.append(event.text)
+                if logprobs is not None:
+                    logprobs += event.logprobs
                 event = await events.__anext__()
         except (errors.ServiceError, RuntimeError) as e:
             return error_response(e)
         finally:
             await events.aclose()
-        return JSONResponse(shape.whole("".join(text), event))
+        return JSONResponse(shape.whole("".join(text), event, logprobs))
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (TooLarge) past max_body_bytes before more of it is read: at once when its
@@ -327,12 +364,12 @@ class HttpApi:
             parts.append(chunk)
         return b"".join(parts) or b"null"
 
-    async def _stream(self, shape: _Completion, event, events, include_usage: bool):
+    async def _stream(self, shape: _Completion, event, events, include_usage: bool, logprobs: bool):
         try:
             if shape.chat:
                 yield _sse(shape.chunk(None, first=True))
             while not isinstance(event, DoneEvent):
-                yield _sse(shape.chunk(event.text))
+                yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None))
                 event = await events.__anext__()
             yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop")))
             if include_usage:

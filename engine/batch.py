@@ -23,7 +23,7 @@ over all of them: the positions each has accepted since its last draft), then fe
 each the pair (its last token, its draft) at two positions and verifies the draft as
 engine.mtp does (engine.tokens.verify_draft): greedy output is token-identical to plain
 decoding, sampled output keeps its distribution. A sequence with a repetition penalty
-takes no drafts (they know no penalty).
+takes no drafts (they know no penalty), nor does one that asks for log-probabilities.
 
 Each sequence keeps its own sampling generator, stop strings and text stream
 (engine.tokens.TokenStream), so its output is the one it would get alone as
@@ -171,10 +171,10 @@ class BatchDecoder:
         if not self.free:
             return None
         device = self.model.model.embed_tokens.weight.device
-        emit = (lambda text: _report(on_text, text)) if on_text is not None else None   # one caller's error stays its own
+        emit = (lambda *delta: _report(on_text, *delta)) if on_text is not None else None   # an error stays its caller's
         slot, cached = self._take_slot(prompt)
         seq = Sequence(prompt, params, slot, TokenStream(self.tokenizer, prompt, params, device, emit),
-                       should_stop, speculate=self.mtp and params.repetition_penalty == 1.0,
+                       should_stop, speculate=self.mtp and params.drafts_apply,
                        prefilled=cached, cached=cached, mtp_done=cached)
         self.cached_tokens += cached
         self.active.append(seq)
@@ -366,7 +366,7 @@ class BatchDecoder:
         text = seq.out.close(finish)
         stats = GenerationStats(len(seq.prompt), len(seq.out.out_ids), time.perf_counter() - seq.start, seq.ttft,
                                 mtp=(seq.accepted, seq.verified) if seq.speculate else None, cached=seq.cached)
-        seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats)
+        seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats, logprobs=seq.out.logprobs)
         self.active.remove(seq)
         # a failed step may have left the slot half written: it keeps nothing
         self.held[seq.slot] = self._written(seq) if self.prefix_cache and finish != "error" else []

@@ -86,7 +86,7 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     text = out.close(finish)
     stats = GenerationStats(len(prompt_ids), len(out.out_ids), elapsed, ttft)
     log.info("%s", stats)
-    return GenerationResult(out.out_ids, text, out.finish, stats, out.logits_kept)
+    return GenerationResult(out.out_ids, text, out.finish, stats, out.logits_kept, out.logprobs)
 
 
 def _ffn_overlaps_host(model) -> bool:

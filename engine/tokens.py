@@ -3,7 +3,7 @@ computed its logits (engine.batch's loop, engine.generate and engine.mtp one req
 and what the daemon reads back.
 
     SamplingParams     a request's sampling: temperature, top-k, top-p, seed, stop strings,
-                       max_tokens, repetition penalty
+                       max_tokens, repetition penalty, frequency and presence penalties, logprobs
     TokenStream        one request's tokens: penalty, sampling with its own generator, EOS,
                        stop strings (text that might begin one held back), text deltas, final text
     verify_draft       an MTP draft kept or replaced so that the output keeps its distribution
@@ -22,6 +22,17 @@ import torch
 
 from engine.tokenizer import StreamDecoder, Tokenizer
 
+MAX_LOGPROBS = 20   # the likeliest alternatives a token's log-probability comes with, at most (OpenAI's bound)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A chosen token, its log-probability and the likeliest tokens' ((id, log-probability), ...),
+    from the distribution it was drawn from before temperature, top-k and top-p (the penalties applied)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -33,6 +44,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0   # > 1: tokens already in the sequence are less likely (transformers' rule)
+    frequency_penalty: float = 0.0    # OpenAI's: each generated token's logit less this times its count so far
+    presence_penalty: float = 0.0     # ... and less this once it has been generated at all
+    logprobs: int | None = None       # each chosen token's log-probability and this many likeliest (None: none)
+
+    @property
+    def drafts_apply(self) -> bool:
+        """MTP drafts may decode it: a draft knows no penalty and brings no log-probabilities."""
+        return (self.repetition_penalty == 1.0 and not self.frequency_penalty and not self.presence_penalty
+                and self.logprobs is None)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -45,6 +65,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be 0 .. {MAX_LOGPROBS} alternatives, got {self.logprobs}")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
@@ -86,6 +111,7 @@ class GenerationResult:
     finish_reason: str   # "eos", "stop" or "length"
     stats: GenerationStats
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token of the text, when asked for
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -113,6 +139,15 @@ def penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Ten
     return logits.index_copy(0, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
 
 
+def penalize_counts(logits: torch.Tensor, generated: list[int], frequency: float, presence: float) -> torch.Tensor:
+    """logits [V] less frequency x each token's count in generated and presence for each token in
+    it (OpenAI's frequency and presence penalties: negative values make repeats likelier)."""
+    if not generated or (not frequency and not presence):
+        return logits
+    ids, counts = torch.tensor(generated, device=logits.device).unique(return_counts=True)
+    return logits.index_add(0, ids, -(frequency * counts.to(logits.dtype) + presence))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [V] -> a token id."""
     if params.temperature == 0.0:
@@ -122,9 +157,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 class TokenStream:
     """What happens to each new token of one request, whoever computed its logits (generate()
-    one request at a time, engine.batch many at once): the repetition penalty, sampling with
-    the request's own generator, EOS, stop strings (text that might begin one held back),
-    text deltas to on_text, and the final text."""
+    one request at a time, engine.batch many at once): the penalties, sampling with the
+    request's own generator, the log-probabilities asked for, EOS, stop strings (text that might
+    begin one held back), text deltas to on_text, and the final text. With logprobs asked for,
+    on_text(text, entries) gets the TokenLogprobs of the tokens read since the last delta too
+    (all but an ending EOS's)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, device,
                  on_text: Callable[[str], None] | None = None, keep_logits: bool = False):
@@ -139,23 +176,30 @@ class TokenStream:
         self.out_ids: list[int] = []
         self.logits_kept: list[torch.Tensor] = []
         self.keep_logits = keep_logits
+        self.logprobs: list[TokenLogprob] = []
+        self.logprobs_sent = 0
         self.text, self.emitted, self.finish = "", 0, "length"
 
     @property
     def plain_greedy(self) -> bool:
         """Its next token is the argmax of the logits and nothing else (greedy, no penalty, no logits
-        kept): a caller with many such streams may take the argmax of all their rows at once and add() it."""
+        or log-probabilities kept): a caller with many such streams may take the argmax of all their
+        rows at once and add() it."""
         p = self.params
-        return p.temperature == 0.0 and p.repetition_penalty == 1.0 and not self.keep_logits
+        return p.temperature == 0.0 and p.drafts_apply and not self.keep_logits
 
     def push(self, logits: torch.Tensor) -> bool:
         """logits [V] of the next token -> whether the request is done (eos, stop or max_tokens);
         self.out_ids[-1] is the token."""
         params = self.params
         logits = penalize(logits, self.prompt_ids + self.out_ids, params.repetition_penalty)
+        logits = penalize_counts(logits, self.out_ids, params.frequency_penalty, params.presence_penalty)
         if self.keep_logits:
             self.logits_kept.append(logits.float().cpu())
-        return self.add(sample(logits, params, self.generator))
+        token = sample(logits, params, self.generator)
+        if params.logprobs is not None:
+            self.logprobs.append(token_logprob(logits, token, params.logprobs))
+        return self.add(token)
 
     def add(self, token: int) -> bool:
         """A token chosen by the caller -> whether the request is done (eos, stop or max_tokens)."""
@@ -170,9 +214,17 @@ class TokenStream:
             self.text, self.finish = self.text[:cut], "stop"
             return True
         if self.on_text and len(self.text) - self.hold > self.emitted:
-            self.on_text(self.text[self.emitted:len(self.text) - self.hold])
+            self._emit(self.text[self.emitted:len(self.text) - self.hold])
             self.emitted = len(self.text) - self.hold
         return len(self.out_ids) >= params.max_tokens
+
+    def _emit(self, text: str) -> None:
+        if self.params.logprobs is None:
+            self.on_text(text)
+            return
+        entries = self.logprobs[self.logprobs_sent:]
+        self.logprobs_sent = len(self.logprobs)
+        self.on_text(text, entries)
 
     def close(self, finish: str | None = None) -> str:
         """The request's final text (the last deltas go to on_text); finish overrides the reason."""
@@ -180,10 +232,20 @@ class TokenStream:
         if self.finish != "stop":
             body = self.out_ids[:-1] if self.finish == "eos" else self.out_ids
             self.text = self.tokenizer.decode(body, skip_special_tokens=True)
-        if self.on_text and len(self.text) > self.emitted:
-            self.on_text(self.text[self.emitted:])
+        if self.finish == "eos" and len(self.logprobs) == len(self.out_ids):
+            self.logprobs.pop()                    # the EOS is not in the text
+        if self.on_text and (len(self.text) > self.emitted or self.logprobs_sent < len(self.logprobs)):
+            self._emit(self.text[self.emitted:])
             self.emitted = len(self.text)
         return self.text
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """token's log-probability under softmax(logits [V]) and the top likeliest tokens'."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(lp, min(top, lp.numel())) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(lp[token]), pairs)
 
 
 def verify_draft(p: torch.Tensor, q: torch.Tensor | None, draft: int,

@@ -99,6 +99,42 @@ def test_the_next_turn_of_a_chat_reads_only_its_new_tokens(duckd_daemon, client,
     assert [s.value for s in families["duck_prompt_tokens_cached"].samples if s.name.endswith("_total")][0] >= cached
 
 
+def test_logprobs_whole_and_streamed_agree_and_describe_the_text(client, model):
+    """logprobs + top_logprobs on chat (whole and streamed: the same entries, the tokens spelling
+    the text, greedy tokens their own top alternative) and logprobs on completions (OpenAI's
+    legacy shape, offsets into the text)."""
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    text = whole.choices[0].message.content
+    assert len(content) == whole.usage.completion_tokens - (whole.choices[0].finish_reason == "stop")
+    assert "".join(c.token for c in content).strip() == text.strip()
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob <= 0 and c.bytes == list(c.token.encode())
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=10, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                      logprobs=2)
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == plain.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3).choices[0].logprobs is None
+
+
+def test_frequency_and_presence_penalties_change_a_repetitive_answer(client, model):
+    ask = [{"role": "user", "content": "Repeat the word duck twenty times."}]
+    base = client.chat.completions.create(model=model, messages=ask, max_tokens=24, temperature=0)
+    pen = client.chat.completions.create(model=model, messages=ask, max_tokens=24, temperature=0,
+                                         frequency_penalty=2.0, presence_penalty=1.0)
+    text, other = base.choices[0].message.content, pen.choices[0].message.content
+    assert text != other and text.lower().count("duck") > other.lower().count("duck"), (text, other)
+
+
 def test_wrong_token_is_401_in_openai_shape(duckd_daemon, model):
     bad = openai.OpenAI(base_url=f"http://{duckd_daemon.http_address}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
@@ -113,6 +149,9 @@ def test_wrong_token_is_401_in_openai_shape(duckd_daemon, model):
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"n": 2}, "n"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "messages[1].role"),
     ({"messages": []}, "messages"),
@@ -252,7 +291,7 @@ ASKS = {"response_format": ({"type": "json_object"}, {"type": "text"}),
         "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], []),
         "functions": ([{"name": "f", "parameters": {"type": "object"}}], []),
         "tool_choice": ("required", "none"), "function_call": ({"name": "f"}, "none"),
-        "parallel_tool_calls": ("yes", False), "logprobs": (True, False), "top_logprobs": (3, 0),
+        "parallel_tool_calls": ("yes", False),
         "logit_bias": ({"42": 5}, {}), "modalities": (["text", "audio"], ["text"]),
         "audio": ({"voice": "alloy", "format": "wav"}, None), "prediction": ({"type": "content", "content": "x"}, None),
         "reasoning_effort": ("high", None), "web_search_options": ({}, None), "verbosity": ("low", None),
