@@ -15,31 +15,13 @@
  * serving thread alone: waking the pool would cost more than it saves. */
 #define PAR_MIN_BYTES ((size_t)256 << 10)
 
-/* Messages that change the duck's state need the link MAC (wire_mac_kind),
- * those that tell what it holds, open a run or ask for a resend the fleet
- * key's; HELLO is open (an unauthenticated asker gets only what a link check
- * needs: handlers.c on_hello), PING too (an echo). Forwards need the link
- * MAC unless the duck runs with --no-data-mac. */
+/* Whether the duck refuses a request of this type without its MAC (wire_types: HELLO is open,
+ * an unauthenticated asker getting only what a link check needs, handlers.c on_hello; PING too;
+ * forwards need one unless the duck runs with --no-data-mac). */
 static int needs_mac(const duck_core *c, unsigned type)
 {
-    switch (type) {
-    case WIRE_T_STATS:
-    case WIRE_T_CACHE_QUERY:
-    case WIRE_T_RUN_OPEN:
-    case WIRE_T_RESEND:
-    case WIRE_T_CACHE_INVALIDATE:
-    case WIRE_T_UPLOAD:
-    case WIRE_T_SYNTH:
-    case WIRE_T_SESSION_OPEN:
-    case WIRE_T_LAYER_PLAN:
-    case WIRE_T_SESSION_CLOSE:
-    case WIRE_T_SHUTDOWN:
-        return 1;
-    case WIRE_T_FORWARD:
-        return c->cfg.data_mac;
-    default:
-        return 0;
-    }
+    int need = wire_mac_need(type);
+    return need == WIRE_MAC_REQUIRED || (need == WIRE_MAC_DATA && c->cfg.data_mac);
 }
 
 int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *send_ctx)

@@ -225,10 +225,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
             c->stats.errors++;
         return r;
     }
-    uint32_t sizes[WIRE_T_COUNT] = {0, sizeof(wire_hello_reply), sizeof(wire_ping), sizeof(wire_stats),
-                                    0, 4, sizeof(wire_upload_reply), 0, 0, 0, 0, 0, 0, 0,
-                                    sizeof(wire_synth_reply), 0};
-    uint32_t n = h->type < WIRE_T_COUNT ? sizes[h->type] : 0;
+    uint32_t n = h->type < WIRE_T_COUNT ? wire_types[h->type].reply_size : 0;
     if (h->type == WIRE_T_CACHE_QUERY)
         n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
     if (h->type == WIRE_T_PING && len <= WIRE_MTU_MAX)

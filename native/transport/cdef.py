@@ -27,6 +27,8 @@ enum wire_check_result { WIRE_CHECK_OK, WIRE_CHECK_SHORT, WIRE_CHECK_MAGIC, WIRE
                          WIRE_CHECK_FRAGMENT, WIRE_CHECK_CHECKSUM, WIRE_CHECK_MAC, WIRE_CHECK_TYPE,
                          WIRE_CHECK_LINK_MAC, WIRE_CHECK_NO_LINK, ... };
 enum wire_mac_kind { WIRE_MAC_FLEET, WIRE_MAC_LINK, ... };
+enum wire_mac_need { WIRE_MAC_NONE, WIRE_MAC_OPTIONAL, WIRE_MAC_REQUIRED, WIRE_MAC_DATA, ... };
+typedef struct wire_type_info { const char *name; uint8_t mac_kind; uint8_t mac_need; uint32_t reply_size; } wire_type_info;
 
 typedef struct wire_header {
     uint32_t magic; uint8_t version; uint8_t type; uint16_t flags; uint32_t session; uint32_t sequence;
@@ -64,6 +66,8 @@ typedef struct wire_forward_reply {
 typedef struct wire_key { uint8_t bytes[...]; uint32_t len; uint32_t has_link; uint8_t run[...]; ...; } wire_key;
 typedef struct wire_run_open { uint8_t run[...]; uint8_t challenge[...]; ...; } wire_run_open;
 int wire_mac_kind(unsigned type);
+int wire_mac_need(unsigned type);
+extern const wire_type_info wire_types[];
 void wire_link_set(wire_key *key, const uint8_t *run, const uint8_t *challenge);
 void wire_poly1305(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);
 void wire_poly1305_ref(const uint8_t *key, const void *a, size_t alen, const void *b, size_t blen, uint8_t *out);

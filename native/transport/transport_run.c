@@ -282,13 +282,13 @@ static int receive(duck_transport *t, duck_call *calls, uint64_t wait_ns, int no
     return take_batch(t, calls, n, done, ctx);
 }
 
-/* Everything but a forward (with mac_data 0) and a ping carries the MAC of its
- * type's kind (wire_mac_kind): a duck answers an unauthenticated HELLO with
- * the bare minimum and refuses anything else without one (firmware/core.c
- * needs_mac). */
+/* Whether the host signs a request (wire_types): everything that may carry a MAC does, a forward
+ * unless mac_data is off (a duck answers an unauthenticated HELLO with the bare minimum and
+ * refuses what needs one without it: firmware/core.c needs_mac). */
 static int needs_mac(const duck_transport *t, uint32_t type)
 {
-    return type == WIRE_T_FORWARD ? t->cfg.mac_data : type != WIRE_T_PING;
+    int need = wire_mac_need(type);
+    return need == WIRE_MAC_DATA ? t->cfg.mac_data : need != WIRE_MAC_NONE;
 }
 
 /* The agreed size did not get through (nothing of the reply, no request

@@ -3,6 +3,7 @@
  * (Poly1305: poly1305.c), sealing and checking of datagrams. No external
  * crypto library: BLAKE2b is short, and tests hold it to Python's hashlib. */
 #include "wire.h"
+#include "wire_synth.h"
 
 #include <string.h>
 
@@ -414,11 +415,26 @@ const char *wire_check_str(int result)
     }
 }
 
+const wire_type_info wire_types[WIRE_T_COUNT] = {
+    [0] = {"invalid", WIRE_MAC_FLEET, WIRE_MAC_NONE, 0},
+    [WIRE_T_HELLO] = {"hello", WIRE_MAC_FLEET, WIRE_MAC_OPTIONAL, sizeof(wire_hello_reply)},
+    [WIRE_T_PING] = {"ping", WIRE_MAC_FLEET, WIRE_MAC_NONE, sizeof(wire_ping)},
+    [WIRE_T_STATS] = {"stats", WIRE_MAC_FLEET, WIRE_MAC_REQUIRED, sizeof(wire_stats)},
+    [WIRE_T_CACHE_QUERY] = {"cache_query", WIRE_MAC_FLEET, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_CACHE_INVALIDATE] = {"cache_invalidate", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, 4},
+    [WIRE_T_UPLOAD] = {"upload", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, sizeof(wire_upload_reply)},
+    [WIRE_T_SESSION_OPEN] = {"session_open", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_LAYER_PLAN] = {"layer_plan", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_SESSION_CLOSE] = {"session_close", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_FORWARD] = {"forward", WIRE_MAC_LINK, WIRE_MAC_DATA, 0},
+    [WIRE_T_SHUTDOWN] = {"shutdown", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_RESEND] = {"resend", WIRE_MAC_FLEET, WIRE_MAC_REQUIRED, 0},
+    [WIRE_T_NACK] = {"nack", WIRE_MAC_FLEET, WIRE_MAC_NONE, 0},
+    [WIRE_T_SYNTH] = {"synth", WIRE_MAC_LINK, WIRE_MAC_REQUIRED, sizeof(wire_synth_reply)},
+    [WIRE_T_RUN_OPEN] = {"run_open", WIRE_MAC_FLEET, WIRE_MAC_REQUIRED, 0},
+};
+
 const char *wire_type_str(unsigned type)
 {
-    static const char *const names[WIRE_T_COUNT] = {
-        "invalid", "hello", "ping", "stats", "cache_query", "cache_invalidate", "upload",
-        "session_open", "layer_plan", "session_close", "forward", "shutdown", "resend", "nack", "synth",
-        "run_open"};
-    return type < WIRE_T_COUNT ? names[type] : "unknown";
+    return type < WIRE_T_COUNT ? wire_types[type].name : "unknown";
 }

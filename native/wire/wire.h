@@ -404,23 +404,33 @@ typedef struct wire_key {
     uint64_t link_prf[8];    /* BLAKE2b state keyed with the link key, its key block compressed */
 } wire_key;
 
-/* Which MAC a message type carries (a reply the same as its request). */
+/* Which key's MAC a message type carries (a reply the same as its request): the fleet key's for
+ * what tells what a duck holds, opens a run or asks for a resend; the run's link key's for what
+ * changes the duck's state. */
 enum wire_mac_kind { WIRE_MAC_FLEET = 0, WIRE_MAC_LINK = 1 };
+/* Whether a request must carry that MAC: never (PING: an echo), optional (HELLO: the host signs it,
+ * a duck answers an unsigned one with what a link check needs), required, or required unless the
+ * fleet runs forwards unMACed (FORWARD: fleet.data_mac, duck --no-data-mac). */
+enum wire_mac_need { WIRE_MAC_NONE = 0, WIRE_MAC_OPTIONAL = 1, WIRE_MAC_REQUIRED = 2, WIRE_MAC_DATA = 3 };
+
+/* One row per message type (index: its WIRE_T_ value), read by the host's transport, the duck and
+ * the tests alike, instead of a switch of their own each. */
+typedef struct wire_type_info {
+    const char *name;
+    uint8_t mac_kind;       /* enum wire_mac_kind */
+    uint8_t mac_need;       /* enum wire_mac_need */
+    uint32_t reply_size;    /* the reply body's fixed size (0: none, or the handler sizes it: CACHE_QUERY, PING) */
+} wire_type_info;
+extern const wire_type_info wire_types[WIRE_T_COUNT];
+
 static inline int wire_mac_kind(unsigned type)
 {
-    switch (type) {
-    case WIRE_T_CACHE_INVALIDATE:
-    case WIRE_T_UPLOAD:
-    case WIRE_T_SESSION_OPEN:
-    case WIRE_T_LAYER_PLAN:
-    case WIRE_T_SESSION_CLOSE:
-    case WIRE_T_FORWARD:
-    case WIRE_T_SHUTDOWN:
-    case WIRE_T_SYNTH:
-        return WIRE_MAC_LINK;
-    default:
-        return WIRE_MAC_FLEET;
-    }
+    return type < WIRE_T_COUNT ? wire_types[type].mac_kind : WIRE_MAC_FLEET;
+}
+
+static inline int wire_mac_need(unsigned type)
+{
+    return type < WIRE_T_COUNT ? wire_types[type].mac_need : WIRE_MAC_NONE;
 }
 
 /* Link key = BLAKE2b-256 keyed with the fleet key over "duck-link-v1" ||

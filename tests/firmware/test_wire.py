@@ -128,3 +128,28 @@ def test_fragment_rule():
     count = -(-total // mtu_payload)
     size = -(-total // count)
     assert count == 21 and size * (count - 1) < total <= size * count
+
+
+def test_the_type_table_is_the_specs():
+    """wire_types (native/wire/wire.c), the one table the host's transport and the duck read: each
+    type's name and MAC kind as docs/wire.md's table of message types has them, which requests
+    must carry their MAC, and the fixed reply sizes of the handlers."""
+    import re
+    from pathlib import Path
+
+    rows = re.findall(r"^\| (\d+) \| ([A-Z_]+) \| ([^|]+) \|", (Path(__file__).parents[2] / "docs" / "wire.md")
+                      .read_text(), re.M)
+    assert [int(n) for n, _, _ in rows] == list(range(1, lib.WIRE_T_COUNT))
+    need = {lib.WIRE_MAC_NONE: "none", lib.WIRE_MAC_OPTIONAL: "optional", lib.WIRE_MAC_REQUIRED: "required",
+            lib.WIRE_MAC_DATA: "data"}
+    for n, name, mac in rows:
+        t = lib.wire_types[int(n)]
+        assert ffi.string(t.name).decode() == name.lower() == ffi.string(lib.wire_type_str(int(n))).decode()
+        assert t.mac_kind == lib.wire_mac_kind(int(n)) == (lib.WIRE_MAC_LINK if mac.startswith("link")
+                                                          else lib.WIRE_MAC_FLEET), name
+        want = ("none" if mac.strip() == "–" or name == "NACK" else "optional" if "not required" in mac
+                else "data" if "no-data-mac" in mac else "required")
+        assert need[t.mac_need] == need[lib.wire_mac_need(int(n))] == want, name
+    sizes = {name: lib.wire_types[int(n)].reply_size for n, name, _ in rows}
+    assert sizes["HELLO"] == 128 and sizes["STATS"] == 192 and sizes["CACHE_INVALIDATE"] == 4
+    assert sizes["SYNTH"] == 16 and sizes["FORWARD"] == 0 and ffi.string(lib.wire_type_str(99)) == b"unknown"
