@@ -225,7 +225,7 @@ def run_config(args, kind: str, device, dtype) -> dict:
     out: dict = {"backend": kind}
     local = None
     if kind == "fleet":
-        from engine.fleet import FleetFfn, LocalDucks
+        from engine.fleet_ffn import FleetFfn, LocalDucks
 
         per_duck = sum(duck_share(n, h, i, args.ducks, args.multiple_of) for _, n, h, i in ffn_shapes(model))
         cpus = duck_cpus(args)

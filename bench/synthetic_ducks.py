@@ -60,7 +60,7 @@ class SyntheticFleet:
 
     def __enter__(self) -> "SyntheticFleet":
         from bench.synthetic import build_host_model, ffn_shapes, install_synthetic_fleet
-        from engine.fleet import FleetFfn, LocalDucks
+        from engine.fleet_ffn import FleetFfn, LocalDucks
 
         a = self.args
         self.model = build_host_model(self.config, self.device, self.dtype, seed=a.seed)

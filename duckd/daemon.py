@@ -15,13 +15,13 @@ from duck_proto import duck_pb2 as pb
 from duck_proto.client import RUNTIME_FILE
 from duckd.drivers import make_driver
 from duckd.events import EventLog
-from duckd.fleet import FleetManager, State
+from duckd.fleet_manager import FleetManager, State
 from duckd.health import StepWatch
 from duckd.lost import LostDucks
 from duckd.model_host import ModelHost
 from duckd.packcache import PackCache, model_key
 from duckd.cache import CacheService
-from duckd.chat import ChatService
+from duckd.chat_service import ChatService
 from duckd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger("duckd")

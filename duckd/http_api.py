@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from duckd import errors
-from duckd.chat import ChatMessage, ChatRequest, DoneEvent
+from duckd.chat_service import ChatMessage, ChatRequest, DoneEvent
 
 log = logging.getLogger("duckd.http")
 
@@ -38,7 +38,7 @@ STATUS = {errors.InvalidArgument: (400, "invalid_request_error"), errors.NotFoun
           errors.Busy: (429, "rate_limit_error"), errors.TooLarge: (413, "invalid_request_error")}
 PARSE_OFF_LOOP_BYTES = 256 << 10   # a body this large is parsed in a thread: the loop serves the others meanwhile
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
-# the sampling settings not given take the daemon's defaults (duckd.chat.ChatRequest)
+# the sampling settings not given take the daemon's defaults (duckd.chat_service.ChatRequest)
 
 # Every field of OpenAI's chat and completions requests, and what duckd does with it: HONOURED
 # (read by parse_request; "user", "safety_identifier" and "prompt_cache_key" are the caller's tags,
@@ -203,7 +203,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def logprobs_json(entries, chat: bool) -> dict | None:
     """OpenAI's logprobs object of chat (content: token, logprob, bytes, top_logprobs) or of
-    completions (tokens, token_logprobs, top_logprobs, text_offset) for duckd.chat.TokenLogprobs."""
+    completions (tokens, token_logprobs, top_logprobs, text_offset) for duckd.chat_service.TokenLogprobs."""
     if entries is None:
         return None
     if chat:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 
 from duckd.packcache import PackCache
 

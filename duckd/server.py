@@ -3,7 +3,7 @@ for everything but the standard health service, and server start/stop.
 
 The servicers only translate: protobuf to the services' dataclasses and back,
 duckd.errors to gRPC status codes. The work is the daemon's and its services'
-(duckd.daemon.Daemon, duckd.chat.ChatService, duckd.cache.CacheService).
+(duckd.daemon.Daemon, duckd.chat_service.ChatService, duckd.cache.CacheService).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
 from duckd import errors
-from duckd.chat import ChatMessage, ChatRequest, DoneEvent
+from duckd.chat_service import ChatMessage, ChatRequest, DoneEvent
 
 log = logging.getLogger("duckd.server")
 
@@ -32,7 +32,7 @@ STATUS = {errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, errors.NotFo
 
 
 class Core(Protocol):
-    chat: object     # duckd.chat.ChatService
+    chat: object     # duckd.chat_service.ChatService
     cache: object    # duckd.cache.CacheService
 
     def snapshot(self) -> pb.FleetSnapshot: ...

@@ -19,7 +19,7 @@ the backend. No wrappers stack in front of a backend.
 Backends: TorchFfn (the reference, in the model's dtype on its device), and the
 host backends of engine.host_ffn (one C call per layer on host buffers in the
 wire's types): Fp9Ffn (native fp9 kernels on this host: the math the ducks run)
-and engine.fleet.FleetFfn (the ducks, through native.transport).
+and engine.fleet_ffn.FleetFfn (the ducks, through native.transport).
 """
 from __future__ import annotations
 

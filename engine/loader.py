@@ -75,7 +75,7 @@ def make_backend(name: str | FfnBackend, **kwargs) -> FfnBackend:
     if name == "fp9":
         return Fp9Ffn(**kwargs)
     if name == "fleet":
-        from engine.fleet import FleetFfn
+        from engine.fleet_ffn import FleetFfn
         return FleetFfn(**kwargs)
     raise ValueError(f"unknown FFN backend {name!r}: expected 'torch', 'fp9' or 'fleet'")
 

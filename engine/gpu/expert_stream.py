@@ -1,6 +1,6 @@
 """The experts of every FFN layer streamed from host memory to the GPU for a long prompt.
 
-The host keeps the ducks' own fp9 slices (engine.fleet.FleetFfn.layers: slice d of expert
+The host keeps the ducks' own fp9 slices (engine.fleet_ffn.FleetFfn.layers: slice d of expert
 e of layer L, the bytes duck d holds) in pinned memory, one buffer per layer:
 
     [gate_up of expert 0, slice 0 .. tp-1][expert 1 ...] ... [down of expert 0, slice 0 ..] ...

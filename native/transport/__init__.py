@@ -19,7 +19,7 @@ raises DuckTimeout naming it. The wire format is native/wire/wire.h (docs/wire.m
 all constants below come from that header through the compiled module.
 """
 from native.transport.errors import DuckError, DuckTimeout
-from native.transport.fleet import DuckInfo, Fleet
+from native.transport.fleet_socket import DuckInfo, Fleet
 from native.transport.keys import duckfw_path, read_key_file, write_key_file
 from native.transport.session import MAX_TOKENS, Session
 from native.transport.split import slice_width, split_expert, split_experts, synth_experts, synth_seed

@@ -98,7 +98,7 @@ def test_netns_driver_32_ducks_in_4_subnets_with_link_limits_serve_a_chat(tmp_pa
 
 
 def test_wol_driver_sends_magic_packets_then_waits_for_hello(tmp_path):
-    from engine.fleet import LocalDucks
+    from engine.fleet_ffn import LocalDucks
     # the "hardware": two ducks already listening (as after a wake-up)
     (tmp_path / "hw").mkdir()
     hw = LocalDucks(2, workdir=str(tmp_path / "hw"))
@@ -133,11 +133,11 @@ def test_wol_driver_sends_magic_packets_then_waits_for_hello(tmp_path):
 
 
 def test_local_ducks_stop_with_a_script_that_never_stops_them(tmp_path):
-    """engine.fleet.LocalDucks (what a script's local_ducks starts) ends its duckfw processes at
+    """engine.fleet_ffn.LocalDucks (what a script's local_ducks starts) ends its duckfw processes at
     the interpreter's exit even when the script forgets stop(): none is left behind."""
     import sys
 
-    script = ("from engine.fleet import LocalDucks\n"
+    script = ("from engine.fleet_ffn import LocalDucks\n"
               "ducks = LocalDucks(2)\n"
               "print(' '.join(str(p.pid) for p in ducks.procs), ducks.workdir, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -61,7 +61,7 @@ def backend(request):
     if request.param == "fp9":
         yield lambda: "fp9"
         return
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
     made = []
 
     def make():

@@ -54,7 +54,7 @@ def test_a_deepseek_batch_gives_each_request_what_it_gets_alone(kind, ds_folder)
 
 
 def test_deepseek_batch_through_real_ducks(ds_folder):
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
     fleet = FleetFfn(local_ducks=2)
     try:
         lm = load_model(ds_folder("deepseek_v3"), device="cpu", backend=fleet)

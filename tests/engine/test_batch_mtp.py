@@ -40,7 +40,7 @@ def _batch(lm, mtp: bool, slots: int = SLOTS, max_model_len: int = 96) -> BatchD
 
 @pytest.mark.parametrize("backend", ["fp9", "fleet"])
 def test_batched_mtp_greedy_is_token_identical_and_drafts_are_verified(mtp_checkpoint, backend, report):
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
     fleet = FleetFfn(local_ducks=2) if backend == "fleet" else None
     try:
         lm = load_model(mtp_checkpoint, device="cpu", backend=fleet or "fp9")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import forward_logits, generate
 from engine.loader import load_model
 from engine.models import deepseek_v3 as ds

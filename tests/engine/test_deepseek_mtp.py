@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import generate
 from engine.loader import load_model
 from engine.mtp import generate_mtp

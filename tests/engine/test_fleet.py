@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import forward_logits, generate
 from engine.loader import load_model
 from engine.tokens import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.ffn import ExpertWeights, FfnLayer
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.host_ffn import FfnIO, Fp9Ffn, is_wire_call
 
 HIDDEN, INTER, EXPERTS, TOPK = 128, 96, 6, 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.cpu.decode import CpuDecoder, NativeDecodeError
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.loader import load_model
 from native.transport import DuckTimeout
 from native.transport.step import HostStep, HostStepError

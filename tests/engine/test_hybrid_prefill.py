@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.gpu.expert_stream import ExpertStream
 from engine.gpu.hybrid_prefill import HybridPrefill, PrefillSplit
 from engine.loader import load_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.batch import BatchDecoder
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import generate
 from engine.loader import load_model
 from engine.placement import (FfnShape, PlacementPlan, RoutingHistogram, model_ffn_shapes, place,

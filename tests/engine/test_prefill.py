@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import generate
 from engine.loader import load_model
 from engine.lanes import StepTrace

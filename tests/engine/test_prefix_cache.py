@@ -70,7 +70,7 @@ def test_the_next_turn_reads_only_its_new_tokens_and_decodes_the_same(kind, path
 
 
 def test_through_real_ducks_and_with_mtp_drafts_on_the_latent_cache(mtp_checkpoint):
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
     fleet = FleetFfn(local_ducks=2)
     try:
         lm = load_model(mtp_checkpoint, device="cpu", backend=fleet)

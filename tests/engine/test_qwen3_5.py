@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import forward_logits, generate
 from engine.loader import load_model
 from engine.delta_rule import gated_delta_chunked, gated_delta_recurrent

@@ -33,7 +33,7 @@ def fp9():
 
 @pytest.fixture(scope="module")
 def fleet():
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
     lm = load_model("default", backend=FleetFfn(local_ducks=4))
     yield lm
     lm.ffn.close()
@@ -172,7 +172,7 @@ def test_answers_paris(backend, request, report):
 
 
 def test_chat_cli_streams_answer_and_prints_stats(capsys):
-    from engine.chat import main
+    from engine.chat_cli import main
 
     assert main(["--model", "default", "--backend", "fp9", "--max-tokens", "24",
                  "--prompt", "Which city is the capital of France?"]) == 0

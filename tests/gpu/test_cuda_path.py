@@ -252,7 +252,7 @@ def test_the_automatic_choice_is_cuda(checkpoint, monkeypatch):
 def test_step_driven_from_c_equals_the_python_driver(kind, checkpoint):
     """The fleet's decode step as one C call (graph, forward, graph, ...: native/transport/step.c)
     gives the same bits as run_lane driving the same graphs from Python, step after step."""
-    from engine.fleet import FleetFfn
+    from engine.fleet_ffn import FleetFfn
 
     lm = _load(checkpoint(kind), dtype="bfloat16", backend=FleetFfn(local_ducks=2))
     model, backend = lm.model, lm.model.ffn_backend()

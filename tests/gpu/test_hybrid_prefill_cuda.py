@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
 from engine.gpu.hybrid_prefill import HybridPrefill, PrefillSplit
 from engine.loader import load_model

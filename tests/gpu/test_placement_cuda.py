@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.batch import BatchDecoder
-from engine.fleet import FleetFfn
+from engine.fleet_ffn import FleetFfn
 from engine.generate import generate
 from engine.gpu.moe import grouped_gemv
 from engine.loader import load_model

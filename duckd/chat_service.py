@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from duckd.errors import Busy, InvalidArgument, Unavailable
-from duckd.fleet import State
+from duckd.fleet_manager import State
 
 log = logging.getLogger("duckd.chat")
 

@@ -1,5 +1,5 @@
 """A plain command-line chat loop for development (the product chat goes
-through duckd):  python -m engine.chat --model PATH|default --backend torch|fp9|fleet"""
+through duckd):  python -m engine.chat_cli --model PATH|default --backend torch|fp9|fleet"""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from engine.tokens import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m engine.chat_cli", description=__doc__)
     ap.add_argument("--model", default="default", help="checkpoint folder, .gguf file, or 'default' (SmolLM2-135M)")
     ap.add_argument("--backend", default="torch", choices=("torch", "fp9", "fleet"))
     ap.add_argument("--ducks", default=None, help="fleet: host:port,host:port,... of running ducks")
