@@ -6,7 +6,7 @@ Every path but /health needs the daemon's bearer token.
 
     POST /v1/chat/completions   messages, max_tokens (max_completion_tokens), temperature,
                                 top_p, seed, stop, frequency_penalty, presence_penalty,
-                                logprobs + top_logprobs, stream (+ stream_options.include_usage)
+                                logprobs + top_logprobs, n, stream (+ stream_options.include_usage)
     POST /v1/completions        prompt, and the same settings
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text format
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -131,16 +132,17 @@ def _text(content, where: str) -> str:
     raise errors.InvalidArgument(where, f"{where}: expected a string or a list of text parts")
 
 
+MAX_CHOICES = 8   # n: choices of one request, each a sequence of the batch
+
+
 def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, bool]:
-    """(request, stream, include_usage) from an OpenAI request body."""
+    """(request, stream, include_usage) from an OpenAI request body (its n: choices())."""
     if not isinstance(body, dict):
         raise errors.InvalidArgument("body", "the request body must be a JSON object")
     check_fields(body)
     model = _get(body, "model", str, what="a model name")
     if model is not None and model not in (served, "default"):
         raise errors.NotFound(f"model {model!r} is not served here (serving {served!r}); see /v1/models")
-    if _get(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)") != 1:
-        raise errors.InvalidArgument("n", "n must be 1")
     stop = body.get("stop")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
@@ -218,11 +220,24 @@ def logprobs_json(entries, chat: bool) -> dict | None:
             "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
 
 
+def choices(body: dict) -> int:
+    """n: how many choices (1 .. MAX_CHOICES), each a sequence of its own; they share the prompt's
+    cache entries (the first reads the prompt, the others copy it: engine.batch's prefix cache)."""
+    return _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"1 .. {MAX_CHOICES} choices")
+
+
+def choice_requests(req: ChatRequest, n: int) -> list[ChatRequest]:
+    """The n choices' requests: the same but for the seed, seed + i where one is given."""
+    return [req] + [dataclasses.replace(req, seed=None if req.seed is None else req.seed + i) for i in range(1, n)]
+
+
 # -- responses ------------------------------------------------------------------------------
-def _usage(done: DoneEvent) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.stats.cached}}
+def _usage(done: list[DoneEvent]) -> dict:
+    """Usage of a request's choices: the prompt counted once, the completions summed."""
+    out = sum(d.completion_tokens for d in done)
+    return {"prompt_tokens": done[0].prompt_tokens, "completion_tokens": out,
+            "total_tokens": done[0].prompt_tokens + out,
+            "prompt_tokens_details": {"cached_tokens": done[0].stats.cached}}
 
 
 class _Completion:
@@ -239,26 +254,28 @@ class _Completion:
             out["usage"] = usage
         return out
 
-    def whole(self, text: str, done: DoneEvent, logprobs=None) -> dict:
-        finish = FINISH.get(done.finish_reason, "stop")
-        lp = logprobs_json(logprobs, self.chat)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish}
-            return self._envelope("chat.completion", [choice], _usage(done))
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-        return self._envelope("text_completion", [choice], _usage(done))
+    def whole(self, answers: list[tuple[str, DoneEvent, list | None]]) -> dict:
+        """answers: each choice's (text, DoneEvent, logprobs or None)."""
+        out = []
+        for i, (text, done, logprobs) in enumerate(answers):
+            finish, lp = FINISH.get(done.finish_reason, "stop"), logprobs_json(logprobs, self.chat)
+            out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                        "finish_reason": finish} if self.chat else
+                       {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+        return self._envelope("chat.completion" if self.chat else "text_completion", out,
+                              _usage([done for _, done, _ in answers]))
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, logprobs=None) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, logprobs=None,
+              index: int = 0) -> dict:
         lp = logprobs_json(logprobs, self.chat)
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish} | ({"logprobs": lp} if lp else {})
+            choice = {"index": index, "delta": delta, "finish_reason": finish} | ({"logprobs": lp} if lp else {})
             return self._envelope("chat.completion.chunk", [choice])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": lp,
+        return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": lp,
                                                    "finish_reason": finish}])
 
-    def usage_chunk(self, done: DoneEvent) -> dict:
+    def usage_chunk(self, done: list[DoneEvent]) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], _usage(done))
 
 
@@ -325,27 +342,30 @@ class HttpApi:
             return error_response(errors.InvalidArgument("body", f"the request body is not JSON: {e}"))
         try:
             req, stream, include_usage = parse_request(body, chat, self.model_name)
-            events = self.daemon.chat.stream(req)
-            first = await events.__anext__()    # errors before the first token become the response's status
+            streams = [self.daemon.chat.stream(r) for r in choice_requests(req, choices(body))]
         except (errors.ServiceError, RuntimeError) as e:
             return error_response(e)
+        # errors before the first token become the response's status
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        failed = next((e for e in firsts if isinstance(e, BaseException)), None)
+        if failed is not None:
+            for s in streams:
+                await s.aclose()
+            if isinstance(failed, (errors.ServiceError, RuntimeError)):
+                return error_response(failed)
+            raise failed
         shape = _Completion(chat, self.model_name)
         if stream:
-            return StreamingResponse(self._stream(shape, first, events, include_usage, req.logprobs is not None),
+            return StreamingResponse(self._stream(shape, streams, firsts, include_usage, req.logprobs is not None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, event = [], first
-        logprobs = [] if req.logprobs is not None else None
         try:
-            while not isinstance(event, DoneEvent):
-                text.append(event.text)
-                if logprobs is not None:
-                    logprobs += event.logprobs
-                event = await events.__anext__()
+            answers = await asyncio.gather(*(_answer(s, f, req.logprobs is not None) for s, f in zip(streams, firsts)))
         except (errors.ServiceError, RuntimeError) as e:
             return error_response(e)
         finally:
-            await events.aclose()
-        return JSONResponse(shape.whole("".join(text), event, logprobs))
+            for s in streams:
+                await s.aclose()
+        return JSONResponse(shape.whole(answers))
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (TooLarge) past max_body_bytes before more of it is read: at once when its
@@ -364,22 +384,57 @@ class HttpApi:
             parts.append(chunk)
         return b"".join(parts) or b"null"
 
-    async def _stream(self, shape: _Completion, event, events, include_usage: bool, logprobs: bool):
+    async def _stream(self, shape: _Completion, streams, firsts, include_usage: bool, logprobs: bool):
+        """The choices' events as chunks, in the order they come, each with its choice's index."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, events, event) -> None:
+            try:
+                while True:
+                    await merged.put((i, event))
+                    if isinstance(event, DoneEvent):
+                        return
+                    event = await events.__anext__()
+            except Exception as e:  # noqa: BLE001 - handed to the response
+                await merged.put((i, e))
+
+        pumps = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
         try:
             if shape.chat:
-                yield _sse(shape.chunk(None, first=True))
-            while not isinstance(event, DoneEvent):
-                yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None))
-                event = await events.__anext__()
-            yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop")))
+                for i in range(len(streams)):
+                    yield _sse(shape.chunk(None, first=True, index=i))
+            done: dict[int, DoneEvent] = {}
+            while len(done) < len(streams):
+                i, event = await merged.get()
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, DoneEvent):
+                    done[i] = event
+                    yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop"), index=i))
+                else:
+                    yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None, index=i))
             if include_usage:
-                yield _sse(shape.usage_chunk(event))
+                yield _sse(shape.usage_chunk([done[i] for i in range(len(streams))]))
             yield b"data: [DONE]\n\n"
         except (errors.ServiceError, RuntimeError) as e:     # after the headers: the error as the last event
             status, kind = STATUS.get(type(e), (500, "server_error"))
             yield _sse(error_body(str(e), kind, getattr(e, "field", None)))
         finally:
-            await events.aclose()    # a client that went away cancels its generation
+            for task in pumps:
+                task.cancel()
+            for s in streams:
+                await s.aclose()    # a client that went away cancels its generations
+
+
+async def _answer(events, event, logprobs: bool) -> tuple[str, DoneEvent, list | None]:
+    """One choice's whole text, its DoneEvent and (asked for) its logprobs, from its first event on."""
+    text, entries = [], [] if logprobs else None
+    while not isinstance(event, DoneEvent):
+        text.append(event.text)
+        if entries is not None:
+            entries += event.logprobs
+        event = await events.__anext__()
+    return "".join(text), event, entries
 
 
 class _Server(uvicorn.Server):

@@ -41,6 +41,9 @@ again, and a new sequence prefills only what no slot already holds. It takes
     - else the least recently freed slot, into which the longest prefix any slot holds
       (free or decoding: a shared system prompt, an agent's tool list) is copied first
       when it is PREFIX_COPY_MIN tokens or more.
+    - a sequence whose prompt shares PREFIX_COPY_MIN tokens more with one still reading its
+      own (requests arriving together with one system prompt, the n choices of one request)
+      waits for that one to have read them, then copies them (not with MTP drafts).
 At least the prompt's last token is always read (its logits give the first new token).
 With MTP drafts, a slot's prefix counts only as far as the MTP layer has read it too.
 The memory is the slots' own: nothing is allocated for the cache, and a sequence that
@@ -92,6 +95,8 @@ class Sequence:
     accepted: int = 0
     verified: int = 0
     cached: int = 0                     # prompt tokens found in the prefix cache (not prefilled)
+    waits: "Sequence | None" = None     # a sequence still reading the prompt tokens this one shares ...
+    waits_for: int = 0                  # ... this many of them: this one waits, then copies them
     mtp_done: int = 0                   # positions the MTP layer has read (its cache entries 0..mtp_done-1)
 
     @property
@@ -176,6 +181,7 @@ class BatchDecoder:
         seq = Sequence(prompt, params, slot, TokenStream(self.tokenizer, prompt, params, device, emit),
                        should_stop, speculate=self.mtp and params.drafts_apply,
                        prefilled=cached, cached=cached, mtp_done=cached)
+        seq.waits, seq.waits_for = self._reading_source(prompt, cached)
         self.cached_tokens += cached
         self.active.append(seq)
         return seq
@@ -186,6 +192,34 @@ class BatchDecoder:
         only as far as the MTP layer has read them too."""
         tokens = seq.prompt + seq.out.out_ids[:-1] if seq.decoding else seq.prompt[:seq.prefilled]
         return tokens[:seq.mtp_done] if self.mtp else tokens
+
+    def _reading_source(self, prompt: list[int], have: int) -> tuple[Sequence | None, int]:
+        """(a sequence still reading a prompt that shares PREFIX_COPY_MIN tokens more than have
+        with this one, how many), or (None, 0)."""
+        if not self.prefix_cache or self.mtp:
+            return None, 0
+        best, src = 0, None
+        for seq in self.active:
+            if not seq.decoding and seq.waits is None:
+                n = min(common_prefix(seq.prompt, prompt), len(prompt) - 1)
+                if n > best:
+                    best, src = n, seq
+        return (src, best) if src is not None and best - have >= PREFIX_COPY_MIN else (None, 0)
+
+    def _resolve_wait(self, seq: Sequence) -> None:
+        """A waiting sequence whose source has read what it waits for (or has ended): the shared
+        tokens copied into its slot, and it reads the rest from the next step on."""
+        src = seq.waits
+        if src in self.active and not src.decoding and src.prefilled < seq.waits_for:
+            return
+        tokens = self._written(src) if src in self.active else self.held[src.slot] if src.slot in self.free else []
+        reuse = min(common_prefix(tokens, seq.prompt), len(seq.prompt) - 1)
+        seq.waits, seq.waits_for = None, 0
+        if reuse > seq.prefilled:
+            for t in self.cache.per_position():     # [layers, slots, S, ...]
+                t[:, seq.slot, seq.prefilled:reuse].copy_(t[:, src.slot, seq.prefilled:reuse])
+            self.cached_tokens += reuse - seq.prefilled
+            seq.prefilled = seq.cached = seq.mtp_done = reuse
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot for prompt and how many of its first tokens are in it already (see the
@@ -232,7 +266,7 @@ class BatchDecoder:
         for seq in self.active if alone is None else [alone]:
             if budget <= 0:
                 break
-            if seq.decoding:
+            if seq.decoding or seq.waits is not None:
                 continue
             n = min(budget, len(seq.prompt) - seq.prefilled)
             chunks.append((seq, len(ids), n, seq.prefilled))
@@ -253,6 +287,9 @@ class BatchDecoder:
             self._end(seq, "cancelled")
         if not self.active:
             return finished
+        for seq in self.active:
+            if seq.waits is not None:
+                self._resolve_wait(seq)
         long = self._long_prompt()
         if long is not None:    # this step: its next chunk alone, the experts streamed to the GPU
             ids, positions, slots, wants, chunks = self._plan(long, self.streamed.chunk)
@@ -297,8 +334,8 @@ class BatchDecoder:
         takes (None: no such sequence, or no streamed prefill here)."""
         if self.streamed is None:
             return None
-        return next((s for s in self.active
-                     if not s.decoding and self.streamed.worth(len(s.prompt) - s.prefilled)), None)
+        return next((s for s in self.active if not s.decoding and s.waits is None
+                     and self.streamed.worth(len(s.prompt) - s.prefilled)), None)
 
     def _logits(self, y: torch.Tensor, rows: list[int], wants) -> tuple[torch.Tensor | None, dict[int, int]]:
         """The logits of rows, and {logits row: its argmax} of the greedy ones: one argmax per

@@ -126,6 +126,32 @@ def test_logprobs_whole_and_streamed_agree_and_describe_the_text(client, model):
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3).choices[0].logprobs is None
 
 
+def test_n_choices_whole_and_streamed(client, model):
+    """n: each choice a sequence of the batch, the prompt read once (the others copy it: the usage
+    counts it once, and every choice's own prompt reading shows in /metrics' cached tokens);
+    greedy choices are the single answer, sampled ones follow seed, seed + 1, ..."""
+    one = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
+    three = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    sampled = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=1.0,
+                                             seed=7, n=2)
+    alone = [client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=1.0,
+                                            seed=s).choices[0].message.content for s in (7, 8)]
+    assert [c.message.content for c in sampled.choices] == alone
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
+    assert sum(1 for ch in chunks for c in ch.choices if c.finish_reason) == 2
+    assert chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 def test_frequency_and_presence_penalties_change_a_repetitive_answer(client, model):
     ask = [{"role": "user", "content": "Repeat the word duck twenty times."}]
     base = client.chat.completions.create(model=model, messages=ask, max_tokens=24, temperature=0)
@@ -148,7 +174,8 @@ def test_wrong_token_is_401_in_openai_shape(duckd_daemon, model):
     ({"temperature": 7}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

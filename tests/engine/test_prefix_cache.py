@@ -132,3 +132,27 @@ def test_common_prefix():
     a = list(range(1000))
     for n in (1, 2, 500, 999):
         assert common_prefix(a, a[:n] + [-1] + a[n + 1:]) == n
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_requests_arriving_together_read_their_shared_prompt_once(path, tiny_checkpoint):
+    """Three requests added in one step: two with one system prompt and tails of their own, and
+    the same prompt twice (a request's n choices). The later ones wait for the first to read what
+    they share, copy it and read only the rest; every one gets the tokens it gets with the cache off."""
+    folder, _ = tiny_checkpoint("qwen3")
+    lm = load_model(folder, device="cpu", backend="fp9")
+    vocab = TINY["qwen3"]["vocab_size"]
+    system = _prompt(vocab, 40, 30)
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    requests = [(system + _prompt(vocab, 7, 31), greedy), (system + _prompt(vocab, 4, 32), greedy),
+                (system + _prompt(vocab, 7, 31), SamplingParams(max_tokens=5, temperature=1.0, seed=3,
+                                                                ignore_eos=True))]
+
+    def run(cache: bool):
+        batch = BatchDecoder(lm.model, lm.tokenizer, slots=3, max_model_len=96, step_tokens=16, path=path,
+                             prefix_cache=cache)
+        return drain_results(batch, requests)
+
+    on, off = run(True), run(False)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert [r.stats.cached for r in on] == [0, len(system), len(system) + 7 - 1]
