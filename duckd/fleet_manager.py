@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from duck_proto import duck_pb2 as pb
-from duckd.drivers import DuckSpec, Driver
+from duckd.drivers.base import DuckSpec, Driver
 from duckd.events import EventLog
 
 log = logging.getLogger("duckd.fleet")

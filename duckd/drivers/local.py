@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from duckd.drivers import DuckSpec, Driver
+from duckd.drivers.base import DuckSpec, Driver
 
 log = logging.getLogger("duckd.driver.local")
 

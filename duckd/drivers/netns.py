@@ -16,7 +16,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from duckd.drivers import DuckSpec, Driver
+from duckd.drivers.base import DuckSpec, Driver
 from duckd.drivers.links import Shape, Shaper
 from duckd.drivers.local import duckfw_command, exit_reason, spawn_duck, stop_process, wait_port_file
 

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from duckd.drivers import DuckSpec, Driver
+from duckd.drivers.base import DuckSpec, Driver
 from duckd.drivers.dnsmasq import Dnsmasq, boot_script, config_text, find_dnsmasq, interface_network, stages
 from duckd.drivers.wol import magic_packet
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from duckd.drivers import DuckSpec, Driver
+from duckd.drivers.base import DuckSpec, Driver
 
 log = logging.getLogger("duckd.driver.wol")
 
