@@ -29,6 +29,7 @@ from duckd.fleet_manager import State
 log = logging.getLogger("duckd.chat")
 
 ROLES = ("system", "user", "assistant")
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "special_in_content", "tools", "bos_token", "eos_token")
 MAX_LOGPROBS = 20   # engine.tokens.MAX_LOGPROBS (the engine is imported when the model is)
 COVER_HINT = " (fleet.host_cover_mb sets that budget)"
 TOKENIZE_OFF_LOOP_CHARS = 16 << 10
@@ -54,6 +55,8 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repetition_penalty: float | None = None   # 1: off
+    template_kwargs: dict = field(default_factory=dict)   # the chat template's switches (enable_thinking)
+    split_reasoning: bool = False      # a reasoning model's <think> text as TokenEvent.reasoning
     frequency_penalty: float = 0.0     # OpenAI's, on the tokens generated so far (0: off)
     presence_penalty: float = 0.0
     logprobs: int | None = None        # each token's log-probability and this many likeliest (None: none)
@@ -71,6 +74,7 @@ class TokenLogprob:
 class TokenEvent:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()   # the tokens read since the last event, when asked for
+    reasoning: str = ""                       # the model's thinking (ChatRequest.split_reasoning)
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,9 +114,10 @@ class _Call:
     """One request's plumbing between the generation thread and the event loop: the event
     queue, cancel, the text counters and its ActiveRequest record."""
 
-    def __init__(self, service: "ChatService", prompt: list[int]):
+    def __init__(self, service: "ChatService", prompt: list[int], split=None):
         loop = asyncio.get_running_loop()
         self.service = service
+        self.split = split   # duckd.reasoning.ReasoningSplit: the thinking apart from the answer
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -121,12 +126,15 @@ class _Call:
 
     def text(self, text: str, logprobs=None) -> None:
         """A text delta (on the generation thread), with engine.tokens.TokenLogprobs when asked for."""
+        reasoning, content = self.split.feed(text) if self.split is not None else ("", text)
+        entries = ()
         if logprobs is not None:
             piece = self.service.daemon.model.loaded.tokenizer.decode
             word = lambda t: piece([t], skip_special_tokens=False)  # noqa: E731
-            self.put(("token", (text, tuple(TokenLogprob(word(e.token), e.logprob,
-                                                         tuple((word(t), lp) for t, lp in e.top))
-                                            for e in logprobs))))
+            entries = tuple(TokenLogprob(word(e.token), e.logprob, tuple((word(t), lp) for t, lp in e.top))
+                            for e in logprobs)
+        if reasoning or content or entries:
+            self.put(("token", (content, entries, reasoning)))
         if not text:
             return
         emitted = self.emitted
@@ -136,8 +144,6 @@ class _Call:
         emitted["n"] += 1
         self.service.tokens_out += 1
         self.record.generated = emitted["n"]
-        if logprobs is None:
-            self.put(("token", (text, ())))
 
 
 def validate(r: ChatRequest) -> None:
@@ -173,6 +179,10 @@ def validate(r: ChatRequest) -> None:
         raise InvalidArgument("logprobs", f"logprobs = {r.logprobs}: expected 0 .. {MAX_LOGPROBS} alternatives")
     if any(not s for s in r.stop):
         raise InvalidArgument("stop", "stop strings must not be empty")
+    for key, value in r.template_kwargs.items():
+        if key in TEMPLATE_OWN or not isinstance(value, (str, int, float, bool)) or value is None:
+            raise InvalidArgument(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key}: expected a switch of "
+                                  f"the template (a string, number or boolean), not {', '.join(TEMPLATE_OWN)}")
 
 
 class ChatService:
@@ -219,7 +229,8 @@ class ChatService:
             return tok.encode(r.prompt, add_special_tokens=True)
         try:
             return tok.encode_chat([{"role": m.role, "content": m.content} for m in r.messages],
-                                   special_in_content=self.daemon.cfg.model.special_tokens_in_content)
+                                   special_in_content=self.daemon.cfg.model.special_tokens_in_content,
+                                   **r.template_kwargs)
         except Exception as e:
             raise InvalidArgument("messages", f"cannot render the chat template: {e}") from None
 
@@ -289,16 +300,28 @@ class ChatService:
         prompt = await asyncio.to_thread(self._prompt_ids, r) if text_len > TOKENIZE_OFF_LOOP_CHARS \
             else self._prompt_ids(r)
         params = self._params(r, len(prompt))
-        events = self._batched(runner, prompt, params) if runner is not None else self._one_at_a_time(prompt, params)
+        split = self._reasoning_split(r, prompt)
+        events = self._batched(runner, prompt, params, split) if runner is not None else \
+            self._one_at_a_time(prompt, params, split)
         async for event in events:
             yield event
 
-    async def _batched(self, runner, prompt: list[int], params):
+    def _reasoning_split(self, r: ChatRequest, prompt: list[int]):
+        """A ReasoningSplit where the request asks for one and the model writes <think> blocks (its
+        vocabulary has both tags), starting inside one where the rendered prompt opened it."""
+        from duckd.reasoning import CLOSE, OPEN, ReasoningSplit, prompt_opens_thinking
+        tok = self.daemon.model.loaded.tokenizer
+        if not r.split_reasoning or r.prompt is not None or \
+                any(tok.tokenizer.token_to_id(tag) is None for tag in (OPEN, CLOSE)):
+            return None
+        return ReasoningSplit(inside=prompt_opens_thinking(tok.decode(prompt[-16:], skip_special_tokens=False)))
+
+    async def _batched(self, runner, prompt: list[int], params, split=None):
         """A request on the batch runner: queued until it gets a slot, then one of the batch."""
         from engine.batch import Job
         from native.transport import DuckError
 
-        call = _Call(self, prompt)
+        call = _Call(self, prompt, split)
         queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
         state = {"queued": True}
@@ -328,7 +351,7 @@ class ChatService:
         self.daemon.active_chats += 1
         try:
             runner.submit(job)
-            async for event in self._events(queue, prompt, emitted, stopping):
+            async for event in self._events(queue, prompt, emitted, stopping, split):
                 yield event
         finally:
             cancel.set()
@@ -342,7 +365,7 @@ class ChatService:
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
-    async def _one_at_a_time(self, prompt: list[int], params):
+    async def _one_at_a_time(self, prompt: list[int], params, split=None):
         """A request alone on the model (no batching here): FIFO, one generation at a time."""
         from engine.generate import generate
         from engine.mtp import generate_mtp
@@ -352,7 +375,7 @@ class ChatService:
         mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
         run = generate_mtp if mtp and params.drafts_apply else generate   # drafts know no penalty, give no logprobs
 
-        call = _Call(self, prompt)
+        call = _Call(self, prompt, split)
         queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
         loop = asyncio.get_running_loop()
@@ -395,7 +418,7 @@ class ChatService:
                 self._check_ready()      # the fleet may have failed while this request waited
                 record.state = "running"
                 loop.run_in_executor(self._worker, work)
-                async for event in self._events(queue, prompt, emitted, stopping):
+                async for event in self._events(queue, prompt, emitted, stopping, split):
                     if isinstance(event, DoneEvent):
                         done = event
                         break
@@ -408,11 +431,15 @@ class ChatService:
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
-    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping):
+    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping, split=None):
         """What the generation thread reports, as events, until it is done."""
         from engine.tokens import GenerationStats
         while True:
             kind, value = await queue.get()
+            if kind in ("done", "cancelled") and split is not None:   # the generation is over: a held tag's text
+                reasoning, content = split.flush()
+                if reasoning or content:
+                    yield TokenEvent(content, (), reasoning)
             if kind == "token":
                 yield TokenEvent(*value)
             elif kind == "done":

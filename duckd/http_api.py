@@ -6,7 +6,9 @@ Every path but /health needs the daemon's bearer token.
 
     POST /v1/chat/completions   messages, max_tokens (max_completion_tokens), temperature,
                                 top_p, seed, stop, frequency_penalty, presence_penalty,
-                                logprobs + top_logprobs, n, stream (+ stream_options.include_usage)
+                                logprobs + top_logprobs, n, stream (+ stream_options.include_usage),
+                                chat_template_kwargs (the template's switches: enable_thinking); a
+                                reasoning model's <think> text comes as reasoning_content
     POST /v1/completions        prompt, and the same settings
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text format
@@ -51,7 +53,8 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort
 # HONOURED).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "top_k",
-            "repetition_penalty", "logprobs", "top_logprobs", "user", "safety_identifier", "prompt_cache_key"}
+            "repetition_penalty", "logprobs", "top_logprobs", "user", "safety_identifier", "prompt_cache_key",
+            "chat_template_kwargs"}
 
 
 def _off(*values):
@@ -162,6 +165,9 @@ def parse_request(body, chat: bool, served: str) -> tuple[ChatRequest, bool, boo
                                             "-2 .. 2"),
                       logprobs=_logprobs(body, chat))
     if chat:
+        req.template_kwargs = _get(body, "chat_template_kwargs", dict, {}, what="an object of the template's "
+                                   "switches, e.g. {\"enable_thinking\": false}")
+        req.split_reasoning = True
         messages = _get(body, "messages", list, None, lambda v: len(v) > 0, "a non-empty list of messages")
         if messages is None:
             raise errors.InvalidArgument("messages", "messages is required")
@@ -254,22 +260,23 @@ class _Completion:
             out["usage"] = usage
         return out
 
-    def whole(self, answers: list[tuple[str, DoneEvent, list | None]]) -> dict:
-        """answers: each choice's (text, DoneEvent, logprobs or None)."""
+    def whole(self, answers: list[tuple[str, DoneEvent, list | None, str]]) -> dict:
+        """answers: each choice's (text, DoneEvent, logprobs or None, reasoning)."""
         out = []
-        for i, (text, done, logprobs) in enumerate(answers):
+        for i, (text, done, logprobs, reasoning) in enumerate(answers):
             finish, lp = FINISH.get(done.finish_reason, "stop"), logprobs_json(logprobs, self.chat)
-            out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": finish} if self.chat else
+            message = {"role": "assistant", "content": text} | ({"reasoning_content": reasoning} if reasoning else {})
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish} if self.chat else
                        {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return self._envelope("chat.completion" if self.chat else "text_completion", out,
-                              _usage([done for _, done, _ in answers]))
+                              _usage([answer[1] for answer in answers]))
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False, logprobs=None,
-              index: int = 0) -> dict:
+              index: int = 0, reasoning: str = "") -> dict:
         lp = logprobs_json(logprobs, self.chat)
         if self.chat:
-            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {}) \
+                | ({"reasoning_content": reasoning} if reasoning else {})
             choice = {"index": index, "delta": delta, "finish_reason": finish} | ({"logprobs": lp} if lp else {})
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": lp,
@@ -412,7 +419,8 @@ class HttpApi:
                     done[i] = event
                     yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop"), index=i))
                 else:
-                    yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None, index=i))
+                    yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None, index=i,
+                                           reasoning=event.reasoning))
             if include_usage:
                 yield _sse(shape.usage_chunk([done[i] for i in range(len(streams))]))
             yield b"data: [DONE]\n\n"
@@ -426,15 +434,17 @@ class HttpApi:
                 await s.aclose()    # a client that went away cancels its generations
 
 
-async def _answer(events, event, logprobs: bool) -> tuple[str, DoneEvent, list | None]:
-    """One choice's whole text, its DoneEvent and (asked for) its logprobs, from its first event on."""
-    text, entries = [], [] if logprobs else None
+async def _answer(events, event, logprobs: bool) -> tuple[str, DoneEvent, list | None, str]:
+    """One choice's whole text, its DoneEvent, (asked for) its logprobs and its reasoning, from its
+    first event on."""
+    text, entries, reasoning = [], [] if logprobs else None, []
     while not isinstance(event, DoneEvent):
         text.append(event.text)
+        reasoning.append(event.reasoning)
         if entries is not None:
             entries += event.logprobs
         event = await events.__anext__()
-    return "".join(text), event, entries
+    return "".join(text), event, entries, "".join(reasoning)
 
 
 class _Server(uvicorn.Server):
