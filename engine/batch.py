@@ -55,7 +55,9 @@ streamed prefill judges long enough (worth()) reads it alone, in a step of up to
 streamed prefill's chunk (each expert crosses PCIe once per such step, the ducks computing
 their share beside the GPU), again while the unread rest is worth a pass, and the rest in
 the batch's own steps; the other sequences wait for such a step as they would for any
-prompt chunk. A prompt the prefix cache mostly holds is judged by its unread rest.
+prompt chunk. A prompt the prefix cache mostly holds is judged by its unread rest; the
+steps that read prompt chunks on the ducks are timed for that judgement (a short rest
+that touches most experts costs the ducks nearly a full read of them).
 """
 from __future__ import annotations
 
@@ -300,10 +302,13 @@ class BatchDecoder:
             if self.mtp:
                 self._drafts()
             ids, positions, slots, wants, chunks = self._plan()
+            t0 = time.perf_counter()
             y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int32))
         wants.sort(key=lambda w: w[1])
         rows = [r for _, first, n in wants for r in range(first, first + n)]
         logits, greedy = self._logits(y, rows, wants)
+        if long is None and chunks and self.streamed is not None:   # the ducks' prefill rate, for worth()
+            self.streamed.fleet_timed(sum(n for _, _, n, _ in chunks), time.perf_counter() - t0)
         self.steps += 1
         now = time.perf_counter()
         at, ended = 0, []

@@ -228,6 +228,11 @@ def test_a_batch_streams_a_long_prompt_alone_beside_decoding_sequences(kind, fam
         assert second.stats.cached == len(long) + 5 and streamed.split.history == []   # 8 unread tokens
         lm.model.streamed_prefill = None
         assert second.token_ids == run([(turn, params)])[0]
+        # the batch times the steps the ducks prefill: what a streamed prefill with no fixed threshold weighs
+        timed = lm.model.streamed_prefill = StreamedPrefill(stream, lm.ffn, "hybrid", chunk=64)
+        assert timed.fleet_s_per_token is None
+        run([(long[:20], params)])
+        assert timed.fleet_s_per_token > 0 and timed.split.history == []   # 20 tokens: under the first guess
     finally:
         lm.model.streamed_prefill = None
         lm.ffn.close()
