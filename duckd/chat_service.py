@@ -200,7 +200,7 @@ class ChatService:
         self._turn = asyncio.Lock()       # FIFO: the waiting requests, in order of arrival
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duck-generate")
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
-        self._batch = None               # engine.batch.BatchRunner, made at the first request where it applies
+        self._batch = None               # engine.batch_runner.BatchRunner, made at the first request where it applies
         self._batch_checked = False
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
@@ -267,7 +267,8 @@ class ChatService:
         cfg, loaded = self.daemon.cfg.model, self.daemon.model.loaded
         if cfg.max_seqs <= 1:
             return None
-        from engine.batch import BatchRunner, batch_decoder
+        from engine.batch import batch_decoder
+        from engine.batch_runner import BatchRunner
         batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens,
                               gpu=cfg.gpu_batching, mtp=cfg.mtp, prefix_cache=cfg.prefix_cache)
         if batch is not None:
@@ -318,7 +319,7 @@ class ChatService:
 
     async def _batched(self, runner, prompt: list[int], params, split=None):
         """A request on the batch runner: queued until it gets a slot, then one of the batch."""
-        from engine.batch import Job
+        from engine.batch_runner import Job
         from native.transport import DuckError
 
         call = _Call(self, prompt, split)

@@ -31,23 +31,8 @@ long as the per-token arithmetic does not depend on the batch (tests hold that).
 A sequence ends at EOS, a stop string, max_tokens, its slot's max_model_len, or
 when its should_stop says so (cancel); its slot is free for the next step.
 
-The prefix cache (prefix_cache, on where the slot cache has only per-position entries:
-no per_sequence() state; not Qwen3.5, whose DeltaNet state is one per sequence): a free slot keeps
-what its last sequence wrote (prompt and output but the last token) until it is taken
-again, and a new sequence prefills only what no slot already holds. It takes
-    - the free slot whose tokens it continues (the next turn of that chat: all but fewer
-      than PREFIX_COPY_MIN of the tokens the slot holds begin the new prompt), reading the
-      rest from there;
-    - else the least recently freed slot, into which the longest prefix any slot holds
-      (free or decoding: a shared system prompt, an agent's tool list) is copied first
-      when it is PREFIX_COPY_MIN tokens or more.
-    - a sequence whose prompt shares PREFIX_COPY_MIN tokens more with one still reading its
-      own (requests arriving together with one system prompt, the n choices of one request)
-      waits for that one to have read them, then copies them (not with MTP drafts).
-At least the prompt's last token is always read (its logits give the first new token).
-With MTP drafts, a slot's prefix counts only as far as the MTP layer has read it too.
-The memory is the slots' own: nothing is allocated for the cache, and a sequence that
-needs a slot evicts the least recently freed one.
+The prefix cache (engine.prefix_cache): a sequence prefills only the prompt tokens that
+no slot of the cache holds yet.
 
 A long prompt on a GPU host with a fleet (the model's streamed_prefill,
 engine.gpu.hybrid_prefill, on the torch path): a sequence whose unread prompt the
@@ -68,12 +53,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.prefix_cache import SlotPrefixes
 from engine.tokens import GenerationResult, GenerationStats, SamplingParams, TokenStream, sampling_probs, verify_draft
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STEP_TOKENS = 256   # tokens per step: decode tokens first, prefill chunks fill the rest
-PREFIX_COPY_MIN = 16        # the shortest prefix copied from another slot (a chat template's first tokens are fewer)
 
 
 @dataclass(eq=False)
@@ -151,12 +136,9 @@ class BatchDecoder:
         if self.step_tokens < slots:
             raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "
                              f"{self.step_tokens}")
-        self.free = list(range(slots))               # least recently freed first
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
-        self.prefix_cache = prefix_cache and not self.cache.per_sequence()
-        self.held: list[list[int]] = [[] for _ in range(slots)]   # a free slot's tokens, from position 0
-        self.cached_tokens = 0                       # prompt tokens read from the prefix cache, all sequences
+        self.prefixes = SlotPrefixes(self.cache, prefix_cache, mtp, self.active)   # the free slots, and what they hold
         # long prompts' experts streamed to the GPU (a CUDA host with a fleet): engine.gpu.hybrid_prefill
         self.streamed = getattr(model, "streamed_prefill", None) if path == "torch" else None
         from engine.batch_torch import cache_tensors
@@ -168,6 +150,19 @@ class BatchDecoder:
     def slots(self) -> int:
         return self.cache.slots
 
+    @property
+    def free(self) -> list[int]:
+        """The free slots, least recently freed first."""
+        return self.prefixes.free
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.prefixes.enabled
+
+    @prefix_cache.setter
+    def prefix_cache(self, on: bool) -> None:
+        self.prefixes.enabled = on and not self.cache.per_sequence()
+
     def add(self, prompt: list[int], params: SamplingParams, on_text: Callable[[str], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> Sequence | None:
         """A new sequence, prefilled by the next steps; None when every slot is taken."""
@@ -178,78 +173,14 @@ class BatchDecoder:
         if not self.free:
             return None
         device = self.model.model.embed_tokens.weight.device
-        emit = (lambda *delta: _report(on_text, *delta)) if on_text is not None else None   # an error stays its caller's
-        slot, cached = self._take_slot(prompt)
+        emit = (lambda *delta: report(on_text, *delta)) if on_text is not None else None   # an error stays its caller's
+        slot, cached = self.prefixes.take(prompt)
         seq = Sequence(prompt, params, slot, TokenStream(self.tokenizer, prompt, params, device, emit),
                        should_stop, speculate=self.mtp and params.drafts_apply,
                        prefilled=cached, cached=cached, mtp_done=cached)
-        seq.waits, seq.waits_for = self._reading_source(prompt, cached)
-        self.cached_tokens += cached
+        seq.waits, seq.waits_for = self.prefixes.source(prompt, cached)
         self.active.append(seq)
         return seq
-
-    def _written(self, seq: Sequence) -> list[int]:
-        """The tokens whose cache entries seq's slot holds now, from position 0: the prompt
-        read so far, then every output token but the last (not fed yet); with MTP drafts
-        only as far as the MTP layer has read them too."""
-        tokens = seq.prompt + seq.out.out_ids[:-1] if seq.decoding else seq.prompt[:seq.prefilled]
-        return tokens[:seq.mtp_done] if self.mtp else tokens
-
-    def _reading_source(self, prompt: list[int], have: int) -> tuple[Sequence | None, int]:
-        """(a sequence still reading a prompt that shares PREFIX_COPY_MIN tokens more than have
-        with this one, how many), or (None, 0)."""
-        if not self.prefix_cache or self.mtp:
-            return None, 0
-        best, src = 0, None
-        for seq in self.active:
-            if not seq.decoding and seq.waits is None:
-                n = min(common_prefix(seq.prompt, prompt), len(prompt) - 1)
-                if n > best:
-                    best, src = n, seq
-        return (src, best) if src is not None and best - have >= PREFIX_COPY_MIN else (None, 0)
-
-    def _resolve_wait(self, seq: Sequence) -> None:
-        """A waiting sequence whose source has read what it waits for (or has ended): the shared
-        tokens copied into its slot, and it reads the rest from the next step on."""
-        src = seq.waits
-        if src in self.active and not src.decoding and src.prefilled < seq.waits_for:
-            return
-        tokens = self._written(src) if src in self.active else self.held[src.slot] if src.slot in self.free else []
-        reuse = min(common_prefix(tokens, seq.prompt), len(seq.prompt) - 1)
-        seq.waits, seq.waits_for = None, 0
-        if reuse > seq.prefilled:
-            for t in self.cache.per_position():     # [layers, slots, S, ...]
-                t[:, seq.slot, seq.prefilled:reuse].copy_(t[:, src.slot, seq.prefilled:reuse])
-            self.cached_tokens += reuse - seq.prefilled
-            seq.prefilled = seq.cached = seq.mtp_done = reuse
-
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for prompt and how many of its first tokens are in it already (see the
-        module docstring's prefix cache)."""
-        if not self.prefix_cache:
-            return self.free.pop(0), 0
-        best, src = 0, None
-        for slot in self.free:
-            n = common_prefix(self.held[slot], prompt)
-            if n > best:
-                best, src = n, slot
-        for seq in self.active:
-            n = common_prefix(self._written(seq), prompt)
-            if n > best:
-                best, src = n, seq.slot
-        # an MTP entry at position i read token i+1 too: with drafts, one position less is sure
-        reuse = min(best - self.mtp, len(prompt) - 1)
-        # the slot it continues (its chat's next turn: all but a few of the tokens held), or the one
-        # to be evicted anyway: taken as it is; else the prefix goes into the least recently freed
-        if src in self.free and reuse > 0 and (src == self.free[0] or len(self.held[src]) - best < PREFIX_COPY_MIN):
-            self.free.remove(src)
-            return src, reuse
-        slot = self.free.pop(0)
-        if reuse < PREFIX_COPY_MIN:
-            return slot, 0
-        for t in self.cache.per_position():     # [layers, slots, S, ...]
-            t[:, slot, :reuse].copy_(t[:, src, :reuse])
-        return slot, reuse
 
     def _plan(self, alone: Sequence | None = None, budget: int = 0):
         """The step's ids, positions, slots; (sequence, first row, rows) of the rows that get
@@ -291,7 +222,7 @@ class BatchDecoder:
             return finished
         for seq in self.active:
             if seq.waits is not None:
-                self._resolve_wait(seq)
+                self.prefixes.resolve(seq)
         long = self._long_prompt()
         if long is not None:    # this step: its next chunk alone, the experts streamed to the GPU
             ids, positions, slots, wants, chunks = self._plan(long, self.streamed.chunk)
@@ -410,9 +341,7 @@ class BatchDecoder:
                                 mtp=(seq.accepted, seq.verified) if seq.speculate else None, cached=seq.cached)
         seq.result = GenerationResult(seq.out.out_ids, text, seq.out.finish, stats, logprobs=seq.out.logprobs)
         self.active.remove(seq)
-        # a failed step may have left the slot half written: it keeps nothing
-        self.held[seq.slot] = self._written(seq) if self.prefix_cache and finish != "error" else []
-        self.free.append(seq.slot)
+        self.prefixes.release(seq, keep=finish != "error")   # a failed step may have left the slot half written
 
     def fail_all(self) -> list[Sequence]:
         """Ends every active sequence (the step failed); returns them, their slots free."""
@@ -420,23 +349,6 @@ class BatchDecoder:
         for seq in ended:
             self._end(seq, "error")
         return ended
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many first tokens a and b share (list slices compare in C: a bisection of them)."""
-    n = min(len(a), len(b))
-    if not n or a[0] != b[0]:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 1, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _greedy_rows(wants) -> list[int]:
@@ -482,114 +394,9 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
     return None
 
 
-@dataclass(eq=False)
-class Job:
-    """A request handed to a BatchRunner, and how it reports back (called on the runner's thread)."""
-    prompt: list[int]
-    params: SamplingParams
-    on_text: Callable[[str], None] | None = None
-    should_stop: Callable[[], bool] | None = None    # true: the caller is gone (queued: dropped unread)
-    on_start: Callable[[], None] | None = None        # it got a slot
-    on_done: Callable[[GenerationResult], None] | None = None
-    on_error: Callable[[BaseException], None] | None = None   # the step failed, or admission refused it
-
-
-class BatchRunner:
-    """A BatchDecoder on a thread of its own: jobs queue (FIFO) until a slot is free, then
-    ride every step until they end. admit(job) may raise to refuse a job when its turn
-    comes (e.g. the fleet is down); lock, when given, is held during each step."""
-
-    def __init__(self, batch: BatchDecoder, lock=None, admit: Callable[[Job], None] | None = None,
-                 name: str = "duck-batch"):
-        import threading
-        from collections import deque
-
-        self.batch, self.lock, self.admit = batch, lock, admit
-        self.waiting: deque[Job] = deque()
-        self._jobs: dict[int, Job] = {}             # id(sequence) -> its job
-        self._wake = threading.Condition()
-        self._stop = False
-        self.failures = 0
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self._wake:
-            self.waiting.append(job)
-            self._wake.notify()
-
-    @property
-    def running(self) -> int:
-        return len(self.batch.active)
-
-    @property
-    def free_slots(self) -> int:
-        """Slots the next step gives to waiting jobs (read from another thread: an estimate)."""
-        return len(self.batch.free)
-
-    def close(self, timeout: float = 10.0) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout)
-
-    def _take(self) -> list[Job]:
-        """Waits for work; returns the jobs that get a slot now (and drops abandoned ones)."""
-        with self._wake:
-            while not self._stop and not self.waiting and not self.batch.active:
-                self._wake.wait()
-            taken = []
-            while self.waiting and len(taken) < len(self.batch.free):
-                taken.append(self.waiting.popleft())
-            return taken
-
-    def _main(self) -> None:
-        while True:
-            taken = self._take()
-            if self._stop:
-                break
-            for job in taken:
-                self._start(job)
-            if self.batch.active:
-                self._step()
-        for job in list(self.waiting) + list(self._jobs.values()):
-            _report(job.on_error, RuntimeError("the batch runner stopped"))
-
-    def _start(self, job: Job) -> None:
-        if job.should_stop is not None and job.should_stop():
-            return                                   # the caller left while it waited: no prefill
-        try:
-            if self.admit is not None:
-                self.admit(job)
-            seq = self.batch.add(job.prompt, job.params, job.on_text, job.should_stop)
-        except BaseException as e:  # noqa: BLE001 - the job's caller gets it
-            _report(job.on_error, e)
-            return
-        self._jobs[id(seq)] = job
-        _report(job.on_start)
-
-    def _step(self) -> None:
-        try:
-            if self.lock is not None:
-                with self.lock:
-                    finished = self.batch.step()
-            else:
-                finished = self.batch.step()
-        except BaseException as e:  # noqa: BLE001 - every sequence of the step fails with it
-            self.failures += 1
-            log.warning("a batch step failed (%s): %d sequences end with the error", e, len(self.batch.active))
-            for seq in self.batch.fail_all():
-                job = self._jobs.pop(id(seq), None)
-                if job is not None:
-                    _report(job.on_error, e)
-            return
-        for seq in finished:
-            job = self._jobs.pop(id(seq), None)
-            if job is not None:
-                _report(job.on_done, seq.result)
-
-
-def _report(fn, *args) -> None:
+def report(fn, *args) -> None:
+    """fn(*args) unless fn is None; an exception of it is logged, not raised (a caller's callback
+    must not stop the batch or its runner)."""
     if fn is None:
         return
     try:

@@ -1,4 +1,4 @@
-"""The prefix cache of continuous batching (engine.batch): a sequence whose prompt begins
+"""The prefix cache of continuous batching (engine.prefix_cache, engine.batch): a sequence whose prompt begins
 with tokens a slot already holds (the earlier turns of its chat, a system prompt another
 sequence shares) prefills only the rest, and its tokens are those it gets with the cache
 off, bit for bit: on the native path and the torch path (Llama, Qwen3, Qwen3-MoE), on
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import PREFIX_COPY_MIN, BatchDecoder, common_prefix
+from engine.batch import BatchDecoder
+from engine.prefix_cache import PREFIX_COPY_MIN, common_prefix
 from engine.tokens import SamplingParams
 from engine.loader import load_model
 from tests.engine.conftest import TINY
@@ -65,7 +66,7 @@ def test_the_next_turn_reads_only_its_new_tokens_and_decodes_the_same(kind, path
     assert greedy.stats.cached == held                 # the free slot of the first turn, continued
     # the sampled one ran beside it: its prefix was copied from the decoding sequence's slot
     assert sampled.stats.cached == held
-    assert on[2].cached_tokens == 2 * held and off[2].cached_tokens == 0
+    assert on[2].prefixes.cached_tokens == 2 * held and off[2].prefixes.cached_tokens == 0
     assert all(r.stats.cached == 0 for r in off[1])
 
 
@@ -104,13 +105,13 @@ def test_a_shared_system_prompt_is_copied_only_when_long_enough_and_a_failed_ste
     # more): it takes a fresh slot, into which the system prompt is copied, and the first chat keeps its own
     shared = _run(batch, [(system + _prompt(vocab, 5, 22), params)])[0]
     assert shared.stats.cached == len(system)
-    assert len(batch.held[0]) == len(system) + 30 + 2
+    assert len(batch.prefixes.held[0]) == len(system) + 30 + 2
     assert _run(batch, [(short + _prompt(vocab, 8, 23), params)])[0].stats.cached == 0
     seq = batch.add(system + [5, 6], params)
     assert seq.cached == len(system)
     batch.step()
     batch.fail_all()
-    assert batch.held[seq.slot] == []
+    assert batch.prefixes.held[seq.slot] == []
 
 
 def test_qwen35_keeps_no_prefix_cache(tiny_family):
