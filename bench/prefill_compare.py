@@ -156,7 +156,7 @@ def run(args) -> dict:
         model, backend = synth.model, synth.backend
         stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
         try:
-            out.update(_measure(args, config, device, model, backend, stream, out))
+            _measure(args, config, device, model, backend, stream, out)
         finally:
             stream.close()
             del model
@@ -164,14 +164,13 @@ def run(args) -> dict:
     return out
 
 
-def _measure(args, config, device, model, backend, stream, out: dict) -> dict:
-    """run()'s measurements on the model and its fleet; out holds the rates measured before."""
+def _measure(args, config, device, model, backend, stream, out: dict) -> None:
+    """run()'s measurements on the model and its fleet, into out (which holds the rates measured before)."""
     from bench.e2e_synthetic import Runner
     from bench.synthetic import ffn_bytes_per_token
     from bench.synthetic_ducks import measure_fleet_read
     from engine.gpu.hybrid_prefill import PrefillSplit, StreamedPrefill
 
-    out = dict(out)
     runner = Runner(model, backend, device, use_graphs=device.type == "cuda")
     engine = StreamedPrefill(stream, backend, "hybrid", out["pcie_gbps"])    # the engine's choices
     hybrid = engine.split
@@ -232,7 +231,6 @@ def _measure(args, config, device, model, backend, stream, out: dict) -> dict:
     out["read_gbps_end"] = measure_fleet_read(args.ducks, args.duck_threads)
     if args.profile:
         _profile(runner, stream, gpu, max(args.prompts), room, args.profile)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,6 @@ log = logging.getLogger("duckd.chat")
 
 ROLES = ("system", "user", "assistant")
 TEMPLATE_OWN = ("messages", "add_generation_prompt", "special_in_content", "tools", "bos_token", "eos_token")
-MAX_LOGPROBS = 20   # engine.tokens.MAX_LOGPROBS (the engine is imported when the model is)
 COVER_HINT = " (fleet.host_cover_mb sets that budget)"
 TOKENIZE_OFF_LOOP_CHARS = 16 << 10
 
@@ -175,6 +174,7 @@ def validate(r: ChatRequest) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2.0 <= getattr(r, name) <= 2.0:
             raise InvalidArgument(name, f"{name} = {getattr(r, name)}: expected -2 .. 2 (0: off)")
+    from engine.tokens import MAX_LOGPROBS   # the engine, and torch, load with the model, not before
     if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("logprobs", f"logprobs = {r.logprobs}: expected 0 .. {MAX_LOGPROBS} alternatives")
     if any(not s for s in r.stop):

@@ -334,7 +334,7 @@ def test_every_openai_request_field_is_honoured_or_refused_by_name(client, model
     from openai.types import completion_create_params as plain
     from openai.types.chat import completion_create_params as chat
 
-    from duckd.http_api import HONOURED, OFF_ONLY
+    from duckd.openai_request import HONOURED, OFF_ONLY
     fields = {"chat": set(chat.CompletionCreateParamsBase.__annotations__),
               "completions": set(plain.CompletionCreateParamsBase.__annotations__)}
     unplaced = (fields["chat"] | fields["completions"]) - HONOURED - set(OFF_ONLY)
