@@ -292,9 +292,11 @@ class ChatService:
         validate(r)
         self._check_ready()
         runner = self.batch_runner()
-        free = runner.free_slots if runner is not None else 0   # taken at the runner's next step: not waiting
-        if self.queued - free >= self.max_queued:
-            raise Busy(f"{self.queued - free} requests are queued (model.max_queued = {self.max_queued}); "
+        # the runner's own queue, less the slots its next step gives them (self.queued would also count, for a
+        # moment, a job the runner has taken and is starting: a spurious Busy under a flood)
+        waiting = len(runner.waiting) - runner.free_slots if runner is not None else self.queued
+        if waiting >= self.max_queued:
+            raise Busy(f"{waiting} requests are queued (model.max_queued = {self.max_queued}); "
                        f"retry shortly")
         text_len = len(r.prompt) if r.prompt is not None else sum(len(m.content) for m in r.messages)
         # a long text is tokenized in a thread (0.45 s per MB): the event loop serves the others meanwhile
