@@ -310,10 +310,11 @@ class BatchDecoder:
         for seq, row in zip(seqs, last):
             seq.mtp_done = seq.mtp_from + len(seq.mtp_follow)
             seq.mtp_hidden, seq.mtp_follow = [], []
+            drafted = seq.out.constrain(logits[row])    # a draft the grammar forbids is never proposed
             if seq.params.temperature == 0.0:
-                seq.draft, seq.q = int(logits[row].argmax()), None
+                seq.draft, seq.q = int(drafted.argmax()), None
             else:
-                seq.q = sampling_probs(logits[row], seq.params)
+                seq.q = sampling_probs(drafted, seq.params)
                 seq.draft = int(torch.multinomial(seq.q, 1, generator=seq.out.generator))
 
     def _verify(self, seq: Sequence, first: torch.Tensor, second: torch.Tensor, y: torch.Tensor, row: int) -> bool:
@@ -321,6 +322,7 @@ class BatchDecoder:
         its position (first), and when accepted the next token from the draft's row (second)
         for free. -> whether the sequence is done."""
         gen = seq.out.generator
+        first = seq.out.constrain(first)
         p = first.float() if gen is None else sampling_probs(first, seq.params)
         ok, token = verify_draft(p, seq.q, seq.draft, gen)
         pos, seq.draft, seq.q = seq.position, None, None

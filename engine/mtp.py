@@ -123,7 +123,8 @@ def _run(model, mtp, embed, cache, out, prompt_ids, params, max_model_len, devic
     def draw(probs: torch.Tensor) -> int:
         return int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=gen))
 
-    def dist(logits: torch.Tensor) -> torch.Tensor:
+    def dist(logits: torch.Tensor) -> torch.Tensor:   # at the output's next position: its grammar applies
+        logits = out.constrain(logits)
         return torch.softmax(logits.float(), -1) if greedy else sampling_probs(logits, params)
 
     start = time.perf_counter()

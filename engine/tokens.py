@@ -3,15 +3,18 @@ computed its logits (engine.batch's loop, engine.generate and engine.mtp one req
 and what the daemon reads back.
 
     SamplingParams     a request's sampling: temperature, top-k, top-p, seed, stop strings,
-                       max_tokens, repetition penalty, frequency and presence penalties, logprobs
-    TokenStream        one request's tokens: penalty, sampling with its own generator, EOS,
-                       stop strings (text that might begin one held back), text deltas, final text
+                       max_tokens, repetition penalty, frequency and presence penalties, logprobs,
+                       the grammar its output must match (engine.grammar)
+    TokenStream        one request's tokens: penalty, the grammar's mask, sampling with its own
+                       generator, EOS, stop strings (text that might begin one held back), text
+                       deltas, final text
     verify_draft       an MTP draft kept or replaced so that the output keeps its distribution
     GenerationStats    TTFT, decode rate, prompt tokens found in the prefix cache, MTP acceptance
     GenerationResult   the tokens, the text, why it ended, the stats
 
 A per-request feature (logprobs, a grammar's mask) belongs here, once: every loop calls
-TokenStream.push or add for every token.
+TokenStream.push or add for every token, and constrain() on the logits it draws a token or an MTP
+draft from itself.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import Grammar
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 MAX_LOGPROBS = 20   # the likeliest alternatives a token's log-probability comes with, at most (OpenAI's bound)
@@ -28,7 +32,8 @@ MAX_LOGPROBS = 20   # the likeliest alternatives a token's log-probability comes
 @dataclass(slots=True, frozen=True)
 class TokenLogprob:
     """A chosen token, its log-probability and the likeliest tokens' ((id, log-probability), ...),
-    from the distribution it was drawn from before temperature, top-k and top-p (the penalties applied)."""
+    from the distribution it was drawn from before temperature, top-k and top-p (the penalties
+    applied, a grammar's mask not: the model's own belief)."""
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -47,6 +52,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # OpenAI's: each generated token's logit less this times its count so far
     presence_penalty: float = 0.0     # ... and less this once it has been generated at all
     logprobs: int | None = None       # each chosen token's log-probability and this many likeliest (None: none)
+    grammar: Grammar | None = None    # the output must match it (engine.grammar); drafts are masked by it too
 
     @property
     def drafts_apply(self) -> bool:
@@ -179,6 +185,7 @@ class TokenStream:
         self.logprobs: list[TokenLogprob] = []
         self.logprobs_sent = 0
         self.text, self.emitted, self.finish = "", 0, "length"
+        self.grammar = params.grammar.start() if params.grammar is not None else None
 
     @property
     def plain_greedy(self) -> bool:
@@ -186,7 +193,12 @@ class TokenStream:
         or log-probabilities kept): a caller with many such streams may take the argmax of all their
         rows at once and add() it."""
         p = self.params
-        return p.temperature == 0.0 and p.drafts_apply and not self.keep_logits
+        return p.temperature == 0.0 and p.drafts_apply and not self.keep_logits and self.grammar is None
+
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] of the next token with what the grammar forbids there at -inf (no grammar: as
+        they are). For a caller that draws the token (or an MTP draft) itself and then add()s it."""
+        return logits if self.grammar is None else self.grammar.constrain(logits)
 
     def push(self, logits: torch.Tensor) -> bool:
         """logits [V] of the next token -> whether the request is done (eos, stop or max_tokens);
@@ -196,7 +208,7 @@ class TokenStream:
         logits = penalize_counts(logits, self.out_ids, params.frequency_penalty, params.presence_penalty)
         if self.keep_logits:
             self.logits_kept.append(logits.float().cpu())
-        token = sample(logits, params, self.generator)
+        token = sample(self.constrain(logits), params, self.generator)
         if params.logprobs is not None:
             self.logprobs.append(token_logprob(logits, token, params.logprobs))
         return self.add(token)
@@ -208,6 +220,8 @@ class TokenStream:
         if token in self.eos:
             self.finish = "eos"
             return True
+        if self.grammar is not None and not self.grammar.accept(token):   # a caller that did not constrain()
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar: {self.grammar.error[:200]}")
         self.text += self.stream.push(token)
         cut = min((i for i in (self.text.find(s) for s in params.stop) if i >= 0), default=-1)
         if cut >= 0:

@@ -96,6 +96,30 @@ def write_word_tokenizer(folder, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text('{"eos_token": "w1"}')
 
 
+def write_char_tokenizer(folder, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json of vocab_size tokens for the random models, one a grammar
+    can drive (engine.grammar; a word-level one cannot): 0 '<unk>', 1 '</s>' (EOS), then the
+    printable ASCII characters, then merges of letter pairs up to vocab_size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    chars = [c for c in ByteLevel.alphabet() if len(c.encode()) == 1 or c == "\u0120"]   # 'Ġ' is the space
+    chars = sorted(set(chars) | {"\u0120"})
+    assert vocab_size >= 2 + len(chars), vocab_size
+    vocab = {"<unk>": 0, "</s>": 1} | {c: 2 + i for i, c in enumerate(chars)}
+    merges, letters = [], "etaoinsrhl"
+    pairs = [("\u0120", b) for b in letters] + [(a, b) for a in letters for b in letters]
+    for a, b in pairs[:vocab_size - len(vocab)]:
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("</s>", special=True, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     """run(fn, *args): fn (a module-level function of a test module) called in a worker
