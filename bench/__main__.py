@@ -4,7 +4,8 @@ process of its own, so the daemon's client imports nothing of the benchmarks.
     kernels                   the ducks' native kernels on this host (bench/kernels.py)
     transport                 the wire on this host or an emulated LAN (bench/transport.py)
     e2e                       decode through the running daemon (bench/e2e.py);
-    e2e --api openai          the serving bar through the openai client (bench/e2e_openai.py);
+    e2e --api openai          the serving bar through the openai client (bench/e2e_openai.py;
+                              --structured N: JSON schemas and forced tool calls, bench/e2e_structured.py);
     e2e --synthetic NAME      a synthetic model at real widths on local ducks (bench/e2e_synthetic.py)
     chaos                     faults under load on a daemon of its own (bench/chaos.py)
     loop                      the batch loop against the one-request path (bench/loop_compare.py)

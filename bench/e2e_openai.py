@@ -10,6 +10,8 @@ official `openai` client on the daemon's OpenAI-compatible HTTP API.
     3. with `--flood N`: N streams at once, each must complete or get 429 (the bounded
        queue), within `--flood-timeout` seconds: nothing hangs, nothing is lost.
 
+With `--structured N` instead: structured output and forced tool calls (bench/e2e_structured.py).
+
 With `--turns N` instead: the prefix cache as a chat meets it. `--rounds` chats of two
 turns, each on a document of its own of about N prompt tokens: the second turn (the
 first's answer, then a short question) streamed after the first, its TTFT over the
@@ -184,6 +186,13 @@ async def run(args, endpoint, fleet) -> dict:
     async with openai.AsyncOpenAI(base_url=f"{endpoint.http_url}/v1", api_key=endpoint.token,
                                   max_retries=0, timeout=args.flood_timeout, **tls) as client:
         model = (await client.models.list()).data[0].id
+        if args.structured:
+            from bench.e2e_structured import run as structured
+            print(f"{model} at {endpoint.http_url}/v1: {5 * args.structured} schema requests, as many forced tool "
+                  f"calls, {args.runs} decode rates with and without a schema", file=sys.stderr)
+            return {"api": "openai", "model": model, **await structured(
+                client, model, args.structured, args.runs, min(args.streams, 8),
+                lambda line: print(line, file=sys.stderr), args.tokens)}
         if args.turns:
             print(f"{model} at {endpoint.http_url}/v1: {args.rounds} chats of two turns, the first on ~{args.turns} "
                   "prompt tokens", file=sys.stderr)
@@ -233,6 +242,9 @@ def main(argv: list[str], endpoint, channel) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--turns", type=int, default=0, metavar="N",
                     help="instead: --rounds two-turn chats on ~N-token documents (the prefix cache's TTFT)")
+    ap.add_argument("--structured", type=int, default=0, metavar="N",
+                    help="instead: N prompts for each of 5 JSON schemas, as many forced tool calls, and decode "
+                         "with a schema over without (bench/e2e_structured.py)")
     ap.add_argument("--flood", type=int, default=0, help="then this many streams at once: completed or 429")
     ap.add_argument("--flood-timeout", type=float, default=600.0, help="seconds before the flood counts as hung")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
@@ -260,7 +272,16 @@ def main(argv: list[str], endpoint, channel) -> int:
         return 1
     if args.json:
         print(json.dumps(result, indent=2))
-    elif args.turns:
+    if args.structured:
+        s = result["structured"]
+        if not args.json:
+            print(f"{result['model']} via openai: schemas {s['schemas']['valid']}/{s['schemas']['requests']} valid, "
+                  f"forced tool calls {s['tool_calls']['parsed']}/{s['tool_calls']['requests']} parse, decode with a "
+                  f"schema {s['decode_schema_over_plain']:.3f}x without")
+        whole = s["schemas"]["valid"] == s["schemas"]["requests"] and \
+            s["tool_calls"]["parsed"] == s["tool_calls"]["requests"]
+        return 0 if whole else 3
+    if args.turns and not args.json:
         print(f"{result['model']} via openai: second turn's TTFT / first's, median of {args.rounds} chats: "
               f"{result['ttft_ratio_median']:.3f}")
     if args.turns:

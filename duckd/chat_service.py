@@ -28,9 +28,10 @@ from duckd.fleet_manager import State
 
 log = logging.getLogger("duckd.chat")
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_OWN = ("messages", "add_generation_prompt", "special_in_content", "tools", "bos_token", "eos_token")
 COVER_HINT = " (fleet.host_cover_mb sets that budget)"
+THINKING_SWITCHES = ("enable_thinking", "thinking")   # Qwen3's and DeepSeek-V3.1's templates
 TOKENIZE_OFF_LOOP_CHARS = 16 << 10
 
 
@@ -38,6 +39,18 @@ TOKENIZE_OFF_LOOP_CHARS = 16 << 10
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[tuple[str, str, str], ...] = ()   # an assistant's calls: (id, name, arguments JSON text)
+    tool_call_id: str = ""                              # a tool message: the call it answers
+
+    def as_dict(self) -> dict:
+        """The message as OpenAI writes it (what duckd.tool_calls converts for a template)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, n, a in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(slots=True)
@@ -59,6 +72,18 @@ class ChatRequest:
     frequency_penalty: float = 0.0     # OpenAI's, on the tokens generated so far (0: off)
     presence_penalty: float = 0.0
     logprobs: int | None = None        # each token's log-probability and this many likeliest (None: none)
+    grammar: tuple[str, str] | None = None   # the output's grammar: (engine.grammar kind, its text)
+    tools: list[dict] = field(default_factory=list)   # OpenAI's tools (duckd.tool_calls.check_tools)
+    tool_choice: str = "none"          # none, auto, required, function (the one named tool_name)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def forced_tools(self) -> list[str] | None:
+        """The tools a call must be made to (their names; None: no call is forced)."""
+        if self.tool_choice == "required":
+            return [t["function"]["name"] for t in self.tools]
+        return [self.tool_name] if self.tool_choice == "function" else None
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,6 +99,7 @@ class TokenEvent:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()   # the tokens read since the last event, when asked for
     reasoning: str = ""                       # the model's thinking (ChatRequest.split_reasoning)
+    tool_calls: tuple = ()                    # duckd.tool_calls.ToolCalls completed since the last event
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,10 +139,10 @@ class _Call:
     """One request's plumbing between the generation thread and the event loop: the event
     queue, cancel, the text counters and its ActiveRequest record."""
 
-    def __init__(self, service: "ChatService", prompt: list[int], split=None):
+    def __init__(self, service: "ChatService", prompt: list[int], shape: "_Shape"):
         loop = asyncio.get_running_loop()
         self.service = service
-        self.split = split   # duckd.reasoning.ReasoningSplit: the thinking apart from the answer
+        self.shape = shape
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -125,15 +151,15 @@ class _Call:
 
     def text(self, text: str, logprobs=None) -> None:
         """A text delta (on the generation thread), with engine.tokens.TokenLogprobs when asked for."""
-        reasoning, content = self.split.feed(text) if self.split is not None else ("", text)
+        reasoning, content, calls = self.shape.feed(text)
         entries = ()
         if logprobs is not None:
             piece = self.service.daemon.model.loaded.tokenizer.decode
             word = lambda t: piece([t], skip_special_tokens=False)  # noqa: E731
             entries = tuple(TokenLogprob(word(e.token), e.logprob, tuple((word(t), lp) for t, lp in e.top))
                             for e in logprobs)
-        if reasoning or content or entries:
-            self.put(("token", (content, entries, reasoning)))
+        if reasoning or content or entries or calls:
+            self.put(("token", (content, entries, reasoning, calls)))
         if not text:
             return
         emitted = self.emitted
@@ -145,6 +171,32 @@ class _Call:
         self.record.generated = emitted["n"]
 
 
+@dataclass(slots=True)
+class _Shape:
+    """What a completion's text is made into: a reasoning model's thinking apart from the answer
+    (duckd.reasoning.ReasoningSplit), then the answer's tool calls apart from its content
+    (duckd.tool_calls' parser of the model family's format); either may be None."""
+    split: object = None
+    tools: object = None
+
+    def feed(self, text: str) -> tuple[str, str, tuple]:
+        """A delta -> its (reasoning, content, completed tool calls)."""
+        reasoning, content = self.split.feed(text) if self.split is not None else ("", text)
+        if self.tools is None:
+            return reasoning, content, ()
+        content, calls = self.tools.feed(content)
+        return reasoning, content, tuple(calls)
+
+    def flush(self) -> tuple[str, str, tuple]:
+        """At the end: what a partial tag or call held back."""
+        reasoning, content = self.split.flush() if self.split is not None else ("", "")
+        if self.tools is None:
+            return reasoning, content, ()
+        content, calls = self.tools.feed(content)
+        rest, more = self.tools.flush()
+        return reasoning, content + rest, tuple(calls) + tuple(more)
+
+
 def validate(r: ChatRequest) -> None:
     """Raises InvalidArgument naming the first field that is wrong."""
     if r.prompt is None:
@@ -153,11 +205,16 @@ def validate(r: ChatRequest) -> None:
         for i, m in enumerate(r.messages):
             if m.role not in ROLES:
                 raise InvalidArgument(f"messages[{i}].role",
-                                      f"messages[{i}].role = {m.role!r}: expected system, user or assistant")
-        if r.messages[-1].role != "user":
+                                      f"messages[{i}].role = {m.role!r}: expected system, user, assistant "
+                                      "or tool")
+        if r.messages[-1].role not in ("user", "tool"):
             raise InvalidArgument(f"messages[{len(r.messages) - 1}].role",
                                   f"messages[{len(r.messages) - 1}].role = {r.messages[-1].role!r}: "
-                                  "the last message must be the user's")
+                                  "the last message must be the user's (or a tool's result)")
+        for i, m in enumerate(r.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise InvalidArgument(f"messages[{i}].tool_call_id",
+                                      f"messages[{i}].tool_call_id: a tool message names the call it answers")
     elif not r.prompt:
         raise InvalidArgument("prompt", "prompt is empty")
     if r.max_tokens is not None and r.max_tokens <= 0:
@@ -227,14 +284,49 @@ class ChatService:
         tok = self.daemon.model.loaded.tokenizer
         if r.prompt is not None:
             return tok.encode(r.prompt, add_special_tokens=True)
+        messages, tools = [m.as_dict() for m in r.messages], None
+        kwargs = dict(r.template_kwargs)
+        if r.forced_tools is not None or r.grammar is not None:   # the grammar starts at the answer: no thinking
+            for switch in THINKING_SWITCHES:
+                if switch in (tok.chat_template or ""):
+                    if kwargs.get(switch):
+                        raise InvalidArgument(f"chat_template_kwargs.{switch}", f"chat_template_kwargs.{switch}: "
+                                              "a grammar-constrained answer (response_format or a forced tool call) "
+                                              "starts at its first token; thinking must be off")
+                    kwargs[switch] = False
+        if r.tools or any(m.tool_calls or m.role == "tool" for m in r.messages):
+            from duckd.tool_calls import ToolFormatError
+            fmt = self.daemon.model.tool_format
+            try:
+                messages = fmt.template_messages(messages)
+            except ToolFormatError as e:
+                raise InvalidArgument("messages", f"messages: {e}") from None
+            if r.tools and r.tool_choice != "none":
+                tools = r.tools if fmt.renders_tools else None
+                if not fmt.renders_tools:   # the template knows no tools: described in the system message
+                    messages = _with_system(messages, fmt.tools_prompt(r.tools))
         try:
-            return tok.encode_chat([{"role": m.role, "content": m.content} for m in r.messages],
-                                   special_in_content=self.daemon.cfg.model.special_tokens_in_content,
-                                   **r.template_kwargs)
+            return tok.encode_chat(messages, special_in_content=self.daemon.cfg.model.special_tokens_in_content,
+                                   **({"tools": tools} if tools else {}), **kwargs)
         except Exception as e:
             raise InvalidArgument("messages", f"cannot render the chat template: {e}") from None
 
-    def _params(self, r: ChatRequest, prompt_len: int):
+    def _grammar(self, r: ChatRequest):
+        """The engine.grammar.Grammar the output must match (None: free text): a forced tool call's,
+        else response_format's. Compiled here, so that a bad schema is the request's error."""
+        from engine.grammar import GrammarError, GrammarSpec
+        if r.forced_tools is None and r.grammar is None:
+            return None
+        host = self.daemon.model
+        field_name = "tools" if r.forced_tools is not None else "response_format"
+        try:
+            spec = GrammarSpec("lark", host.tool_format.lark(r.tools, r.forced_tools, r.parallel_tool_calls)) \
+                if r.forced_tools is not None else GrammarSpec(*r.grammar)
+            return host.grammars.compile(spec)
+        except GrammarError as e:
+            raise InvalidArgument(field_name, f"{field_name}: {e}") from None
+
+    def _params(self, r: ChatRequest, prompt_len: int, grammar=None):
         from engine.tokens import SamplingParams
         cfg = self.daemon.cfg.model
         if prompt_len + 1 > cfg.max_model_len:
@@ -247,7 +339,7 @@ class ChatService:
                               top_p=pick("top_p", 1.0), seed=r.seed, stop=tuple(r.stop),
                               repetition_penalty=pick("repetition_penalty", 1.0),
                               frequency_penalty=r.frequency_penalty, presence_penalty=r.presence_penalty,
-                              logprobs=r.logprobs)
+                              logprobs=r.logprobs, grammar=grammar)
 
     def sampling_defaults(self) -> dict:
         """What a request that names no sampling settings gets: [model] settings of the
@@ -302,10 +394,12 @@ class ChatService:
         # a long text is tokenized in a thread (0.45 s per MB): the event loop serves the others meanwhile
         prompt = await asyncio.to_thread(self._prompt_ids, r) if text_len > TOKENIZE_OFF_LOOP_CHARS \
             else self._prompt_ids(r)
-        params = self._params(r, len(prompt))
-        split = self._reasoning_split(r, prompt)
-        events = self._batched(runner, prompt, params, split) if runner is not None else \
-            self._one_at_a_time(prompt, params, split)
+        grammar = await asyncio.to_thread(self._grammar, r) if r.forced_tools or r.grammar else None
+        params = self._params(r, len(prompt), grammar)
+        shape = _Shape(self._reasoning_split(r, prompt),
+                       self.daemon.model.tool_format.parser(r.tools) if r.tools and r.tool_choice != "none" else None)
+        events = self._batched(runner, prompt, params, shape) if runner is not None else \
+            self._one_at_a_time(prompt, params, shape)
         async for event in events:
             yield event
 
@@ -319,12 +413,12 @@ class ChatService:
             return None
         return ReasoningSplit(inside=prompt_opens_thinking(tok.decode(prompt[-16:], skip_special_tokens=False)))
 
-    async def _batched(self, runner, prompt: list[int], params, split=None):
+    async def _batched(self, runner, prompt: list[int], params, shape: _Shape):
         """A request on the batch runner: queued until it gets a slot, then one of the batch."""
         from engine.batch_runner import Job
         from native.transport import DuckError
 
-        call = _Call(self, prompt, split)
+        call = _Call(self, prompt, shape)
         queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
         state = {"queued": True}
@@ -354,7 +448,7 @@ class ChatService:
         self.daemon.active_chats += 1
         try:
             runner.submit(job)
-            async for event in self._events(queue, prompt, emitted, stopping, split):
+            async for event in self._events(queue, prompt, emitted, stopping, shape):
                 yield event
         finally:
             cancel.set()
@@ -368,7 +462,7 @@ class ChatService:
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
-    async def _one_at_a_time(self, prompt: list[int], params, split=None):
+    async def _one_at_a_time(self, prompt: list[int], params, shape: _Shape):
         """A request alone on the model (no batching here): FIFO, one generation at a time."""
         from engine.generate import generate
         from engine.mtp import generate_mtp
@@ -378,7 +472,7 @@ class ChatService:
         mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
         run = generate_mtp if mtp and params.drafts_apply else generate   # drafts know no penalty, give no logprobs
 
-        call = _Call(self, prompt, split)
+        call = _Call(self, prompt, shape)
         queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
         stopping = self.daemon.stopping
         loop = asyncio.get_running_loop()
@@ -421,7 +515,7 @@ class ChatService:
                 self._check_ready()      # the fleet may have failed while this request waited
                 record.state = "running"
                 loop.run_in_executor(self._worker, work)
-                async for event in self._events(queue, prompt, emitted, stopping, split):
+                async for event in self._events(queue, prompt, emitted, stopping, shape):
                     if isinstance(event, DoneEvent):
                         done = event
                         break
@@ -434,15 +528,15 @@ class ChatService:
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
-    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping, split=None):
+    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping, shape: _Shape):
         """What the generation thread reports, as events, until it is done."""
         from engine.tokens import GenerationStats
         while True:
             kind, value = await queue.get()
-            if kind in ("done", "cancelled") and split is not None:   # the generation is over: a held tag's text
-                reasoning, content = split.flush()
-                if reasoning or content:
-                    yield TokenEvent(content, (), reasoning)
+            if kind in ("done", "cancelled"):   # the generation is over: a held tag's or call's text
+                reasoning, content, calls = shape.flush()
+                if reasoning or content or calls:
+                    yield TokenEvent(content, (), reasoning, calls)
             if kind == "token":
                 yield TokenEvent(*value)
             elif kind == "done":
@@ -468,3 +562,10 @@ class ChatService:
         for observe in self.observers:
             observe(done)
         return done
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """messages with text at the head of the system message (one made first where there is none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{text}\n\n{messages[0]['content']}".strip()}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages

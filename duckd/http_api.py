@@ -8,7 +8,10 @@ Every path but /health needs the daemon's bearer token.
                                 top_p, seed, stop, frequency_penalty, presence_penalty,
                                 logprobs + top_logprobs, n, stream (+ stream_options.include_usage),
                                 chat_template_kwargs (the template's switches: enable_thinking); a
-                                reasoning model's <think> text comes as reasoning_content
+                                reasoning model's <think> text comes as reasoning_content;
+                                response_format (json_object, json_schema, and duckd's regex and
+                                grammar); tools, tool_choice, parallel_tool_calls (message.tool_calls,
+                                delta.tool_calls; role tool messages fed back)
     POST /v1/completions        prompt, and the same settings
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text format
@@ -92,23 +95,29 @@ class _Completion:
             out["usage"] = usage
         return out
 
-    def whole(self, answers: list[tuple[str, DoneEvent, list | None, str]]) -> dict:
-        """answers: each choice's (text, DoneEvent, logprobs or None, reasoning)."""
+    def whole(self, answers: list[tuple[str, DoneEvent, list | None, str, list]]) -> dict:
+        """answers: each choice's (text, DoneEvent, logprobs or None, reasoning, tool calls)."""
         out = []
-        for i, (text, done, logprobs, reasoning) in enumerate(answers):
-            finish, lp = FINISH.get(done.finish_reason, "stop"), logprobs_json(logprobs, self.chat)
-            message = {"role": "assistant", "content": text} | ({"reasoning_content": reasoning} if reasoning else {})
+        for i, (text, done, logprobs, reasoning, calls) in enumerate(answers):
+            finish, lp = _finish(done, bool(calls)), logprobs_json(logprobs, self.chat)
+            message = {"role": "assistant", "content": text if text.strip() or not calls else None} \
+                | ({"reasoning_content": reasoning} if reasoning else {}) \
+                | ({"tool_calls": [tool_call_json(c) for c in calls]} if calls else {})
             out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish} if self.chat else
                        {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return self._envelope("chat.completion" if self.chat else "text_completion", out,
                               _usage([answer[1] for answer in answers]))
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False, logprobs=None,
-              index: int = 0, reasoning: str = "") -> dict:
+              index: int = 0, reasoning: str = "", calls=(), calls_before: int = 0) -> dict:
+        """calls: tool calls completed here, whole (name and all the arguments in one delta), numbered
+        from calls_before."""
         lp = logprobs_json(logprobs, self.chat)
         if self.chat:
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {}) \
-                | ({"reasoning_content": reasoning} if reasoning else {})
+                | ({"reasoning_content": reasoning} if reasoning else {}) \
+                | ({"tool_calls": [{"index": calls_before + k} | tool_call_json(c) for k, c in enumerate(calls)]}
+                   if calls else {})
             choice = {"index": index, "delta": delta, "finish_reason": finish} | ({"logprobs": lp} if lp else {})
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope("text_completion", [{"index": index, "text": text or "", "logprobs": lp,
@@ -116,6 +125,18 @@ class _Completion:
 
     def usage_chunk(self, done: list[DoneEvent]) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], _usage(done))
+
+
+def tool_call_json(call) -> dict:
+    """A duckd.tool_calls.ToolCall as OpenAI's tool_calls entry."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish(done: DoneEvent, called: bool) -> str:
+    """OpenAI's finish_reason: tool_calls where the model ended after calling tools."""
+    if called and done.finish_reason in ("eos", "stop"):
+        return "tool_calls"
+    return FINISH.get(done.finish_reason, "stop")
 
 
 def _sse(obj) -> bytes:
@@ -245,16 +266,19 @@ class HttpApi:
                 for i in range(len(streams)):
                     yield _sse(shape.chunk(None, first=True, index=i))
             done: dict[int, DoneEvent] = {}
+            called = [0] * len(streams)     # tool calls sent, per choice
             while len(done) < len(streams):
                 i, event = await merged.get()
                 if isinstance(event, Exception):
                     raise event
                 if isinstance(event, DoneEvent):
                     done[i] = event
-                    yield _sse(shape.chunk(None, FINISH.get(event.finish_reason, "stop"), index=i))
+                    yield _sse(shape.chunk(None, _finish(event, called[i] > 0), index=i))
                 else:
                     yield _sse(shape.chunk(event.text, logprobs=event.logprobs if logprobs else None, index=i,
-                                           reasoning=event.reasoning))
+                                           reasoning=event.reasoning, calls=event.tool_calls,
+                                           calls_before=called[i]))
+                    called[i] += len(event.tool_calls)
             if include_usage:
                 yield _sse(shape.usage_chunk([done[i] for i in range(len(streams))]))
             yield b"data: [DONE]\n\n"
@@ -268,17 +292,18 @@ class HttpApi:
                 await s.aclose()    # a client that went away cancels its generations
 
 
-async def _answer(events, event, logprobs: bool) -> tuple[str, DoneEvent, list | None, str]:
-    """One choice's whole text, its DoneEvent, (asked for) its logprobs and its reasoning, from its
-    first event on."""
-    text, entries, reasoning = [], [] if logprobs else None, []
+async def _answer(events, event, logprobs: bool) -> tuple[str, DoneEvent, list | None, str, list]:
+    """One choice's whole text, its DoneEvent, (asked for) its logprobs, its reasoning and its tool
+    calls, from its first event on."""
+    text, entries, reasoning, calls = [], [] if logprobs else None, [], []
     while not isinstance(event, DoneEvent):
         text.append(event.text)
         reasoning.append(event.reasoning)
+        calls += event.tool_calls
         if entries is not None:
             entries += event.logprobs
         event = await events.__anext__()
-    return "".join(text), event, entries, "".join(reasoning)
+    return "".join(text), event, entries, "".join(reasoning), calls
 
 
 class _Server(uvicorn.Server):

@@ -112,6 +112,26 @@ class ModelHost:
         self.progress = Progress()
         self.name = ""
         self.last_decode_tps = 0.0
+        self._grammars = self._tool_format = None
+
+    @property
+    def grammars(self):
+        """The model's grammar compiler (engine.grammar.Grammars; its vocabulary is built on first use)."""
+        if self._grammars is None:
+            from engine.grammar import Grammars
+            model = self.loaded.model
+            head = getattr(model, "lm_head", None)
+            vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+            self._grammars = Grammars(self.loaded.tokenizer, vocab)
+        return self._grammars
+
+    @property
+    def tool_format(self):
+        """How this model family writes tool calls (duckd.tool_calls)."""
+        if self._tool_format is None:
+            from duckd.tool_calls import tool_format
+            self._tool_format = tool_format(self.loaded.tokenizer)
+        return self._tool_format
 
     def load(self, fleet=None, packs: PackCache | None = None) -> None:
         from engine.loader import default_model_path, load_model

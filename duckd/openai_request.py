@@ -16,14 +16,14 @@ from duckd.chat_service import ChatMessage, ChatRequest
 # (read by parse_request; "user", "safety_identifier" and "prompt_cache_key" are the caller's tags,
 # with no effect on the output at OpenAI either),
 # or OFF_ONLY: accepted only at the value that asks for nothing (absent, null, or the value
-# named), anything else a 400 naming the field. A client that asks for JSON, tools or logprobs
-# must hear that they are not served here, not get prose it fails to parse later. A field in
+# named), anything else a 400 naming the field. A client that asks for something not served
+# must hear so, not get prose it fails to parse later. A field in
 # neither table is a 400 naming it too (duckd's extensions top_k and repetition_penalty are in
 # HONOURED).
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "top_k",
             "repetition_penalty", "logprobs", "top_logprobs", "user", "safety_identifier", "prompt_cache_key",
-            "chat_template_kwargs"}
+            "chat_template_kwargs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 def _off(*values):
@@ -31,13 +31,9 @@ def _off(*values):
 
 
 OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in words)
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}: JSON and schema-constrained output '
-                                                          "are not served yet"),
-    "tools": (_off([]), "an empty list: tool calls are not served yet"),
-    "functions": (_off([]), "an empty list: function calls are not served yet"),
-    "tool_choice": (_off("none", "auto"), '"none" (tool calls are not served yet)'),
-    "function_call": (_off("none", "auto"), '"none" (function calls are not served yet)'),
-    "parallel_tool_calls": (_off(True, False), "true or false (no tools are served)"),
+    "functions": (_off([]), "an empty list: the legacy functions field is not served; send tools"),
+    "function_call": (_off("none", "auto"), '"none" or "auto": the legacy function_call is not served; send '
+                                            "tool_choice"),
     "logit_bias": (_off({}), "{}: logit_bias is not supported"),
     "modalities": (_off(["text"]), '["text"]: duckd answers in text'),
     "audio": (_off(), "null: duckd answers in text"),
@@ -55,7 +51,11 @@ OFF_ONLY = {   # field -> (is this value "nothing asked"?, what is accepted, in 
     "best_of": (_off(1), "1: one completion per request"),
     "suffix": (_off(""), "null: insertion is not supported"),
 }
-MESSAGE_KEYS = {"role", "content"}
+MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+# response_format: OpenAI's text, json_object and json_schema, and duckd's extensions regex
+# ({"type": "regex", "regex": "..."}) and grammar ({"type": "grammar", "grammar": "<Lark>"}, in
+# llguidance's Lark dialect): engine.grammar's kinds
+FORMATS = {"json_object": "json_object", "json_schema": "json_schema", "regex": "regex", "grammar": "lark"}
 ROLE_ALIASES = {"developer": "system"}    # OpenAI's newer name for the system message
 
 
@@ -144,10 +144,13 @@ def parse_request(body, chat: bool, served: str) -> OpenAIRequest:
             extra = sorted(k for k, v in m.items() if k not in MESSAGE_KEYS and v not in (None, [], ""))
             if extra:
                 raise errors.InvalidArgument(f"messages[{i}].{extra[0]}",
-                                             f"messages[{i}].{extra[0]}: not served yet (a message is a role and "
-                                             "its text content)")
+                                             f"messages[{i}].{extra[0]}: not served (a message is a role, its text "
+                                             "content, an assistant's tool_calls or a tool's tool_call_id)")
             role = ROLE_ALIASES.get(m["role"], m["role"])
-            req.messages.append(ChatMessage(role, _text(m.get("content", ""), f"messages[{i}].content")))
+            req.messages.append(ChatMessage(role, _text(m.get("content") or "", f"messages[{i}].content"),
+                                            message_calls(m, i), _get(m, "tool_call_id", str, "", what="a string")))
+    elif body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise errors.InvalidArgument("tools", "tools: tool calls are a chat's (/v1/chat/completions)")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -162,7 +165,99 @@ def parse_request(body, chat: bool, served: str) -> OpenAIRequest:
             raise errors.InvalidArgument(f"stream_options.{key}", f"stream_options.{key}: not served (only "
                                                                   "include_usage)")
     n = _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"1 .. {MAX_CHOICES} choices")
+    read_output_shape(body, req, chat)
     return OpenAIRequest(req, n, stream, bool(options.get("include_usage")))
+
+
+def read_output_shape(body: dict, req: ChatRequest, chat: bool = True) -> None:
+    """response_format, and for a chat tools, tool_choice and parallel_tool_calls, onto req (the
+    gRPC adapter reads its JSON fields with it too, so both APIs take and refuse the same)."""
+    if chat:
+        _tools(body, req)
+    req.grammar = _response_format(body)
+    if req.grammar is not None and req.forced_tools is not None:
+        raise errors.InvalidArgument("response_format", "response_format and a forced tool call (tool_choice "
+                                     "required or a function) each set the output's grammar: send one")
+
+
+def _response_format(body: dict) -> tuple[str, str] | None:
+    """response_format as (engine.grammar kind, its text); None: plain text."""
+    fmt = _get(body, "response_format", dict, None, what='an object such as {"type": "json_object"}')
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    kind = fmt.get("type")
+    if kind not in FORMATS:
+        raise errors.InvalidArgument("response_format.type", f"response_format.type = {kind!r}: expected text, "
+                                     "json_object, json_schema, or duckd's regex or grammar")
+    if kind == "json_object":
+        return "json_object", ""
+    if kind == "json_schema":
+        spec = _get(fmt, "json_schema", dict, None, what="an object with name and schema")
+        if spec is None:
+            raise errors.InvalidArgument("response_format.json_schema", "response_format.json_schema is required "
+                                         "for type json_schema")
+        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise errors.InvalidArgument(f"response_format.json_schema.{unknown[0]}",
+                                         f"response_format.json_schema.{unknown[0]}: not a field of json_schema")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise errors.InvalidArgument("response_format.json_schema.schema",
+                                         "response_format.json_schema.schema: expected a JSON schema object")
+        if _get(spec, "strict", bool, False, what="true or false"):   # the output follows the schema either way;
+            from duckd.tool_calls import closed_schema                 # strict: no property it does not name
+            schema = closed_schema(schema)
+        return "json_schema", json.dumps(schema)
+    text = fmt.get(kind)
+    if not isinstance(text, str) or not text:
+        raise errors.InvalidArgument(f"response_format.{kind}", f"response_format.{kind}: expected the "
+                                     f"{'regular expression' if kind == 'regex' else 'Lark grammar'} as a string")
+    return FORMATS[kind], text
+
+
+def message_calls(m: dict, i: int) -> tuple[tuple[str, str, str], ...]:
+    """An assistant message's tool_calls as (id, name, arguments JSON text)."""
+    calls = m.get("tool_calls") or []
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or (calls and m.get("role") != "assistant"):
+        raise errors.InvalidArgument(where, f"{where}: expected a list, on an assistant message")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", "{}"), str):
+            raise errors.InvalidArgument(f"{where}[{k}]", f"{where}[{k}]: expected {{\"id\", \"type\": "
+                                         "\"function\", \"function\": {\"name\", \"arguments\": a JSON string}}")
+        out.append((str(call.get("id") or f"call_{i}_{k}"), fn["name"], fn.get("arguments", "{}")))
+    return tuple(out)
+
+
+def _tools(body: dict, req: ChatRequest) -> None:
+    """tools, tool_choice and parallel_tool_calls onto req."""
+    from duckd.tool_calls import ToolFormatError, check_tools
+    tools = body.get("tools") or []
+    try:
+        req.tools = check_tools(tools) if tools else []
+    except ToolFormatError as e:
+        raise errors.InvalidArgument(str(e).split(":", 1)[0], str(e)) from None
+    choice = body.get("tool_choice")
+    req.parallel_tool_calls = _get(body, "parallel_tool_calls", bool, True, what="true or false")
+    names = [t["function"]["name"] for t in req.tools]
+    if choice is None:
+        req.tool_choice = "auto" if req.tools else "none"
+    elif choice in ("none", "auto", "required"):
+        req.tool_choice = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        req.tool_choice, req.tool_name = "function", choice["function"]["name"]
+        if req.tool_name not in names:
+            raise errors.InvalidArgument("tool_choice", f"tool_choice names {req.tool_name!r}, which is not "
+                                         f"among the tools ({', '.join(names) or 'none given'})")
+    else:
+        raise errors.InvalidArgument("tool_choice", f"tool_choice = {json.dumps(choice)[:80]}: expected none, "
+                                     'auto, required or {"type": "function", "function": {"name": ...}}')
+    if req.tool_choice in ("auto", "required") and not req.tools:
+        raise errors.InvalidArgument("tool_choice", f"tool_choice = {req.tool_choice!r} needs tools")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

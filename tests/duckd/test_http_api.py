@@ -314,11 +314,8 @@ def test_requests_without_sampling_settings_take_the_checkpoints(tmp_path, mtp_c
 
 
 # a value of each refused field that asks for something duckd does not serve, and one that asks for nothing
-ASKS = {"response_format": ({"type": "json_object"}, {"type": "text"}),
-        "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], []),
-        "functions": ([{"name": "f", "parameters": {"type": "object"}}], []),
-        "tool_choice": ("required", "none"), "function_call": ({"name": "f"}, "none"),
-        "parallel_tool_calls": ("yes", False),
+ASKS = {"functions": ([{"name": "f", "parameters": {"type": "object"}}], []),
+        "function_call": ({"name": "f"}, "none"),
         "logit_bias": ({"42": 5}, {}), "modalities": (["text", "audio"], ["text"]),
         "audio": ({"voice": "alloy", "format": "wav"}, None), "prediction": ({"type": "content", "content": "x"}, None),
         "reasoning_effort": ("high", None), "web_search_options": ({}, None), "verbosity": ("low", None),
@@ -355,12 +352,15 @@ def test_every_openai_request_field_is_honoured_or_refused_by_name(client, model
     assert e.value.param == "min_p" and "refused rather than ignored" in e.value.body["message"]
 
 
-def test_a_tool_call_message_is_refused_and_developer_is_the_system_role(client, model):
-    call = {"role": "assistant", "content": None,
+def test_a_bad_message_field_is_refused_and_developer_is_the_system_role(client, model):
+    call = {"role": "user", "content": "x",
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, max_tokens=2, messages=[*QUESTION, call, *QUESTION])
-    assert e.value.param == "messages[1].tool_calls", e.value.body
+        client.chat.completions.create(model=model, max_tokens=2, messages=[*QUESTION, call])
+    assert e.value.param == "messages[1].tool_calls", e.value.body   # a user's message makes no calls
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=2, messages=[{**QUESTION[0], "audio": {"id": "a"}}])
+    assert e.value.param == "messages[0].audio", e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, max_tokens=2, messages=QUESTION,
                                        stream=True, stream_options={"include_usage": True, "extra": 1})
