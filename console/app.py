@@ -4,12 +4,14 @@ The app owns the connection: one worker consumes Fleet.Watch and sets the
 reactives every screen watches (snapshot, model_info, connection,
 events_total); a lost stream shows the banner and is retried with backoff, and
 a refused token says "authentication failed". Screens: fleet (F1), chat (F2),
-events (F3); Enter on a duck opens its detail screen.
+events (F3); Enter on a duck opens its detail screen. --tools FILE (OpenAI's
+tools list) offers those tools in the chat, whose calls it shows.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -52,9 +54,14 @@ class DuckConsole(App):
     events_total: reactive[int] = reactive(0)
     action_outcome: reactive[ActionOutcome | None] = reactive(None, always_update=True)
 
-    def __init__(self, endpoint: client.Endpoint | None = None, rediscover=None, watch_interval_s: float = 0.0):
-        """endpoint None: no daemon; data arrives only through apply_snapshot (tests, demos)."""
+    def __init__(self, endpoint: client.Endpoint | None = None, rediscover=None, watch_interval_s: float = 0.0,
+                 tools: list | None = None, tool_choice: str = ""):
+        """endpoint None: no daemon; data arrives only through apply_snapshot (tests, demos).
+        tools: OpenAI's tools list, offered with every chat question (tool_choice as pb.ChatRequest's)."""
         super().__init__()
+        self.tool_names = [t.get("function", {}).get("name", "?") for t in tools or [] if isinstance(t, dict)]
+        self.chat_options = ({"tools": json.dumps(tools)} if tools else {}) | \
+            ({"tool_choice": tool_choice} if tool_choice else {})
         self.endpoint, self._rediscover = endpoint, rediscover
         self.watch_interval_s = watch_interval_s
         self.api: DaemonApi | None = None
@@ -151,11 +158,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     client.add_connection_arguments(p)
     p.add_argument("--interval", type=float, default=0.0, help="seconds between fleet snapshots (0: the daemon's)")
     p.add_argument("--log-file", help="write the console's log here (the terminal belongs to the UI)")
+    p.add_argument("--tools", metavar="FILE", help="a JSON file holding OpenAI's tools list, offered with every "
+                                                   "chat question; the calls the model makes are shown")
+    p.add_argument("--tool-choice", metavar="{auto,none,required,NAME}", default="",
+                   help="with --tools: auto (the default), none, required, or a tool's name")
     return p.parse_args(client.join_option_values(sys.argv[1:] if argv is None else argv))
+
+
+def load_tools(path: str) -> list:
+    """The tools list in path; ValueError naming the file when it is not one (the daemon checks the rest)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--tools {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"--tools {path}: not JSON ({e})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              for t in tools):
+        raise ValueError(f'--tools {path}: expected OpenAI\'s tools list, [{{"type": "function", "function": '
+                         '{"name", "description", "parameters"}}, ...]')
+    return tools
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        tools = load_tools(args.tools) if args.tools else None
+    except ValueError as e:
+        sys.stderr.write(f"duck-console: {e}\n")
+        return 2
+    if args.tool_choice and not tools and args.tool_choice != "none":
+        sys.stderr.write(f"duck-console: --tool-choice {args.tool_choice} needs --tools FILE\n")
+        return 2
     if args.log_file:
         logging.basicConfig(filename=args.log_file, level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -171,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"duck-console: {e}\n")
         return 2
     rediscover = find if endpoint.source.startswith("runtime file") else None
-    DuckConsole(endpoint, rediscover, args.interval).run()
+    DuckConsole(endpoint, rediscover, args.interval, tools, args.tool_choice).run()
     return 0
 
 

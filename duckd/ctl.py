@@ -2,13 +2,18 @@
 
     duckctl status [--json]
     duckctl chat [PROMPT] [--json] [--temperature T | --greedy] [--max-tokens N] [--system TEXT]
+                 [--json-schema FILE] [--tools FILE [--tool-choice auto|none|required|NAME]]
+                                                  (--json-schema: the answer is JSON that follows the
+                                                   schema in FILE; --tools: OpenAI's tools list in
+                                                   FILE, each call the model makes printed as a line
+                                                   "tool call: NAME(ARGUMENTS)" after the text)
     duckctl cache ls [--duck N] [--json] | cache invalidate (--duck N | --model NAME | --all)
     duckctl placement [--budget B] [--by-routing] [--json]
                                                   (what the GPU computes beside the ducks, placed again
                                                    without a restart: docs/gpu.md, Placement)
     duckctl bench kernels|transport [args...]     (the native benchmarks, on this host)
     duckctl bench e2e [--json] [--tokens N]       (decode tok/s through the daemon)
-    duckctl bench e2e --api openai [--streams N] [--flood N] [--json]
+    duckctl bench e2e --api openai [--streams N] [--flood N] [--structured N] [--json]
                                                   (the serving bar through the openai client:
                                                    bench/e2e_openai.py)
     duckctl bench e2e --synthetic NAME [args...]  (a synthetic model at real shapes on local ducks,
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -86,31 +92,97 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _chat_once(stub, messages, args, out) -> tuple[str, pb.GenerationStats | None]:
+class UsageError(Exception):
+    """A bad option or file: duckctl says why and exits 2."""
+
+
+def _json_file(path: str, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise UsageError(f"{what} {path}: not JSON ({e})") from None
+
+
+def _chat_options(args) -> dict:
+    """--json-schema, --tools and --tool-choice as ChatRequest fields (JSON text), checked here."""
+    out = {}
+    if args.json_schema:
+        schema = _json_file(args.json_schema, "--json-schema")
+        if not isinstance(schema, dict):
+            raise UsageError(f"--json-schema {args.json_schema}: expected a JSON schema object, "
+                             f"not a {type(schema).__name__}")
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(args.json_schema).stem)[:64] or "answer"
+        out["response_format"] = json.dumps({"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+    names = []
+    if args.tools:
+        from duckd.tool_calls import ToolFormatError, check_tools
+        tools = _json_file(args.tools, "--tools")
+        try:
+            names = [t["function"]["name"] for t in check_tools(tools)]
+        except ToolFormatError as e:
+            raise UsageError(f"--tools {args.tools}: {e} (expected OpenAI's tools list: "
+                             '[{"type": "function", "function": {"name", "description", "parameters"}}])') from None
+        out["tools"] = json.dumps(tools)
+    if args.tool_choice:
+        if not args.tools and args.tool_choice != "none":
+            raise UsageError(f"--tool-choice {args.tool_choice} needs --tools FILE")
+        if args.tool_choice not in ("auto", "none", "required") and args.tool_choice not in names:
+            raise UsageError(f"--tool-choice {args.tool_choice}: expected auto, none, required or a tool of "
+                             f"{args.tools} ({', '.join(names) or 'none'})")
+        out["tool_choice"] = args.tool_choice
+    if args.json_schema and args.tool_choice not in (None, "auto", "none"):
+        raise UsageError(f"--json-schema and --tool-choice {args.tool_choice} each set the answer's form: "
+                         "give one")
+    return out
+
+
+def _chat_once(stub, messages, args, out, options=None) -> tuple[str, list, pb.GenerationStats | None]:
+    """One answer, streamed to out: (its text, its tool calls (pb.ToolCall), its stats)."""
     sampling = {"temperature": 0.0} if args.greedy else {}
     if args.temperature is not None:
         sampling["temperature"] = args.temperature
-    req = pb.ChatRequest(messages=messages, max_tokens=args.max_tokens, seed=args.seed, **sampling)
-    text, stats = [], None
+    req = pb.ChatRequest(messages=messages, max_tokens=args.max_tokens, seed=args.seed, **sampling,
+                         **(options or {}))
+    text, calls, stats = [], [], None
+    at_line_start = True
     for ev in stub.Chat(req):
-        if ev.WhichOneof("event") == "token":
+        kind = ev.WhichOneof("event")
+        if kind == "token":
             text.append(ev.token)
             if args.json:
                 out.write(json.dumps({"token": ev.token}) + "\n")
-            else:
+            elif ev.token:
                 out.write(ev.token)
+                at_line_start = ev.token.endswith("\n")
             out.flush()
-        else:
+        elif kind == "tool_call":
+            calls.append(ev.tool_call)
+            if args.json:
+                out.write(json.dumps({"tool_call": _call_dict(ev.tool_call)}) + "\n")
+            else:
+                call = ev.tool_call
+                out.write(("" if at_line_start else "\n") + f"tool call: {call.name}({call.arguments})\n")
+                at_line_start = True
+            out.flush()
+        elif kind == "stats":
             stats = ev.stats
     if args.json:
-        out.write(json.dumps({"text": "".join(text), "stats": MessageToDict(stats) if stats else None}) + "\n")
+        out.write(json.dumps({"text": "".join(text), "tool_calls": [_call_dict(c) for c in calls],
+                              "stats": MessageToDict(stats) if stats else None}) + "\n")
     elif stats is not None:
-        out.write("\n" + stats.line + "\n")
+        out.write(("" if at_line_start and calls else "\n") + stats.line + "\n")
     out.flush()
-    return "".join(text), stats
+    return "".join(text), calls, stats
+
+
+def _call_dict(call: pb.ToolCall) -> dict:
+    return {"id": call.id, "name": call.name, "arguments": call.arguments}
 
 
 def cmd_chat(args) -> int:
+    options = _chat_options(args)
     stub = rpc.ChatStub(_stubs(args))
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     prompts = [args.prompt] if args.prompt else None
@@ -131,8 +203,8 @@ def cmd_chat(args) -> int:
             if not line.strip():
                 continue
         history.append(pb.ChatMessage(role="user", content=line))
-        answer, _ = _chat_once(stub, history, args, sys.stdout)
-        history.append(pb.ChatMessage(role="assistant", content=answer))
+        answer, calls, _ = _chat_once(stub, history, args, sys.stdout, options)
+        history.append(pb.ChatMessage(role="assistant", content=answer, tool_calls=calls))
 
 
 def _placement_line(info) -> str:
@@ -239,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=0)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--system", default="")
+    c.add_argument("--json-schema", metavar="FILE",
+                   help="a JSON schema file: the answer is JSON that follows it (response_format json_schema)")
+    c.add_argument("--tools", metavar="FILE", help="a JSON file holding OpenAI's tools list: the model may call "
+                                                   "them, each call printed as 'tool call: NAME(ARGUMENTS)'")
+    c.add_argument("--tool-choice", metavar="{auto,none,required,NAME}",
+                   help="auto (the default with --tools), none, required (at least one call), or a tool's name "
+                        "(a call of that one)")
     k = sub.add_parser("cache", help="weight cache: ls, invalidate")
     k.add_argument("action", choices=["ls", "invalidate"])
     k.add_argument("--duck", type=int)
@@ -287,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "image":
             return cmd_image(args)
         return cmd_bench(args, rest)
+    except UsageError as e:
+        print(f"duckctl: {e}", file=sys.stderr)
+        return 2
     except DiscoveryError as e:
         print(f"duckctl: {e}", file=sys.stderr)
         return 1

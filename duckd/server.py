@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
 from duckd import errors
 from duckd.chat_service import ChatMessage, ChatRequest, DoneEvent
+from duckd.openai_request import message_calls, read_output_shape
 
 log = logging.getLogger("duckd.server")
 
@@ -195,11 +197,16 @@ class ChatServicer(rpc.ChatServicer):
 
     async def Chat(self, request, context):
         try:
+            called = False        # tool calls sent: the finish reason is then "tool_calls"
             async for event in self.core.chat.stream(chat_request(request)):
                 if isinstance(event, DoneEvent):
-                    yield pb.ChatEvent(stats=stats_message(event))
-                else:
+                    yield pb.ChatEvent(stats=stats_message(event, called))
+                    continue
+                if event.text or not event.tool_calls:
                     yield pb.ChatEvent(token=event.text)
+                for call in event.tool_calls:     # each whole, after the text that came with it
+                    yield pb.ChatEvent(tool_call=pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments))
+                    called = True
         except errors.ServiceError as e:
             await _abort(context, e)
         except RuntimeError as e:
@@ -208,21 +215,54 @@ class ChatServicer(rpc.ChatServicer):
 
 def chat_request(r: pb.ChatRequest) -> ChatRequest:
     """The protobuf request as the chat service's: sampling settings by presence, max_tokens
-    and seed 0 mean "not set"."""
+    and seed 0 mean "not set". response_format and tools are OpenAI's JSON, read by the OpenAI
+    API's own parsers (duckd.openai_request), so both APIs take and refuse the same."""
     has = r.HasField
-    return ChatRequest(messages=[ChatMessage(m.role, m.content) for m in r.messages], max_tokens=r.max_tokens or None,
-                       temperature=r.temperature if has("temperature") else None,
-                       top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
-                       seed=r.seed or None, stop=tuple(r.stop),
-                       repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None)
+    req = ChatRequest(messages=[ChatMessage(m.role, m.content, _message_calls(m, i), m.tool_call_id)
+                                for i, m in enumerate(r.messages)], max_tokens=r.max_tokens or None,
+                      temperature=r.temperature if has("temperature") else None,
+                      top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
+                      seed=r.seed or None, stop=tuple(r.stop),
+                      repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None)
+    body = {"response_format": _json_field(r, "response_format"), "tools": _json_field(r, "tools")}
+    if r.tool_choice:
+        body["tool_choice"] = r.tool_choice if r.tool_choice in ("none", "auto", "required") else \
+            {"type": "function", "function": {"name": r.tool_choice}}
+    if has("parallel_tool_calls"):
+        body["parallel_tool_calls"] = r.parallel_tool_calls
+    read_output_shape(body, req)
+    return req
 
 
-def stats_message(done: DoneEvent) -> pb.GenerationStats:
+def _json_field(r: pb.ChatRequest, name: str):
+    """A field that carries OpenAI's JSON as text: its value (None when empty), else InvalidArgument."""
+    text = getattr(r, name)
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise errors.InvalidArgument(name, f"{name}: not JSON text ({e})") from None
+
+
+def _message_calls(m: pb.ChatMessage, i: int) -> tuple[tuple[str, str, str], ...]:
+    """An assistant message's tool calls as the chat service's (id, name, arguments JSON text)."""
+    if not m.tool_calls:
+        return ()
+    return message_calls({"role": m.role, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+        for c in m.tool_calls]}, i)
+
+
+def stats_message(done: DoneEvent, called: bool = False) -> pb.GenerationStats:
+    """called: tool calls were sent, so a generation that ended by itself (eos, a stop string)
+    finishes with "tool_calls", as the OpenAI API's does."""
     s = done.stats
     accepted, verified = s.mtp or (0, 0)
+    finish = "tool_calls" if called and done.finish_reason in ("eos", "stop") else done.finish_reason
     return pb.GenerationStats(time_s=s.time, input_len=s.input_len, output_len=s.output_len, ttft_s=s.ttft,
                               tpot_s=s.tpot, prefill_tok_s=s.prefill_tps, decode_tok_s=s.decode_tps,
-                              finish_reason=done.finish_reason, line=str(s), mtp_accepted=accepted,
+                              finish_reason=finish, line=str(s), mtp_accepted=accepted,
                               mtp_verified=verified, cached_tokens=s.cached)
 
 

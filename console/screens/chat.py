@@ -1,7 +1,12 @@
 """Chat with the served model: the history is kept here, on the client, and sent
 whole with every question (the daemon renders the model's chat template);
 tokens stream into the transcript, the stats line follows each answer, and
-escape cancels an answer in flight (what came so far stays in the history)."""
+escape cancels an answer in flight (what came so far stays in the history).
+
+With tools (duck-console --tools FILE: the app's chat_options), every question
+offers them; each call the model makes shows as a line of its own
+(→ name(arguments)) and stays in the history as the answer's tool_calls.
+The console runs no tool: it shows what the model asked for."""
 from __future__ import annotations
 
 import logging
@@ -36,6 +41,7 @@ class ChatScreen(Screen):
         super().__init__()
         self.history: list[pb.ChatMessage] = []
         self._answer = ""
+        self._calls: list[pb.ToolCall] = []
 
     def compose(self) -> ComposeResult:
         yield ConnectionBanner()
@@ -46,7 +52,12 @@ class ChatScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#prompt", Input).focus()
+        prompt = self.query_one("#prompt", Input)
+        tools = getattr(self.app, "tool_names", [])
+        if tools:
+            choice = getattr(self.app, "chat_options", {}).get("tool_choice") or "auto"
+            prompt.border_title = f"tools ({choice}): {', '.join(tools)}"
+        prompt.focus()
 
     def watch_generating(self, generating: bool) -> None:
         prompt = self.query_one("#prompt", Input)
@@ -71,25 +82,31 @@ class ChatScreen(Screen):
     def begin_turn(self, text: str, temperature: float, max_tokens: int) -> pb.ChatRequest:
         """Shows the question and returns the request carrying the whole conversation."""
         self.history.append(pb.ChatMessage(role="user", content=text))
-        self._answer = ""
+        self._answer, self._calls = "", []
         self.generating = True
         self.query_one(ChatTranscript).add_user(text)
-        return pb.ChatRequest(messages=self.history, temperature=temperature, max_tokens=max_tokens)
+        return pb.ChatRequest(messages=self.history, temperature=temperature, max_tokens=max_tokens,
+                              **getattr(self.app, "chat_options", {}))
 
     def apply_chat_event(self, event: pb.ChatEvent) -> None:
-        """One event of the Chat stream: a token, or the final stats (which end the turn)."""
+        """One event of the Chat stream: a token, a tool call, or the final stats (which end the turn)."""
         transcript = self.query_one(ChatTranscript)
-        if event.WhichOneof("event") == "token":
-            self._answer += event.token
-            transcript.add_token(event.token)
-        elif event.WhichOneof("event") == "stats":
+        kind = event.WhichOneof("event")
+        if kind == "token":
+            if event.token:
+                self._answer += event.token
+                transcript.add_token(event.token)
+        elif kind == "tool_call":
+            self._calls.append(event.tool_call)
+            transcript.add_tool_call(event.tool_call)
+        elif kind == "stats":
             transcript.finish(event.stats)
             self._end_turn()
 
     def fail_turn(self, message: str) -> None:
         """The call failed: say why; a question that got no answer leaves the history."""
         self.query_one(ChatTranscript).add_note("error", message)
-        if self._answer:
+        if self._answer or self._calls:
             self._end_turn()
         else:
             if self.history and self.history[-1].role == "user":
@@ -97,8 +114,8 @@ class ChatScreen(Screen):
             self.generating = False
 
     def _end_turn(self) -> None:
-        self.history.append(pb.ChatMessage(role="assistant", content=self._answer))
-        self._answer = ""
+        self.history.append(pb.ChatMessage(role="assistant", content=self._answer, tool_calls=self._calls))
+        self._answer, self._calls = "", []
         self.generating = False
 
     @work(exclusive=True, group="chat")
@@ -120,7 +137,7 @@ class ChatScreen(Screen):
             return
         self.workers.cancel_group(self, "chat")
         self.query_one(ChatTranscript).add_note("stats", f"cancelled after {len(self._answer)} characters")
-        if self._answer:
+        if self._answer or self._calls:
             self._end_turn()
         else:
             self.history.pop()

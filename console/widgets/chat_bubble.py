@@ -1,5 +1,5 @@
 """One turn of the conversation: the user's message, the model's answer as it
-streams in, its stats line, or an error."""
+streams in, a tool call the model made, its stats line, or an error."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -23,6 +23,12 @@ class ChatBubble(Static):
         margin-right: 8;
         background: $surface;
         border-left: outer $success;
+    }
+    ChatBubble.-tool-call {
+        margin: 0 8 0 0;
+        padding: 0 1;
+        color: $warning;
+        border-left: outer $warning;
     }
     ChatBubble.-stats {
         margin: 0 8 0 0;

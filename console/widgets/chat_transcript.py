@@ -1,6 +1,7 @@
 """The conversation as it is shown: user turns, answers streaming in token by
-token, a stats line after each answer, errors. What is *sent* (the history) is
-the chat screen's; this only displays."""
+token, the model's tool calls (a line each: → name(arguments)), a stats line
+after each answer, errors. What is *sent* (the history) is the chat screen's;
+this only displays."""
 from __future__ import annotations
 
 from textual.containers import VerticalScroll
@@ -18,6 +19,10 @@ def stats_text(stats: pb.GenerationStats) -> str:
     if stats.finish_reason and stats.finish_reason not in line:
         line += f" · finish: {stats.finish_reason}"
     return line
+
+
+def tool_call_text(call: pb.ToolCall) -> str:
+    return f"→ {call.name}({call.arguments})"
 
 
 class ChatTranscript(VerticalScroll):
@@ -45,6 +50,15 @@ class ChatTranscript(VerticalScroll):
         self.answer.append(token)
         self.scroll_end(animate=False)
 
+    def add_tool_call(self, call: pb.ToolCall) -> None:
+        """A call the model made, whole, as a line of its own below the answer's text (an answer
+        that is nothing but calls shows no empty bubble); text after it starts a new bubble."""
+        if self.answer is not None and not self.answer.text:
+            self.answer.remove()
+        self.mount(ChatBubble("tool-call", tool_call_text(call)))
+        self.answer = None
+        self.scroll_end(animate=False)
+
     def finish(self, stats: pb.GenerationStats) -> None:
         self.mount(ChatBubble("stats", stats_text(stats)))
         self.answer = None
@@ -59,6 +73,10 @@ class ChatTranscript(VerticalScroll):
     @property
     def answers(self) -> list[str]:
         return [b.text for b in self.query(ChatBubble) if b.role == "assistant"]
+
+    @property
+    def tool_calls(self) -> list[str]:
+        return [b.text for b in self.query(ChatBubble) if b.role == "tool-call"]
 
     @property
     def stats_lines(self) -> list[str]:

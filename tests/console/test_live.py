@@ -4,6 +4,7 @@ gRPC the operator's console uses."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from textual.widgets import Input
@@ -67,6 +68,38 @@ def test_chat_round_trip_shows_answer_and_stats(live_daemon):
             assert screen.history[1].content == transcript.answers[0]
             assert len(transcript.stats_lines) == 2
             assert not screen.generating
+    asyncio.run(run())
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_chat_with_tools_shows_the_models_calls(live_daemon):
+    """duck-console --tools FILE --tool-choice required: the daemon's ToolCall events show as lines
+    of their own, the stats say tool_calls, and the calls stay in the history."""
+    async def run():
+        app = DuckConsole(Endpoint(live_daemon.address, live_daemon.token, "test fixture"), watch_interval_s=0.05,
+                          tools=[WEATHER], tool_choice="required")
+        async with app.run_test(size=SIZE) as pilot:
+            await fleet_up(pilot)
+            await pilot.press("f2")
+            screen = app.screen
+            screen.query_one(ChatControls).query_one("#max-tokens", Input).value = "96"
+            transcript = screen.query_one(ChatTranscript)
+            await ask(pilot, screen, "What is the weather in Paris?", 1)
+            errors = [b.text for b in transcript.query("ChatBubble") if b.role == "error"]
+            assert not errors, errors
+            assert transcript.tool_calls, transcript.answers
+            for line in transcript.tool_calls:
+                assert line.startswith("→ get_weather(") and line.endswith(")"), line
+                assert "city" in json.loads(line[len("→ get_weather("):-1])
+            assert "finish: tool_calls" in transcript.stats_lines[0]
+            answer = screen.history[-1]
+            assert answer.role == "assistant" and [c.name for c in answer.tool_calls] == \
+                ["get_weather"] * len(transcript.tool_calls)
     asyncio.run(run())
 
 

@@ -3,6 +3,7 @@ and a real channel to an address where nothing listens."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 from console.app import DuckConsole, main
@@ -117,3 +118,48 @@ def test_main_says_where_it_looked_when_no_daemon_is_found(tmp_path, monkeypatch
     assert main([]) == 2
     err = capsys.readouterr().err
     assert "no running duckd found" in err and str(tmp_path / "duck" / "duckd.json") in err
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_chat_shows_tool_calls_and_keeps_them_in_the_history():
+    async def run():
+        app = DuckConsole(tools=[WEATHER], tool_choice="required")
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f2")
+            screen = app.screen
+            assert "get_weather" in screen.query_one("#prompt").border_title
+            first = screen.begin_turn("Weather in Paris?", 0.0, 64)
+            assert json.loads(first.tools) == [WEATHER] and first.tool_choice == "required"
+            call = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+            screen.apply_chat_event(pb.ChatEvent(tool_call=call))
+            screen.apply_chat_event(pb.ChatEvent(stats=pb.GenerationStats(output_len=9, finish_reason="tool_calls")))
+            await pilot.pause()
+            transcript = screen.query_one(ChatTranscript)
+            assert transcript.tool_calls == ['→ get_weather({"city": "Paris"})']
+            assert transcript.answers == []                 # no empty bubble for an answer of calls alone
+            assert "finish: tool_calls" in transcript.stats_lines[0]
+            second = screen.begin_turn("And its time?", 0.0, 64)
+            assert [(m.role, list(m.tool_calls)) for m in second.messages] == [
+                ("user", []), ("assistant", [call]), ("user", [])]
+            screen.apply_chat_event(pb.ChatEvent(token="Let me check."))
+            screen.apply_chat_event(pb.ChatEvent(tool_call=call))
+            await pilot.press("escape")                     # cancelled: text and call stay in the history
+            assert screen.history[-1].content == "Let me check." and list(screen.history[-1].tool_calls) == [call]
+            assert transcript.answers == ["Let me check."] and len(transcript.tool_calls) == 2
+    asyncio.run(run())
+
+
+def test_bad_tools_file_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "tools.json"
+    for text, want in [("{not json", "not JSON"), ('{"a": 1}', "expected OpenAI's tools list")]:
+        bad.write_text(text)
+        assert main(["--address", "127.0.0.1:1", "--token", "t", "--tools", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"--tools {bad}: {want}" in err, err
+    assert main(["--address", "127.0.0.1:1", "--token", "t", "--tools", str(tmp_path / "none.json")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+    assert main(["--address", "127.0.0.1:1", "--token", "t", "--tool-choice", "required"]) == 2
+    assert "needs --tools FILE" in capsys.readouterr().err

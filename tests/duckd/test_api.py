@@ -1,7 +1,9 @@
 """duckd end to end on the shared daemon: duckctl chat, Watch bandwidth,
-auth, health, cache and model info. Real duckd, real duckfw, real gRPC."""
+auth, health, cache and model info; structured output and tool calls over gRPC
+and duckctl chat. Real duckd, real duckfw, real gRPC."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,9 +18,9 @@ from duck_proto import duck_pb2_grpc as rpc
 from duck_proto.client import Endpoint, sync_channel
 
 
-def duckctl(daemon, *args, env=None, timeout=180):
+def duckctl(daemon, *args, env=None, timeout=180, input=None):
     return subprocess.run([sys.executable, "-m", "duckd.ctl", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})}, input=input)
 
 
 def test_duckctl_chat_answers_paris_and_prints_stats(duckd_daemon):
@@ -231,3 +233,151 @@ def test_refused_calls_are_logged_at_a_bounded_rate(duckd_daemon):
     lines = [line for line in duckd_daemon.log_path.read_text().splitlines() if "missing or wrong bearer token (" in line]
     assert len(lines) <= 10 + 7, len(lines)          # 1..10, then 16, 32, 64, 128 ... of every refusal so far
     assert lines and "so far)" in lines[-1]
+
+
+# -- structured output and tool calls over gRPC and duckctl chat ---------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"], "additionalProperties": False}
+PARIS_WEATHER = "What is the weather in Paris?"
+CAPITAL_JSON = "Which city is the capital of France? Answer as JSON."
+
+
+def _chat(daemon, messages, **fields):
+    """A greedy gRPC Chat: (its text, its ToolCall events, its stats), and the events' kinds in order."""
+    messages = [pb.ChatMessage(role="user", content=m) if isinstance(m, str) else m for m in messages]
+    events = list(rpc.ChatStub(daemon.channel()).Chat(pb.ChatRequest(messages=messages, temperature=0, **fields),
+                                                      timeout=180))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[-1] == "stats" and kinds.count("stats") == 1, kinds
+    return ("".join(e.token for e in events if e.HasField("token")),
+            [e.tool_call for e in events if e.HasField("tool_call")], events[-1].stats, kinds)
+
+
+def test_chat_response_format_json_schema_answers_json_that_follows_it(duckd_daemon):
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    text, calls, stats, _ = _chat(duckd_daemon, [CAPITAL_JSON], max_tokens=64, response_format=json.dumps(fmt))
+    jsonschema.validate(json.loads(text), CITY)
+    assert not calls and stats.finish_reason in ("eos", "stop")
+    text, _, _, _ = _chat(duckd_daemon, [CAPITAL_JSON], max_tokens=64, response_format='{"type": "json_object"}')
+    assert isinstance(json.loads(text), dict)
+
+
+def test_chat_forced_tool_calls_come_as_events_and_the_result_feeds_back(duckd_daemon):
+    jsonschema = pytest.importorskip("jsonschema")
+    params = WEATHER["function"]["parameters"]
+    text, calls, stats, kinds = _chat(duckd_daemon, [PARIS_WEATHER], max_tokens=96, tools=json.dumps([WEATHER]),
+                                      tool_choice="required")
+    assert calls, (text, kinds)
+    assert stats.finish_reason == "tool_calls"
+    assert kinds.index("tool_call") > max((i for i, k in enumerate(kinds) if k == "token"), default=-1)
+    for call in calls:
+        assert call.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), params)
+    # a tool named as the choice, one call only
+    _, named, named_stats, _ = _chat(duckd_daemon, [PARIS_WEATHER], max_tokens=96, tools=json.dumps([WEATHER]),
+                                     tool_choice="get_weather", parallel_tool_calls=False)
+    assert len(named) == 1 and named[0].name == "get_weather" and named_stats.finish_reason == "tool_calls"
+    # the result fed back: the assistant's calls and the tool's message render, and the model answers in text
+    history = [pb.ChatMessage(role="user", content=PARIS_WEATHER),
+               pb.ChatMessage(role="assistant", content=text, tool_calls=calls[:1]),
+               pb.ChatMessage(role="tool", tool_call_id=calls[0].id,
+                              content=json.dumps({"temperature_c": 18, "sky": "clear"}))]
+    answer, more, answer_stats, _ = _chat(duckd_daemon, history, max_tokens=48, tools=json.dumps([WEATHER]),
+                                          tool_choice="none")
+    assert answer.strip() and not more
+    assert answer_stats.finish_reason in ("eos", "stop", "length")
+    _, _, bare, _ = _chat(duckd_daemon, [PARIS_WEATHER], max_tokens=1)
+    assert answer_stats.input_len > bare.input_len + 10   # the call and its result were rendered
+
+
+def test_bad_formats_and_tools_are_invalid_argument_naming_the_field(duckd_daemon):
+    chat = rpc.ChatStub(duckd_daemon.channel())
+    user = [pb.ChatMessage(role="user", content="hi")]
+    tools = json.dumps([WEATHER])
+    cases = [(dict(response_format="{not json"), "response_format: not JSON text"),
+             (dict(response_format="[]"), "response_format = []"),
+             (dict(response_format='{"type": "xml"}'), "response_format.type"),
+             (dict(tools="[{"), "tools: not JSON text"),
+             (dict(tools='[{"type": "function", "function": {}}]'), "tools[0].function.name"),
+             (dict(tool_choice="required"), "needs tools"),
+             (dict(tools=tools, tool_choice="get_time"), "tool_choice names 'get_time'"),
+             (dict(tools=tools, tool_choice="required", response_format='{"type": "json_object"}'),
+              "response_format and a forced tool call"),
+             (dict(messages=[*user, pb.ChatMessage(role="tool", content="18 C")]), "messages[1].tool_call_id"),
+             (dict(messages=[pb.ChatMessage(role="user", content="x", tool_calls=[pb.ToolCall(name="f")])]),
+              "messages[0].tool_calls")]
+    for fields, want in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            list(chat.Chat(pb.ChatRequest(**{"messages": user, "max_tokens": 8, **fields}), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in e.value.details(), \
+            (fields, e.value.details())
+
+
+def _ctl(daemon, *args, **kw):
+    return duckctl(daemon, "--address", daemon.address, "--token", daemon.token, "chat", "--greedy", *args, **kw)
+
+
+def test_duckctl_chat_json_schema_prints_json(duckd_daemon, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps(CITY))
+    r = _ctl(duckd_daemon, "--max-tokens", "64", "--json-schema", str(schema), CAPITAL_JSON)
+    assert r.returncode == 0, r.stderr
+    text, _, stats = r.stdout.rpartition("\nGeneration stats: ")
+    assert stats, r.stdout
+    jsonschema.validate(json.loads(text), CITY)
+
+
+def test_duckctl_chat_tools_prints_each_call_and_keeps_them_in_the_history(duckd_daemon, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    r = _ctl(duckd_daemon, "--max-tokens", "96", "--tools", str(tools), "--tool-choice", "required", PARIS_WEATHER)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    calls = [re.fullmatch(r"tool call: get_weather\((.*)\)", line) for line in lines if line.startswith("tool call:")]
+    assert calls and all(calls), r.stdout
+    assert all(isinstance(json.loads(m.group(1)), dict) for m in calls)
+    assert lines[-1].startswith("Generation stats: ")
+    # two turns from stdin: the first answer's calls go back with the second question
+    r = _ctl(duckd_daemon, "--json", "--max-tokens", "96", "--tools", str(tools), "--tool-choice", "required",
+             input=f"{PARIS_WEATHER}\nAnd in Rome?\n")
+    assert r.returncode == 0, r.stderr
+    finals = [json.loads(line) for line in r.stdout.splitlines() if '"stats"' in line]
+    assert len(finals) == 2 and all(f["tool_calls"] for f in finals), finals
+    assert finals[0]["stats"]["finishReason"] == "tool_calls"
+    streamed = [json.loads(line)["tool_call"] for line in r.stdout.splitlines() if line.startswith('{"tool_call"')]
+    assert streamed == finals[0]["tool_calls"] + finals[1]["tool_calls"]
+    # the second prompt holds the first turn's call: more than its question and the answer's text
+    first = finals[0]["stats"]
+    assert finals[1]["stats"]["inputLen"] >= first["inputLen"] + first["outputLen"], finals
+
+
+def test_duckctl_chat_bad_files_are_usage_errors(duckd_daemon, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps(CITY))
+    cases = [(("--json-schema", str(tmp_path / "missing.json")), f"--json-schema {tmp_path / 'missing.json'}: "
+                                                                 "cannot read it"),
+             (("--json-schema", str(bad)), f"--json-schema {bad}: not JSON"),
+             (("--json-schema", str(listed)), "expected a JSON schema object"),
+             (("--tools", str(bad)), f"--tools {bad}: not JSON"),
+             (("--tools", str(listed)), f"--tools {listed}: tools[0]"),
+             (("--tool-choice", "required"), "needs --tools FILE"),
+             (("--tools", str(tools), "--tool-choice", "get_time"), "get_time: expected auto, none, required"),
+             (("--tools", str(tools), "--tool-choice", "required", "--json-schema", str(schema)), "give one")]
+    for args, want in cases:
+        r = _ctl(duckd_daemon, *args, "hi")
+        assert r.returncode == 2 and want in r.stderr, (args, r.stderr)
