@@ -2,7 +2,7 @@
 
     duckctl status [--json]
     duckctl chat [PROMPT] [--json] [--temperature T | --greedy] [--max-tokens N] [--system TEXT]
-                 [--json-schema FILE] [--tools FILE [--tool-choice auto|none|required|NAME]]
+                 [--json-schema FILE] [--tools FILE [--tool-choice auto|none|required|NAME]] [--logprobs N]
                                                   (--json-schema: the answer is JSON that follows the
                                                    schema in FILE; --tools: OpenAI's tools list in
                                                    FILE, each call the model makes printed as a line
@@ -143,9 +143,11 @@ def _chat_once(stub, messages, args, out, options=None) -> tuple[str, list, pb.G
     sampling = {"temperature": 0.0} if args.greedy else {}
     if args.temperature is not None:
         sampling["temperature"] = args.temperature
+    if args.logprobs is not None:
+        sampling["logprobs"] = args.logprobs
     req = pb.ChatRequest(messages=messages, max_tokens=args.max_tokens, seed=args.seed, **sampling,
                          **(options or {}))
-    text, calls, stats = [], [], None
+    text, calls, stats, read = [], [], None, []
     at_line_start = True
     for ev in stub.Chat(req):
         kind = ev.WhichOneof("event")
@@ -166,8 +168,19 @@ def _chat_once(stub, messages, args, out, options=None) -> tuple[str, list, pb.G
                 out.write(("" if at_line_start else "\n") + f"tool call: {call.name}({call.arguments})\n")
                 at_line_start = True
             out.flush()
+        elif kind == "logprobs":
+            entries = [{"token": e.token, "logprob": e.logprob, "top": [[t.token, t.logprob] for t in e.top]}
+                       for e in ev.logprobs.entries]
+            read.extend(entries)
+            if args.json:
+                out.write(json.dumps({"logprobs": entries}) + "\n")
         elif kind == "stats":
             stats = ev.stats
+    if read and not args.json:   # one line per token, after the answer
+        out.write(("" if at_line_start else "\n") + "".join(
+            f"{e['token']!r} {e['logprob']:.4f}" + (" [" + ", ".join(f"{t!r} {lp:.4f}" for t, lp in e["top"]) + "]"
+                                                    if e["top"] else "") + "\n" for e in read))
+        at_line_start = True
     if args.json:
         out.write(json.dumps({"text": "".join(text), "tool_calls": [_call_dict(c) for c in calls],
                               "stats": MessageToDict(stats) if stats else None}) + "\n")
@@ -315,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a JSON schema file: the answer is JSON that follows it (response_format json_schema)")
     c.add_argument("--tools", metavar="FILE", help="a JSON file holding OpenAI's tools list: the model may call "
                                                    "them, each call printed as 'tool call: NAME(ARGUMENTS)'")
+    c.add_argument("--logprobs", type=int, metavar="N", choices=range(0, 21),
+                   help="each token's log-probability and the N likeliest (0 .. 20), a line per token after the "
+                        "answer (with --json: a {\"logprobs\": [...]} line after each text)")
     c.add_argument("--tool-choice", metavar="{auto,none,required,NAME}",
                    help="auto (the default with --tools), none, required (at least one call), or a tool's name "
                         "(a call of that one)")

@@ -202,8 +202,13 @@ class ChatServicer(rpc.ChatServicer):
                 if isinstance(event, DoneEvent):
                     yield pb.ChatEvent(stats=stats_message(event, called))
                     continue
-                if event.text or not event.tool_calls:
+                if event.text or not (event.tool_calls or event.logprobs):
                     yield pb.ChatEvent(token=event.text)
+                if event.logprobs:
+                    yield pb.ChatEvent(logprobs=pb.TokenLogprobs(entries=[
+                        pb.TokenLogprob(token=e.token, logprob=e.logprob,
+                                        top=[pb.TokenAlternative(token=t, logprob=lp) for t, lp in e.top])
+                        for e in event.logprobs]))
                 for call in event.tool_calls:     # each whole, after the text that came with it
                     yield pb.ChatEvent(tool_call=pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments))
                     called = True
@@ -223,7 +228,8 @@ def chat_request(r: pb.ChatRequest) -> ChatRequest:
                       temperature=r.temperature if has("temperature") else None,
                       top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
                       seed=r.seed or None, stop=tuple(r.stop),
-                      repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None)
+                      repetition_penalty=r.repetition_penalty if has("repetition_penalty") else None,
+                      logprobs=r.logprobs if has("logprobs") else None)
     body = {"response_format": _json_field(r, "response_format"), "tools": _json_field(r, "tools")}
     if r.tool_choice:
         body["tool_choice"] = r.tool_choice if r.tool_choice in ("none", "auto", "required") else \

@@ -381,3 +381,27 @@ def test_duckctl_chat_bad_files_are_usage_errors(duckd_daemon, tmp_path):
     for args, want in cases:
         r = _ctl(duckd_daemon, *args, "hi")
         assert r.returncode == 2 and want in r.stderr, (args, r.stderr)
+
+
+def test_grpc_logprobs_describe_the_text_and_duckctl_prints_them(duckd_daemon):
+    """ChatRequest.logprobs: after each text, the log-probabilities of its tokens; greedy, each chosen
+    token is the likeliest of its alternatives, and the tokens spell the answer."""
+    messages = [pb.ChatMessage(role="user", content="Which city is the capital of France?")]
+    events = list(rpc.ChatStub(duckd_daemon.channel()).Chat(
+        pb.ChatRequest(messages=messages, temperature=0, max_tokens=12, logprobs=3), timeout=180))
+    text = "".join(e.token for e in events if e.WhichOneof("event") == "token")
+    entries = [x for e in events if e.WhichOneof("event") == "logprobs" for x in e.logprobs.entries]
+    assert "Paris" in text and "".join(x.token for x in entries) == text
+    for x in entries:
+        assert len(x.top) == 3 and x.logprob <= 0 and abs(x.logprob - max(t.logprob for t in x.top)) < 1e-4
+    stats = events[-1].stats
+    assert len(entries) == stats.output_len - (stats.finish_reason == "eos")
+    r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token, "chat", "--greedy",
+                "--max-tokens", "6", "--logprobs", "2", "--json", "Which city is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    read = [x for line in lines if "logprobs" in line for x in line["logprobs"]]
+    assert len(read) == 6 and all(len(x["top"]) == 2 for x in read)
+    r = duckctl(duckd_daemon, "--address", duckd_daemon.address, "--token", duckd_daemon.token, "chat", "--greedy",
+                "--logprobs", "21", "hi")
+    assert r.returncode == 2 and "--logprobs" in r.stderr
