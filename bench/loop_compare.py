@@ -143,6 +143,23 @@ def prefix_turns(loop: Loop, args) -> dict:
     return out
 
 
+def _place(model, backend, text: str) -> dict | None:
+    """The GPU's share of the experts within the budget text (duckd's model.gpu_ffn_budget: auto, bytes,
+    a fraction of auto): the plan's summary, None when it holds nothing."""
+    from duckd.config import parse_budget
+    from engine.placement import auto_budget, place
+
+    streamed = getattr(model, "streamed_prefill", None)
+    budget = parse_budget(text, auto_budget(model, backend, streamed is not None))
+    resident = place(model, backend, budget, threads=max(1, len(os.sched_getaffinity(0)) - 1))
+    if streamed is not None:
+        streamed.placed(resident)
+    summary = resident.plan.summary() if resident is not None else None
+    log.info("placement %s: %s", text, summary)
+    return {"budget": text, "bytes": budget, **({k: v for k, v in summary.items() if not isinstance(v, list)}
+                                                if summary else {})}
+
+
 def run(args) -> dict:
     from bench.synthetic_ducks import SyntheticFleet, synthetic_run
     from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
@@ -156,6 +173,8 @@ def run(args) -> dict:
         if device.type == "cuda":    # as duckd: long prompts' experts over PCIe, the ducks beside
             stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
             model.streamed_prefill = StreamedPrefill(stream, backend, "hybrid", pinned_copy_gbps(device))
+        if args.budget != "0":       # as duckd's model.gpu_ffn_budget: the GPU computes its share beside
+            out["placement"] = _place(model, backend, args.budget)
         try:
             longest = max(args.prompt + args.tokens, args.turn_tokens + args.more + 2 * args.turn_out) + 8
             loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed)
@@ -183,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-tokens", type=int, default=4000, help="the first turn's prompt (0: no prefix run)")
     ap.add_argument("--turn-out", type=int, default=32, help="tokens each turn generates")
     ap.add_argument("--more", type=int, default=40, help="the second turn's new prompt tokens")
+    ap.add_argument("--budget", default="0", help="the GPU's share of the experts, as duckd's model.gpu_ffn_budget "
+                                                  "(0: none, the default; auto; bytes; a fraction of auto)")
     ap.add_argument("--json", help="write the result here (default: stdout)")
     args = ap.parse_args(argv)
     try:

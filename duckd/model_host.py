@@ -165,26 +165,19 @@ class ModelHost:
 
     def _place_now(self, text: str, histogram=None) -> None:
         from duckd.config import parse_budget
-        from engine.placement import default_budget, place
+        from engine.placement import auto_budget, place
 
         model = self.loaded.model
         device = model.lm_head.weight.device
-        held = model.__dict__.get("resident")
-        auto = default_budget(device) + (held.nbytes if held is not None else 0)   # what it holds now is free
-        if auto and self.cfg.gpu_prefill != "off":
-            auto = max(0, auto - 2 * max(sum(t.nbytes for duck in slices for e in duck for t in (e.gate_up, e.down))
-                                         for slices in self.ffn.layers.values()))
-        budget = parse_budget(text, auto)
+        budget = parse_budget(text, auto_budget(model, self.ffn, self.cfg.gpu_prefill != "off"))
         self.budget_text = text
         t0 = time.monotonic()
         resident = place(model, self.ffn, budget, histogram, threads=max(1, (os.cpu_count() or 2) - 1),
                          on_progress=lambda done, total: log.info("placement: %d/%d layers on %s", done, total,
                                                                   device) if done == total or done % 8 == 0 else None)
         streamed = getattr(model, "streamed_prefill", None)
-        if streamed is not None:   # a layer held whole leaves the stream's passes; one held no more comes back
-            stream = streamed.stream
-            stream.order = sorted(i for i in stream.layers if resident is None or not resident.whole(i))
-            streamed.pass_bytes = sum(stream.held(i) * stream.expert_bytes(i) for i in stream.order)
+        if streamed is not None:
+            streamed.placed(resident)
         if resident is not None:
             s = resident.plan.summary()
             log.info("placement: %.2f GB of FFN weights on %s in %.1f s (%d layers whole, %d experts), %.3f GB per "

@@ -251,6 +251,20 @@ def default_budget(device) -> int:
     return max(0, int(free - MARGIN_BYTES - MARGIN_FRACTION * total))
 
 
+def auto_budget(model, fleet_ffn, streamed: bool) -> int:
+    """The budget "auto" means: what is free on the model's GPU (default_budget) and what its placement
+    holds now, less, where long prompts stream their experts to the GPU, the stream's two buffers (the
+    largest layer's experts each)."""
+    device = model.lm_head.weight.device
+    held = model.__dict__.get("resident")
+    auto = default_budget(device) + (held.nbytes if held is not None else 0)
+    if auto and streamed:
+        layer = max(sum(t.nbytes for duck in slices for e in duck for t in (e.gate_up, e.down))
+                    for slices in fleet_ffn.layers.values())
+        auto = max(0, auto - 2 * layer)
+    return auto
+
+
 FP9_GEMV_GBPS = 400.0     # the fused fp9 GEMV's read rate on a decode step (H200: 210-587 GB/s measured)
 COPY_GEMV_GBPS = 1000.0   # the grouped GEMV's on decoded bf16 copies (H200: 523-3000 GB/s)
 

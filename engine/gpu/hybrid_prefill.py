@@ -269,6 +269,13 @@ class StreamedPrefill:
         self.fleet_s_per_token: float | None = None
         self.pass_bytes = sum(stream.held(layer) * stream.expert_bytes(layer) for layer in stream.order)
 
+    def placed(self, resident) -> None:
+        """The GPU's placement changed (engine.placement): a layer it holds whole leaves the stream's
+        passes, one it holds no more comes back."""
+        stream = self.stream
+        stream.order = sorted(i for i in stream.layers if resident is None or not resident.whole(i))
+        self.pass_bytes = sum(stream.held(i) * stream.expert_bytes(i) for i in stream.order)
+
     def worth(self, tokens: int) -> bool:
         if self.min_tokens:
             return tokens >= self.min_tokens
