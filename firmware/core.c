@@ -36,6 +36,7 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
     duck_kernels_set_batch_invariant(!(inv && strcmp(inv, "0") == 0));
     c->cfg.key.has_link = 0;   /* no run until a host opens one for this start's challenge */
     run_new_challenge(c);
+    query_init(c);
     c->ws = duck_ffn_workspace_create();
     c->out = malloc((size_t)SEND_BATCH * (cfg->mtu + 64));
     c->out_ptrs = calloc(SEND_BATCH, sizeof *c->out_ptrs);

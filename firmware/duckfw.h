@@ -35,12 +35,16 @@ typedef struct duck_config {
     unsigned spin_us;          /* 0: block when idle; else spin (yielding) this long, then block */
     uint32_t mtu;              /* largest datagram taken and sent (configured, or the interface's) */
     int data_mac;              /* require a MAC on forwards too (the default; duckfw --no-data-mac clears it) */
+    uint32_t query_period_ms;  /* a new query nonce this often, the one before taken as long again (0: the
+                                  default, DUCK_QUERY_PERIOD_MS; duckfw --query-period-ms) */
     wire_key key;
     int faults;                /* fault injection allowed and on */
     double drop_rate;          /* of datagrams, each direction */
     uint32_t delay_us;         /* before handling each request */
     uint32_t fault_seed;
 } duck_config;
+
+#define DUCK_QUERY_PERIOD_MS 60000u
 
 /* --- weight cache (cache.c) -------------------------------------------- */
 typedef struct cache_entry {
@@ -230,6 +234,11 @@ typedef struct duck_core {
     uint8_t challenge[WIRE_NONCE_BYTES];
     uint32_t win_top;          /* the highest sequence taken */
     uint64_t win[WIRE_REPLAY_WINDOW / 64];   /* bit (seq % WINDOW): seq taken, for seq in (top - WINDOW, top] */
+    /* the query nonces (replay.c): [0] of the current query period, [1] of the one before (taken while
+     * query_prev); periods counted from query_t0, this start's */
+    uint8_t query[2][WIRE_NONCE_BYTES];
+    uint64_t query_t0, query_epoch;
+    int query_prev;
     duck_held held;            /* forwards held for one kernel pass (WIRE_FWD_HOLD) */
     duck_peer from;            /* the sender of the message in hand */
 } duck_core;
@@ -262,6 +271,16 @@ void run_open(duck_core *c, const uint8_t run[WIRE_NONCE_BYTES], uint32_t seq);
 /* 1 when a link-keyed message of this sequence may still be taken. */
 int run_window_ok(const duck_core *c, uint32_t seq);
 void run_window_take(duck_core *c, uint32_t seq);
+/* --- the query nonce of read-only requests (replay.c) ------------------- */
+/* This start's first query nonce (the earlier start's are forgotten). */
+void query_init(duck_core *c);
+/* The current query nonce, a new one drawn when its period has passed;
+ * *left_ms (if not NULL): how long it is taken from now (the rest of its
+ * period and the next). */
+const uint8_t *query_current(duck_core *c, uint32_t *left_ms);
+/* 1 when p (len bytes) starts with a wire_query naming the current query
+ * nonce or, within one period of the change, the one before. */
+int query_ok(duck_core *c, const uint8_t *p, uint32_t len);
 
 /* A reply to request k in the last-reply cache with room for body bytes (at
  * least an error text's), its head zeroed; NULL when out of memory. */

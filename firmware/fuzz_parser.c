@@ -8,7 +8,8 @@
  * bad MAC), or no MAC; a fuzzed RUN_OPEN names a random challenge (stale) or
  * the duck's current one (a new run, which the harness then follows). A
  * sealed SYNTH may get its entries' digests fixed up so that descriptors
- * reach the generator.
+ * reach the generator, a sealed HELLO, STATS or CACHE_QUERY the duck's
+ * current query nonce so that it reaches its handler.
  * Mode 3 builds forwards for a session the harness opened at set-up (two
  * synthetic experts, hidden 64) from fuzzed fields: dtypes, reply datagram
  * size, counts, ids, activations, a length off by one. Every datagram the
@@ -221,6 +222,13 @@ static void sealed(const uint8_t *data, size_t size)
             memcpy(fixed + off, &e, sizeof e);
         }
         payload = fixed;
+    }
+    if ((h.type == WIRE_T_HELLO || h.type == WIRE_T_STATS || h.type == WIRE_T_CACHE_QUERY) && (data[5] & 64) &&
+        len >= sizeof(wire_query)) {   /* the current query nonce: past the freshness check */
+        static uint8_t named[WIRE_MAX_DATAGRAM];
+        memcpy(named, payload, len);
+        memcpy(named, query_current(&core, NULL), WIRE_NONCE_BYTES);
+        payload = named;
     }
     uint8_t challenge[WIRE_NONCE_BYTES];
     memcpy(challenge, core.challenge, sizeof challenge);

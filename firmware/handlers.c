@@ -42,12 +42,18 @@ reply_slot *reply_fail(reply_slot *r, int status, const char *fmt, ...)
     return r;
 }
 
-/* Without the fleet key's MAC the asker learns what a link and version check
- * needs (ABI, firmware version, datagram size, token limit, flags), nothing of
- * the duck's identity, memory, cache or session. */
-static reply_slot *on_hello(duck_core *c, reply_slot *r, int authenticated)
+/* Without the fleet key's MAC and a current query nonce (a hello's payload is
+ * empty, or a wire_query) the asker learns what a link and version check
+ * needs (ABI, firmware version, datagram size, token limit, flags) and the
+ * query nonce, nothing of the duck's identity, memory, cache or session. A
+ * MACed hello naming a nonce that is not current (a replay, or one from
+ * before a restart) gets that too, and is counted. */
+static reply_slot *on_hello(duck_core *c, reply_slot *r, int mac, const uint8_t *p, uint32_t len)
 {
     wire_hello_reply hr = {0};
+    int authenticated = mac && len == sizeof(wire_query) && query_ok(c, p, len);
+    if (mac && len == sizeof(wire_query) && !authenticated)
+        c->stats.replayed++;
     hr.fw_version = DUCKFW_VERSION_MAJOR << 16 | DUCKFW_VERSION_MINOR;
     hr.abi = WIRE_ABI;
     if (authenticated) {
@@ -64,11 +70,26 @@ static reply_slot *on_hello(duck_core *c, reply_slot *r, int authenticated)
             memcpy(hr.run, c->cfg.key.run, sizeof hr.run);
     }
     hr.mtu = c->cfg.mtu;
-    hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0);
+    hr.flags = (c->cfg.data_mac ? WIRE_HELLO_DATA_MAC : 0) | (c->cfg.faults ? WIRE_HELLO_FAULTS : 0) |
+               (authenticated ? WIRE_HELLO_FULL : 0);
     snprintf(hr.name, sizeof hr.name, "%s", DUCKFW_NAME);
     hr.max_tokens = DUCK_MAX_TOKENS;
+    memcpy(hr.query, query_current(c, &hr.query_ms), sizeof hr.query);
     memcpy(reply_body(r), &hr, sizeof hr);
     return r;
+}
+
+/* A STATS or CACHE_QUERY must name a current query nonce (wire_query, first in its payload): a
+ * stale one is a replay, or a host's from before the nonce changed or the duck restarted. It is
+ * answered (STALE: nothing of the duck, the host asks hello for the nonce and again) and counted. */
+static reply_slot *query_refused(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
+{
+    if (len < sizeof(wire_query))
+        return reply_fail(r, WIRE_E_MALFORMED, "%s of %u bytes: a read-only request starts with the duck's %zu-byte "
+                          "query nonce (wire ABI %d)", wire_type_str(r->key.type), len, sizeof(wire_query), WIRE_ABI);
+    c->stats.replayed++;
+    return reply_fail(r, WIRE_E_STALE, "query nonce %02x%02x%02x%02x… is not this duck's current one: say hello "
+                      "for the current one", p[0], p[1], p[2], p[3]);
 }
 
 static reply_slot *on_ping(duck_core *c, reply_slot *r, const uint8_t *p, uint32_t len)
@@ -228,6 +249,7 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
     uint32_t n = h->type < WIRE_T_COUNT ? wire_types[h->type].reply_size : 0;
     if (h->type == WIRE_T_CACHE_QUERY)
         n = 4 + (len / WIRE_DIGEST_BYTES + 7) / 8;
+    int fresh = (h->type != WIRE_T_STATS && h->type != WIRE_T_CACHE_QUERY) || query_ok(c, payload, len);
     if (h->type == WIRE_T_PING && len <= WIRE_MTU_MAX)
         n = len;   /* the echo */
     reply_slot *r = reply_new(c, k, h, n);
@@ -235,10 +257,21 @@ reply_slot *handle_request(duck_core *c, const msg_key *k, const wire_header *h,
         return NULL;
     memset(reply_body(r), 0, n);
     switch (h->type) {
-    case WIRE_T_HELLO: r = on_hello(c, r, (h->flags & WIRE_F_MAC) != 0); break;
+    case WIRE_T_HELLO: r = on_hello(c, r, (h->flags & WIRE_F_MAC) != 0, payload, len); break;
     case WIRE_T_PING: r = on_ping(c, r, payload, len); break;
-    case WIRE_T_STATS: memcpy(reply_body(r), &c->stats, sizeof c->stats); break;
-    case WIRE_T_CACHE_QUERY: r = on_cache_query(c, r, payload, len); break;
+    case WIRE_T_STATS:
+        if (!fresh)
+            r = query_refused(c, r, payload, len);
+        else if (len != sizeof(wire_query))
+            r = reply_fail(r, WIRE_E_MALFORMED, "stats payload is %u bytes, expected %zu (the query nonce)", len,
+                           sizeof(wire_query));
+        else
+            memcpy(reply_body(r), &c->stats, sizeof c->stats);
+        break;
+    case WIRE_T_CACHE_QUERY:
+        r = fresh ? on_cache_query(c, r, payload + sizeof(wire_query), len - (uint32_t)sizeof(wire_query))
+                  : query_refused(c, r, payload, len);
+        break;
     case WIRE_T_CACHE_INVALIDATE: r = on_invalidate(c, r, payload, len); break;
     case WIRE_T_UPLOAD: r = on_upload(c, r, payload, len); break;
     case WIRE_T_SYNTH: r = on_synth(c, r, payload, len); break;

@@ -15,6 +15,10 @@
 #include <signal.h>
 #include <sys/prctl.h>
 
+/* a query period shorter than a round trip would refuse the host's own requests; a day is plenty */
+#define QUERY_PERIOD_MIN_MS 10u
+#define QUERY_PERIOD_MAX_MS 86400000u
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -39,13 +43,16 @@ static void usage(FILE *f)
             "                           (loopback 65535); the host agrees its size at hello\n"
             "  --no-data-mac            take forwards (and send their partials) without a MAC: for\n"
             "                           trusted links only; by default forwards need the link MAC\n"
+            "  --query-period-ms N      a new query nonce (what read-only requests must name) every\n"
+            "                           N ms, the one before taken N ms more, %u..%u (default %u)\n"
             "  --log-level error|warn|info|debug (default info)\n"
             "  test only, refused without --enable-fault-injection:\n"
             "  --drop-rate F            drop this fraction of datagrams in and out\n"
             "  --delay-us N             delay before handling each request\n"
             "  --fault-seed N           seed of the drop pattern\n"
             "  --parent-pid PID         exit (SIGTERM) when the process PID that started this duck ends\n",
-            WIRE_KEY_MIN, WIRE_KEY_MAX, WIRE_MTU_MIN, WIRE_MTU_MAX);
+            WIRE_KEY_MIN, WIRE_KEY_MAX, WIRE_MTU_MIN, WIRE_MTU_MAX, QUERY_PERIOD_MIN_MS, QUERY_PERIOD_MAX_MS,
+            DUCK_QUERY_PERIOD_MS);
 }
 
 static int parse_size(const char *s, uint64_t *out)
@@ -128,7 +135,8 @@ static int die_with_parent(pid_t parent)
 int main(int argc, char **argv)
 {
     enum { O_BIND = 256, O_PORT, O_PORT_FILE, O_ID, O_CACHE_DIR, O_CAPACITY, O_THREADS, O_PIN, O_KEY, O_IDLE,
-           O_SPIN, O_MTU, O_MEMCACHE, O_DATA_MAC, O_NO_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT };
+           O_SPIN, O_MTU, O_MEMCACHE, O_DATA_MAC, O_NO_DATA_MAC, O_LOG, O_FAULTS, O_DROP, O_DELAY, O_SEED, O_HELP, O_VERSION, O_PARENT,
+           O_QUERY_PERIOD };
     static const struct option opts[] = {
         {"bind", 1, 0, O_BIND}, {"port", 1, 0, O_PORT}, {"port-file", 1, 0, O_PORT_FILE}, {"id", 1, 0, O_ID},
         {"cache-dir", 1, 0, O_CACHE_DIR}, {"memory-cache", 0, 0, O_MEMCACHE}, {"cache-capacity", 1, 0, O_CAPACITY}, {"threads", 1, 0, O_THREADS},
@@ -136,7 +144,7 @@ int main(int argc, char **argv)
         {"mtu", 1, 0, O_MTU}, {"data-mac", 0, 0, O_DATA_MAC}, {"no-data-mac", 0, 0, O_NO_DATA_MAC}, {"log-level", 1, 0, O_LOG},
         {"enable-fault-injection", 0, 0, O_FAULTS}, {"drop-rate", 1, 0, O_DROP}, {"delay-us", 1, 0, O_DELAY},
         {"fault-seed", 1, 0, O_SEED}, {"help", 0, 0, O_HELP}, {"version", 0, 0, O_VERSION},
-        {"parent-pid", 1, 0, O_PARENT}, {0, 0, 0, 0}};
+        {"parent-pid", 1, 0, O_PARENT}, {"query-period-ms", 1, 0, O_QUERY_PERIOD}, {0, 0, 0, 0}};
     duck_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.bind_addr = "127.0.0.1";
@@ -173,6 +181,11 @@ int main(int argc, char **argv)
             break;
         case O_DATA_MAC: cfg.data_mac = 1; break;   /* the default; kept for old command lines */
         case O_NO_DATA_MAC: cfg.data_mac = 0; break;
+        case O_QUERY_PERIOD:
+            if (parse_uint(optarg, QUERY_PERIOD_MAX_MS, &v) || v < QUERY_PERIOD_MIN_MS)
+                BAD("--query-period-ms %s is not %u..%u", optarg, QUERY_PERIOD_MIN_MS, QUERY_PERIOD_MAX_MS);
+            cfg.query_period_ms = (uint32_t)v;
+            break;
         case O_LOG:
             level = !strcmp(optarg, "error") ? DLOG_ERROR : !strcmp(optarg, "warn") ? DLOG_WARN
                   : !strcmp(optarg, "info") ? DLOG_INFO : !strcmp(optarg, "debug") ? DLOG_DEBUG : -1;

@@ -6,7 +6,14 @@
  * anti-replay window: requests in flight at once may arrive out of order).
  * A restarted duck draws a new challenge and holds no run, so nothing of an
  * earlier run is taken again; a new run starts its window at the sequence of
- * its RUN_OPEN, above everything its host sent before. */
+ * its RUN_OPEN, above everything its host sent before.
+ *
+ * Read-only requests (HELLO with its MAC, STATS, CACHE_QUERY) change nothing
+ * and are asked by several hosts and probes at once, so no window can say
+ * which are fresh: each names instead the duck's query nonce, which any
+ * hello hands out, and which the duck changes every query period (taking the
+ * one before for one period more: a nonce handed out is good for at least a
+ * period) and forgets at a restart. */
 #define _GNU_SOURCE
 #include "duckfw.h"
 
@@ -16,22 +23,25 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
-void run_new_challenge(duck_core *c)
+static void random_bytes(uint8_t *p, size_t len)
 {
     size_t got = 0;
-    while (got < sizeof c->challenge) {
-        ssize_t n = getrandom(c->challenge + got, sizeof c->challenge - got, 0);
+    while (got < len) {
+        ssize_t n = getrandom(p + got, len - got, 0);
         if (n < 0 && errno == EINTR)
             continue;
-        if (n <= 0) {   /* no entropy source: a duck must not run with a guessable challenge */
+        if (n <= 0) {   /* no entropy source: a duck must not run with a guessable challenge or nonce */
             dlog(DLOG_ERROR, "getrandom: %s", strerror(errno));
             abort();
         }
         got += (size_t)n;
     }
 }
+
+void run_new_challenge(duck_core *c) { random_bytes(c->challenge, sizeof c->challenge); }
 
 void run_open(duck_core *c, const uint8_t run[WIRE_NONCE_BYTES], uint32_t seq)
 {
@@ -69,4 +79,49 @@ void run_window_take(duck_core *c, uint32_t seq)
         c->win_top = seq;
     }
     c->win[(seq % WIRE_REPLAY_WINDOW) / 64] |= 1ull << (seq % 64);
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void query_init(duck_core *c)
+{
+    if (!c->cfg.query_period_ms)
+        c->cfg.query_period_ms = DUCK_QUERY_PERIOD_MS;
+    random_bytes(c->query[0], sizeof c->query[0]);
+    memset(c->query[1], 0, sizeof c->query[1]);
+    c->query_prev = 0;
+    c->query_epoch = 0;
+    c->query_t0 = now_ns();
+}
+
+/* Periods are counted from the start, not from the last request: a duck
+ * nobody asked for a while draws the new nonce at the next request, and
+ * keeps the one before only if it was the previous period's. */
+const uint8_t *query_current(duck_core *c, uint32_t *left_ms)
+{
+    uint64_t period = (uint64_t)c->cfg.query_period_ms * 1000000u, age = now_ns() - c->query_t0;
+    uint64_t epoch = age / period;
+    if (left_ms)
+        *left_ms = (uint32_t)(((epoch + 2) * period - age) / 1000000u);
+    if (epoch != c->query_epoch) {
+        c->query_prev = epoch == c->query_epoch + 1;
+        memcpy(c->query[1], c->query[0], sizeof c->query[1]);
+        random_bytes(c->query[0], sizeof c->query[0]);
+        c->query_epoch = epoch;
+    }
+    return c->query[0];
+}
+
+int query_ok(duck_core *c, const uint8_t *p, uint32_t len)
+{
+    if (len < sizeof(wire_query))
+        return 0;
+    const uint8_t *cur = query_current(c, NULL);
+    /* not secret (any hello hands it out), so no constant-time compare is needed */
+    return memcmp(p, cur, WIRE_NONCE_BYTES) == 0 || (c->query_prev && memcmp(p, c->query[1], WIRE_NONCE_BYTES) == 0);
 }

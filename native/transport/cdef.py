@@ -10,7 +10,7 @@ WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BY
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
 WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
-WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
+WIRE_HELLO_FULL WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
 WIRE_FWD_HOLD WIRE_HOLD_MAX WIRE_NACK_NO_RUN
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_T_ENORUN DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
 DUCK_PIPELINE_DEFAULT DUCK_PIPELINE_MAX DUCK_NS_PER_TOKEN_UNKNOWN
@@ -38,8 +38,10 @@ typedef struct wire_reply_head { int32_t status; uint32_t flags; ...; } wire_rep
 typedef struct wire_hello_reply {
     uint32_t duck_id; uint32_t fw_version; uint32_t abi; uint16_t cores; uint16_t threads; uint64_t mem_bytes;
     uint64_t cache_bytes; uint64_t cache_capacity; uint32_t cache_entries; uint32_t session; uint32_t mtu;
-    uint32_t flags; char name[...]; uint32_t max_tokens; uint8_t challenge[...]; uint8_t run[...]; ...;
+    uint32_t flags; char name[...]; uint32_t max_tokens; uint32_t query_ms; uint8_t challenge[...]; uint8_t run[...];
+    uint8_t query[...]; ...;
 } wire_hello_reply;
+typedef struct wire_query { uint8_t nonce[...]; ...; } wire_query;
 typedef struct wire_ping { uint64_t t_ns; uint16_t reply_mtu; ...; } wire_ping;
 typedef struct wire_stats {
     uint64_t datagrams_rx, datagrams_tx, requests, forwards, duplicates, resends, malformed, unauthenticated,

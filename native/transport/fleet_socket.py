@@ -76,7 +76,10 @@ class Fleet:
     process may run on, at most 8; 1: this thread alone).
     Each Fleet is a run (docs/wire.md, Authentication): hello() opens it on every
     duck that does not hold it, and state-changing messages and forwards carry
-    MACs under that duck's link key, each taken once.
+    MACs under that duck's link key, each taken once. Read-only requests (hello,
+    stats, cache queries) name the duck's query nonce, which its hello gives; one
+    refused as stale (the duck drew a new nonce, or restarted) is asked again once
+    with the nonce its hello gives then.
     """
 
     def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
@@ -111,6 +114,8 @@ class Fleet:
         self._cover = None       # a HostCover the C transport calls into (native/transport/cover.py)
         self.lost_changed = False
         self._challenge: list[bytes] = [bytes(16)] * len(self.addresses)
+        self._query: list[bytes] = [b""] * len(self.addresses)   # each duck's query nonce; b"": not known yet
+        self._query_until = [0.0] * len(self.addresses)          # time.monotonic() when to ask for a new one
 
     @property
     def n_ducks(self) -> int:
@@ -188,10 +193,79 @@ class Fleet:
             head = ffi.cast("wire_reply_head *", c.reply)
             body = bytes(ffi.buffer(c.reply, c.reply_len)[ffi.sizeof("wire_reply_head"):])
             if check and head.status != lib.WIRE_OK:
-                raise DuckError(f"{self.name(duck)} refused {what}: {body.decode(errors='replace')}", duck,
-                                head.status)
+                raise self._refused(duck, mtype, head.status, body)
             out.append((head.status, body))
         return out
+
+    def _refused(self, duck: int, mtype: int, status: int, body: bytes) -> DuckError:
+        what = ffi.string(lib.wire_type_str(mtype)).decode()
+        return DuckError(f"{self.name(duck)} refused {what}: {body.decode(errors='replace')}", duck, status)
+
+    # -- read-only requests: the query nonce (docs/wire.md, Authentication) ----
+    def _read(self, requests) -> list[tuple[int, bytes]]:
+        """Read-only requests [(duck, type, payload, reply_cap)] (STATS, CACHE_QUERY), each sent
+        with the duck's query nonce first. One the duck refuses as stale (it drew a new nonce
+        since, or restarted) is sent once more with the nonce its hello gives now."""
+        unknown = sorted({d for d, *_ in requests if not self._query_known(d)})
+        if unknown:
+            self._fetch_query(unknown)
+        out = self.call([(d, t, self._query[d] + p, cap) for d, t, p, cap in requests], check=False)
+        stale = [i for i, (status, _) in enumerate(out) if status == lib.WIRE_E_STALE]
+        if stale:
+            ducks = sorted({requests[i][0] for i in stale})
+            log.info("%s refused this host's query nonce as stale (restarted?): asking again with the current one",
+                     ", ".join(self.name(d) for d in ducks))
+            self._fetch_query(ducks)
+            again = self.call([(d, t, self._query[d] + p, cap) for d, t, p, cap in (requests[i] for i in stale)],
+                              check=False)
+            for i, r in zip(stale, again):
+                out[i] = r
+        for (d, t, _, _), (status, body) in zip(requests, out):
+            if status != lib.WIRE_OK:
+                raise self._refused(d, t, status, body)
+        return out
+
+    def _fetch_query(self, ducks: list[int]) -> None:
+        """Each duck's current query nonce, from a hello that names none (answered in the
+        unauthenticated form, which carries it)."""
+        cap, t0 = ffi.sizeof("wire_hello_reply"), time.monotonic()
+        for d, (_, body) in zip(ducks, self.call([(d, lib.WIRE_T_HELLO, b"", cap) for d in ducks])):
+            self._hello_reply(d, body, t0)
+
+    def _query_known(self, d: int) -> bool:
+        """Whether this host holds duck d's query nonce and the duck still takes it."""
+        return bool(self._query[d]) and time.monotonic() < self._query_until[d]
+
+    def _hello_reply(self, d: int, body: bytes, t0: float):
+        """A hello reply as a wire_hello_reply (an older duck's is shorter: the rest zero); keeps
+        the query nonce it carries and when to ask for a new one: within the time the duck takes
+        it from its reply (which came after t0, when the hello was sent), less a tenth for the
+        requests that name it to arrive."""
+        h = ffi.new("wire_hello_reply *")
+        ffi.memmove(h, body, min(len(body), ffi.sizeof("wire_hello_reply")))
+        if h.abi == lib.WIRE_ABI:
+            self._query[d] = bytes(h.query)
+            self._query_until[d] = t0 + 0.9 * h.query_ms / 1000.0
+        return h
+
+    def _hellos(self, ducks: list[int]) -> list:
+        """Each duck's whole hello (WIRE_HELLO_FULL), asked with its query nonce; a duck that
+        answers the bare form (the nonce was stale, or not known yet) carries its current nonce
+        there and is asked once more. A duck of another ABI is answered as it answers (the
+        caller names the mismatch)."""
+        cap, t0 = ffi.sizeof("wire_hello_reply"), time.monotonic()
+        asked = [(d, lib.WIRE_T_HELLO, self._query[d] if self._query_known(d) else b"", cap) for d in ducks]
+        hellos = [self._hello_reply(d, body, t0) for d, (_, body) in zip(ducks, self.call(asked))]
+        bare = [i for i, h in enumerate(hellos) if h.abi == lib.WIRE_ABI and not h.flags & lib.WIRE_HELLO_FULL]
+        if bare:
+            t0 = time.monotonic()
+            again = self.call([(ducks[i], lib.WIRE_T_HELLO, self._query[ducks[i]], cap) for i in bare])
+            for i, (_, body) in zip(bare, again):
+                hellos[i] = self._hello_reply(ducks[i], body, t0)
+                if not hellos[i].flags & lib.WIRE_HELLO_FULL:
+                    raise DuckError(f"{self.name(ducks[i])} did not take the query nonce its hello just gave "
+                                    "(it restarted, or draws new ones faster than a round trip)", ducks[i])
+        return hellos
 
     def _all(self, mtype, payload=b"", cap=256, ducks=None, session=0):
         ducks = range(self.n_ducks) if ducks is None else ducks
@@ -227,11 +301,9 @@ class Fleet:
     def hello_only(self, ducks=None) -> list[DuckInfo]:
         """Each duck's hello, nothing more (no run opened, no size agreed)."""
         ducks = list(range(self.n_ducks) if ducks is None else ducks)
-        replies = self._all(lib.WIRE_T_HELLO, cap=ffi.sizeof("wire_hello_reply"), ducks=ducks)
         run = self.run_nonce()
         infos = []
-        for d, (_, body) in zip(ducks, replies):
-            h = ffi.cast("wire_hello_reply *", ffi.from_buffer(body))
+        for d, h in zip(ducks, self._hellos(ducks)):
             self._challenge[d] = bytes(h.challenge)
             ours = bytes(h.run) == run
             if not ours and self._linked(d):
@@ -337,8 +409,9 @@ class Fleet:
 
     def stats(self) -> list[dict]:
         """Each duck's counters (wire_stats field names)."""
+        cap = ffi.sizeof("wire_stats")
         return [_struct_dict(ffi.cast("wire_stats *", ffi.from_buffer(body)))
-                for _, body in self._all(lib.WIRE_T_STATS, cap=ffi.sizeof("wire_stats"))]
+                for _, body in self._read([(d, lib.WIRE_T_STATS, b"", cap) for d in range(self.n_ducks)])]
 
     def transport_stats(self) -> dict:
         s = ffi.new("duck_transport_stats *")
@@ -354,7 +427,7 @@ class Fleet:
                 payload = len(digests).to_bytes(4, "little") + b"".join(bytes.fromhex(h) for h in digests)
                 reqs.append((d, lib.WIRE_T_CACHE_QUERY, payload, 4 + len(digests) // 8 + 1))
         out: list[set[str]] = [set() for _ in digests_per_duck]
-        for (d, *_), (_, body) in zip(reqs, self.call(reqs) if reqs else []):
+        for (d, *_), (_, body) in zip(reqs, self._read(reqs) if reqs else []):
             bits = np.unpackbits(np.frombuffer(body[4:], np.uint8), bitorder="little")
             out[d] = {h for i, h in enumerate(digests_per_duck[d]) if bits[i]}
         return out

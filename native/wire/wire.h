@@ -35,18 +35,20 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 7                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+#define WIRE_ABI 8                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
                                           size agreed per duck, partial dtype, wake-up time; 4: messages of
                                           up to 64 MiB, the duck's tokens per forward in HELLO; 5: RUN_OPEN,
                                           link-keyed Poly1305 MACs, replay window, hello's challenge and run,
                                           the drop counters bad_mac, replayed, no_run; 6: FORWARD's HOLD flag
-                                          and the reply's group_ntok; 7: NACK's NO_RUN flag) */
+                                          and the reply's group_ntok; 7: NACK's NO_RUN flag; 8: the query
+                                          nonce: hello's query, query_ms and WIRE_HELLO_FULL, wire_query first in
+                                          HELLO, STATS and CACHE_QUERY) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
 #define WIRE_KEY_MIN 16
 #define WIRE_KEY_MAX 64
-#define WIRE_NONCE_BYTES 16             /* a host's run nonce, a duck's challenge */
+#define WIRE_NONCE_BYTES 16             /* a host's run nonce, a duck's challenge, its query nonce */
 #define WIRE_LINK_KEY_BYTES 32
 #define WIRE_REPLAY_WINDOW 1024         /* sequences below a duck's highest that it still takes once */
 #define WIRE_IP_UDP_BYTES 28            /* IPv4 + UDP headers, counted in the MTU */
@@ -113,7 +115,8 @@ enum wire_status {
     WIRE_E_BUSY = 10,         /* an entry in use by the open session */
     WIRE_E_NOMEM = 11,
     WIRE_E_IO = 12,           /* cache file could not be written */
-    WIRE_E_STALE = 13         /* a run open for a challenge that is not the duck's current one */
+    WIRE_E_STALE = 13         /* a run open for a challenge that is not the duck's current one; a STATS or
+                                 CACHE_QUERY whose query nonce is not current (wire_query) */
 };
 
 typedef struct wire_header {
@@ -188,14 +191,30 @@ typedef struct wire_hello_reply {
     char name[32];           /* "duckfw 1.0", NUL-padded */
     uint32_t max_tokens;     /* tokens one FORWARD may carry to this duck (its kernels' bound),
                                 WIRE_TOKENS_DEFAULT .. WIRE_MAX_TOKENS */
-    uint32_t reserved;
+    uint32_t query_ms;       /* how long from now `query` is taken at least, in ms: the rest of its query
+                                period and the next; a host asks for a new one before then */
     uint8_t challenge[WIRE_NONCE_BYTES];   /* what the next RUN_OPEN must name (random, new at start and after
                                               each run opened); zero without the MAC */
     uint8_t run[WIRE_NONCE_BYTES];         /* the run nonce of the host whose link the duck holds; zero: none */
+    uint8_t query[WIRE_NONCE_BYTES];       /* the duck's current query nonce, in every form of the reply: what
+                                              a fleet-MACed read-only request must name (wire_query) */
 } wire_hello_reply;
-WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 128, "wire_hello_reply must be 128 bytes");
+WIRE_STATIC_ASSERT(sizeof(wire_hello_reply) == 144, "wire_hello_reply must be 144 bytes");
 #define WIRE_HELLO_DATA_MAC 0x1u      /* the duck requires a MAC on forwards too */
 #define WIRE_HELLO_FAULTS 0x2u        /* fault injection is on (tests only) */
+#define WIRE_HELLO_FULL 0x4u          /* the whole hello: the request had the fleet MAC and a current query
+                                         nonce; else only the link check's fields and `query` are set */
+
+/* First in the payload of a fleet-MACed HELLO, STATS and CACHE_QUERY: the
+ * duck's current query nonce (its hello's `query`), inside the MACed bytes,
+ * so that a captured read-only request is answered only while that nonce is
+ * current or just before (docs/wire.md, Authentication, Read-only requests).
+ * A duck draws a new one every query period and takes the one before for
+ * one more period; a restart forgets both. */
+typedef struct wire_query {
+    uint8_t nonce[WIRE_NONCE_BYTES];
+} wire_query;
+WIRE_STATIC_ASSERT(sizeof(wire_query) == 16, "wire_query must be 16 bytes");
 
 /* Echoed whole, with any padding that follows: a ping padded to the agreed
  * datagram size, with reply_mtu the same, proves the path both ways. */
@@ -217,7 +236,8 @@ typedef struct wire_stats {
     uint64_t cache_corrupt;  /* entries discarded at load for a bad hash */
     uint64_t wake_ns;        /* sum over forwards of wire_forward_reply.wake_ns */
     uint64_t bad_mac;        /* a link MAC that does not verify (another run, another duck's, forged) */
-    uint64_t replayed;       /* a sequence already taken or below the replay window; a stale run open */
+    uint64_t replayed;       /* a sequence already taken or below the replay window; a stale run open; a
+                              * read-only request with a query nonce that is not current */
     uint64_t no_run;         /* a link-keyed message while no run is open (the duck restarted) */
     uint64_t early_resends;  /* a RESEND that came before its reply went out (the host's timer ran out
                               * while the duck worked): the reply answers it; not a drop */

@@ -49,7 +49,8 @@ def test_short_key_is_refused(tmp_path):
 
 @pytest.mark.parametrize("option,value,text", [("--mtu", "100", "--mtu 100"), ("--threads", "0", "--threads 0"),
                                                ("--idle", "busy", "expected block or spin"),
-                                               ("--cache-capacity", "lots", "not a size")])
+                                               ("--cache-capacity", "lots", "not a size"),
+                                               ("--query-period-ms", "5", "--query-period-ms 5 is not 10..")])
 def test_bad_values_are_named(tmp_path, key_file, option, value, text):
     r = run("--cache-dir", str(tmp_path / "c"), "--key-file", str(key_file), option, value)
     assert r.returncode == 2 and text in r.stderr

@@ -71,7 +71,7 @@ def test_crc32c(n):
 def test_header_layout_matches_the_constants():
     assert ffi.sizeof("wire_header") == lib.WIRE_HEADER_BYTES == 32
     assert ffi.offsetof("wire_header", "checksum") == 28
-    assert ffi.sizeof("wire_hello_reply") == 128 and ffi.sizeof("wire_stats") == 192
+    assert ffi.sizeof("wire_hello_reply") == 144 and ffi.sizeof("wire_stats") == 192
 
 
 def seal(payload: bytes, key, mtype=None, flags=0, frag_index=0, frag_count=1, total=None,
@@ -151,5 +151,5 @@ def test_the_type_table_is_the_specs():
                 else "data" if "no-data-mac" in mac else "required")
         assert need[t.mac_need] == need[lib.wire_mac_need(int(n))] == want, name
     sizes = {name: lib.wire_types[int(n)].reply_size for n, name, _ in rows}
-    assert sizes["HELLO"] == 128 and sizes["STATS"] == 192 and sizes["CACHE_INVALIDATE"] == 4
+    assert sizes["HELLO"] == 144 and sizes["STATS"] == 192 and sizes["CACHE_INVALIDATE"] == 4
     assert sizes["SYNTH"] == 16 and sizes["FORWARD"] == 0 and ffi.string(lib.wire_type_str(99)) == b"unknown"
