@@ -18,6 +18,7 @@ draft from itself.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ import torch
 
 from engine.grammar import Grammar
 from engine.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20   # the likeliest alternatives a token's log-probability comes with, at most (OpenAI's bound)
 
@@ -220,8 +223,11 @@ class TokenStream:
         if token in self.eos:
             self.finish = "eos"
             return True
-        if self.grammar is not None and not self.grammar.accept(token):   # a caller that did not constrain()
-            raise RuntimeError(f"token {token} is not allowed by the request's grammar: {self.grammar.error[:200]}")
+        if self.grammar is not None and not self.grammar.accept(token):
+            # a caller that did not constrain(), or the grammar's own limits: the state is in error and
+            # its masks leave only EOS, so this request ends; the batch's others go on
+            log.warning("token %d is not allowed by the request's grammar (%s): the output ends here",
+                        token, self.grammar.error.splitlines()[0][:200] if self.grammar.error else "")
         self.text += self.stream.push(token)
         cut = min((i for i in (self.text.find(s) for s in params.stop) if i >= 0), default=-1)
         if cut >= 0:

@@ -159,3 +159,15 @@ def test_mtp_drafts_compose_with_a_grammar(mtp_chars):
             alone = generate_mtp(lm.model, lm.tokenizer, prompt, params)
             assert alone.token_ids == got.token_ids
     assert verified > 0
+
+
+def test_a_token_the_grammar_refuses_ends_that_request_only(grammars, smol):
+    """A token the grammar does not take (a caller that did not constrain, or the grammar's own
+    limits) puts the state in error, whose masks leave only EOS: the request ends at its next token,
+    nothing is raised into the loop that serves the others."""
+    from engine.tokens import TokenStream
+    out = TokenStream(smol.tokenizer, [1, 2, 3], SamplingParams(max_tokens=8, grammar=grammars.compile(
+        GrammarSpec("json_object"))), "cpu")
+    x = smol.tokenizer.tokenizer.encode("x", add_special_tokens=False).ids[0]
+    assert not out.add(x)
+    assert out.push(torch.randn(grammars.vocab)) and out.finish == "eos"
