@@ -17,10 +17,10 @@ per linear-attention layer and slot the DeltaNet conv and recurrent states, zero
 sequence starts in the slot; a decode step updates all slots' states in one batched call,
 engine.delta_rule.gated_delta_mixer_slots).
 
-On CUDA, decode steps of the families with a SlotKVCache (Llama, Qwen3, Qwen3-MoE) replay
-CUDA graphs captured per batch-size bucket (engine.gpu.batch_graphs) unless
-DUCK_CUDA_GRAPHS=0; steps with prefill chunks or MTP pairs, and the other families, run
-eagerly."""
+On CUDA, decode steps (MTP pairs included) of the families whose slot cache holds entries
+per position only (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3/V3.2) replay CUDA graphs captured per
+batch-size bucket (engine.gpu.batch_graphs) unless DUCK_CUDA_GRAPHS=0; steps with prefill
+chunks, and Qwen3.5 (its DeltaNet state per sequence), run eagerly."""
 from __future__ import annotations
 
 import logging
@@ -28,7 +28,7 @@ import logging
 import torch
 
 from engine.cpu.host_model import UnsupportedModel
-from engine.layers import SlotBatch, SlotKVCache
+from engine.layers import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class TorchSlotDecoder:
     """Steps of many sequences through the model's torch modules (see the module docstring):
     layers(ids, positions, slots) -> the final hidden states [T, H]; logits(y, rows).
     graphs: decode steps from CUDA graphs per batch-size bucket (None: on CUDA unless
-    DUCK_CUDA_GRAPHS=0; ignored off CUDA and for caches other than a SlotKVCache)."""
+    DUCK_CUDA_GRAPHS=0; ignored off CUDA and for caches with per-sequence state)."""
 
     def __init__(self, model, cache, max_tokens: int, graphs: bool | None = None):
         if not getattr(type(model), "slot_batching", False):
@@ -53,7 +53,7 @@ class TorchSlotDecoder:
         self._ntok = 0
         self.last_batch: SlotBatch | None = None   # the last step's plan (None: a graph replay)
         self.graphs = None                           # engine.gpu.batch_graphs.BatchGraphs on CUDA
-        if self.device.type == "cuda" and isinstance(cache, SlotKVCache) and graphs is not False:
+        if self.device.type == "cuda" and not cache.per_sequence() and graphs is not False:
             from engine.gpu.batch_graphs import BatchGraphs
             from engine.gpu.decode import graphs_enabled
             if graphs or graphs_enabled():

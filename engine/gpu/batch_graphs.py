@@ -2,16 +2,20 @@
 one graph lane (engine.gpu.graphs) per batch-size bucket, each a decode step of that many
 sequences of the slot cache, one token each, captured when the batch decoder is made.
 
-    graphs = BatchGraphs(model, cache, max_tokens)       # cache: the batch's SlotKVCache
+    graphs = BatchGraphs(model, cache, max_tokens)       # cache: the batch's slot cache
     hidden = graphs.step(ids, positions, slots)          # [T, H]; None: not a step the graphs run
 
 A step of B decoding sequences replays the smallest bucket >= B; the rows past B repeat
 row 0 (its token, position and slot), so they route to (nearly always) row 0's experts and
 padding adds no expert a duck must stream. They write their keys and values at the last
 position of row 0's slot, which its sequence writes before it ever reads it (attention
-reads a slot only up to the row's own position): row 0's own entry stays row 0's. Steps with a
-prefill chunk, MTP pairs or more sequences than the largest bucket run eagerly
-(engine.batch_torch). Under static_decode attention reads each row's slot through the
+reads a slot only up to the row's own position): row 0's own entry stays row 0's. An MTP
+pair (a sequence's token and its draft, two rows at consecutive positions of its slot) is
+two rows like any others: each attends up to its own position, the draft to the token's
+entry written in the same layer. Steps with a prefill chunk or more rows than the largest
+bucket run eagerly (engine.batch_torch). The cache is any slot cache whose every tensor
+holds entries per position (SlotKVCache; DeepSeek's SlotMlaCache), not one carrying
+per-sequence state (Qwen3.5's DeltaNet). Under static_decode attention reads each row's slot through the
 slot kernel (engine.ops.decode_attention with slots), masked on the device, and the FFN
 calls go through the lane's host io as the one-sequence graphs' do (one C call per step
 with the fleet).
@@ -25,7 +29,7 @@ import torch
 
 from engine.gpu.graphs import GraphLane
 from engine.lanes import run_lane
-from engine.layers import SlotBatch, SlotKVCache
+from engine.layers import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +38,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class _SlotGuard:
     """The cache entries a capture's warm-up writes (position 0 of the first `tokens`
-    slots), saved to be put back: a lane captured again while sequences run leaves them whole."""
+    slots, in each per-position tensor), saved to be put back: a lane captured again while
+    sequences run leaves them whole."""
 
-    def __init__(self, cache: SlotKVCache, tokens: int):
-        self.cache, self.n = cache, min(tokens, cache.slots)
-        self.k = cache.k[:, :self.n, 0].clone()
-        self.v = cache.v[:, :self.n, 0].clone()
+    def __init__(self, cache, tokens: int):
+        self.n = min(tokens, cache.slots)
+        self.saved = [(t, t[:, :self.n, 0].clone()) for t in cache.per_position()]
 
     def restore(self) -> None:
-        self.cache.k[:, :self.n, 0] = self.k
-        self.cache.v[:, :self.n, 0] = self.v
+        for t, entries in self.saved:
+            t[:, :self.n, 0] = entries
 
 
 class SlotGraphLane(GraphLane):
@@ -52,7 +56,7 @@ class SlotGraphLane(GraphLane):
 
     one_sequence = False   # rows of different sequences: any cache length holds a step
 
-    def __init__(self, model, cache: SlotKVCache, tokens: int, name: str):
+    def __init__(self, model, cache, tokens: int, name: str):
         device = model.model.embed_tokens.weight.device
         self.slot_cache = cache
         self.batch = SlotBatch.static(cache, tokens, device)
@@ -106,7 +110,7 @@ class SlotGraphLane(GraphLane):
 class BatchGraphs:
     """The bucket lanes of one batch decoder (see the module docstring)."""
 
-    def __init__(self, model, cache: SlotKVCache, max_tokens: int):
+    def __init__(self, model, cache, max_tokens: int):
         self.model, self.cache = model, cache
         top = min(cache.slots, max_tokens)
         self.buckets = [b for b in BUCKETS if b < top] + [top]
@@ -132,12 +136,13 @@ class BatchGraphs:
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """ids, positions, slots [B] (host): the last layer's hidden states [B, H] when every
-        row is another sequence's (a decode step) and a bucket holds B; else None."""
+        """ids, positions, slots [B] (host): the last layer's hidden states [B, H] when the step
+        decodes (each sequence one row, or an MTP pair: two rows at consecutive positions) and a
+        bucket holds B; else None."""
         slot_list = slots.tolist()
         b = len(slot_list)
         size = self.bucket(b)
-        if size is None or len(set(slot_list)) != b:
+        if size is None or not _decode_rows(slot_list, positions.tolist()):
             return None
         pad = size - b
         write_at = None
@@ -155,3 +160,16 @@ class BatchGraphs:
         for lane in self.lanes.values():
             lane.close()
         self.lanes.clear()
+
+
+def _decode_rows(slots: list[int], positions: list[int]) -> bool:
+    """Whether a step's rows are a decode step's: each sequence's rows one run, one row or an MTP
+    pair (two, at consecutive positions). A prefill chunk's longer runs read the cache eagerly."""
+    seen, at = set(), 0
+    while at < len(slots):
+        n = 2 if at + 1 < len(slots) and slots[at + 1] == slots[at] else 1
+        if slots[at] in seen or (n == 2 and positions[at + 1] != positions[at] + 1):
+            return False
+        seen.add(slots[at])
+        at += n
+    return True

@@ -261,14 +261,17 @@ class DeepseekV3Attention(nn.Module):
         of tokens then attends to its own slot with the call one sequence alone makes, or,
         when every run is one token (a decode step), all of them in one absorbed call."""
         a, cache, layer = self.args, batch.cache, self.layer_idx
-        if a.index_topk and max(batch.ends) > a.index_topk:
+        if a.index_topk and batch.ends and max(batch.ends) > a.index_topk:
             raise ValueError(f"position {max(batch.ends) - 1}: DeepSeek-V3.2 runs dense attention here, exact only "
                              f"within index_topk={a.index_topk} tokens")
         latents, k_ropes = cache.latent[layer], cache.k_rope[layer]                      # [slots, S, R], [slots, S, r]
         latents.view(-1, latents.shape[-1]).index_copy_(0, batch.flat, latent)
         k_ropes.view(-1, k_ropes.shape[-1]).index_copy_(0, batch.flat, k_rope)
-        if batch.decode_rows is not None:
-            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, batch)
+        if static_decode_active():   # a graph's decode step (SlotBatch.static): each row over its whole slot,
+            keep = batch.positions[:, None] >= torch.arange(latents.shape[1], device=latents.device)[None, :]
+            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, batch.slots, keep[:, None, None, :])
+        if batch.decode_rows is not None:   # masked on the device (no host sync)
+            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, *batch.decode_rows)
         outs = []
         for (slot, start, stop), end in zip(batch.runs, batch.ends):
             positions = batch.positions[start:stop]
@@ -278,12 +281,12 @@ class DeepseekV3Attention(nn.Module):
                                mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _absorbed_rows(self, q_nope, q_rope, latents, k_ropes, batch: SlotBatch) -> torch.Tensor:
-        """_absorbed for B tokens, each of its own slot, in one call: the slots' latents and
-        rotary keys gathered [B, E, .] (E: the furthest row's end), zeroed past each row's
-        position (a reused slot's stale entries, or never-written memory, must not reach a
-        result: weight 0 times NaN is NaN), masked in the softmax."""
-        slots, mask = batch.decode_rows                                                 # [B], [B, 1, 1, E]
+    def _absorbed_rows(self, q_nope, q_rope, latents, k_ropes, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """_absorbed for B tokens, row b in slot slots[b], in one call: the slots' latents and
+        rotary keys gathered [B, E, .] (E: the furthest row's end, or the whole slot), zeroed
+        where mask [B, 1, 1, E] is false (a reused slot's stale entries, or never-written memory,
+        must not reach a result: weight 0 times NaN is NaN), masked in the softmax. Rows may
+        share a slot (an MTP pair: the token and its draft, each masked at its own position)."""
         end, keep = mask.shape[-1], mask[:, 0]                                           # keep [B, 1, E]
         lat = latents[:, :end].index_select(0, slots).masked_fill_(~keep[:, 0, :, None], 0)   # [B, E, R]
         kr = k_ropes[:, :end].index_select(0, slots).masked_fill_(~keep[:, 0, :, None], 0)    # [B, E, r]

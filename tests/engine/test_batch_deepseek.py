@@ -101,6 +101,40 @@ def test_deepseek_slot_logits_match_one_sequence_alone(kind, ds_folder):
         torch.testing.assert_close(row2, want2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v3_plain"])
+def test_a_static_slot_step_with_an_mtp_pair_equals_the_eager_step(kind, ds_folder):
+    """The step a CUDA graph replays (engine.gpu.batch_graphs: SlotBatch.static under static_decode,
+    each row over its whole slot, masked on the device) against the eager step of the same rows: a
+    pair of one sequence (its token and a draft, consecutive positions), another sequence's one row,
+    and a padding row (row 0 again, writing at the slot's last position). The cache is NaN where
+    nothing was written: the whole-slot read must not let it in. Run here on the CPU."""
+    from engine.batch_torch import TorchSlotDecoder
+    from engine.layers import SlotBatch, static_decode
+
+    lm = load_model(ds_folder(kind), device="cpu", backend="fp9")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, TINY_DS[kind]["vocab_size"], (n,), generator=g).tolist() for n in (7, 12)]
+    cache = lm.model.make_slot_cache(4, 40)
+    for t in cache.per_position():
+        t.fill_(float("nan"))
+    dec = TorchSlotDecoder(lm.model, cache, max_tokens=40)
+    for slot, p in ((2, prompts[0]), (1, prompts[1])):
+        dec.layers(torch.tensor(p), torch.arange(len(p)), torch.full((len(p),), slot))
+    ids, positions, slots = [5, 9, 17], [7, 8, 12], [2, 2, 1]   # slot 2: token + draft; slot 1: one token
+    before = [t.clone() for t in cache.per_position()]
+    eager = dec.layers(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots))
+    for t, saved in zip(cache.per_position(), before):
+        t.copy_(saved)
+    batch = SlotBatch.static(cache, 4, "cpu")
+    batch.positions.copy_(torch.tensor(positions + positions[:1]))
+    batch.slots.copy_(torch.tensor(slots + slots[:1]))
+    batch.flat.copy_(torch.tensor([s * 40 + p for s, p in zip(slots, positions)] + [slots[0] * 40 + 39]))
+    with torch.inference_mode(), static_decode():
+        static = lm.model(torch.tensor(ids + ids[:1]), batch.positions, batch)
+    assert torch.isfinite(static).all()
+    torch.testing.assert_close(static[:3], eager, rtol=1e-5, atol=1e-5)
+
+
 def test_a_cpu_host_batches_deepseek_on_the_torch_path_and_v32_keeps_its_dense_limit(ds_folder):
     lm = load_model(ds_folder("deepseek_v32"), device="cpu", backend="fp9")
     batch = batch_decoder(lm.model, lm.tokenizer, slots=2, max_model_len=64)

@@ -102,16 +102,21 @@ def test_gpu_batch_of_the_latent_and_hybrid_caches(kind, tmp_path):
         g = torch.Generator().manual_seed(6)
         requests = [(torch.randint(2, vocab, (3 + 6 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True)) for i in range(5)]
-        together = drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True), requests)
+        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True)
+        together = drain(batch, requests)
         assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
+        # the latent cache's decode steps replay the bucket graphs; the DeltaNet state's run eagerly
+        assert (batch.decoder.graph_steps > 0) == kind.startswith("deepseek")
         assert together == [drain(batch_decoder(lm.model, lm.tokenizer, 1, 64, 16, gpu=True), [r])[0]
                             for r in requests]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint):
-    """MTP1 drafts inside the batch on CUDA, fp32: the same greedy tokens as the batch without them."""
+def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint, monkeypatch):
+    """MTP1 drafts inside the batch on CUDA, fp32: the same greedy tokens as the batch without them,
+    its pair steps (each sequence's token and draft) replayed from the bucket graphs, and the same
+    as the batch with drafts run eagerly (DUCK_CUDA_GRAPHS=0)."""
     from tests.engine.test_deepseek import TINY_DS
     from tests.engine.test_deepseek_mtp import KIND
 
@@ -125,8 +130,12 @@ def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint):
                      SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
         with_mtp = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True, mtp=True)
         assert with_mtp.mtp
-        assert drain(with_mtp, requests) == drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True),
-                                                  requests)
+        got = drain(with_mtp, requests)
+        assert with_mtp.decoder.graph_steps > 0
+        assert got == drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True), requests)
+        monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")
+        eager = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True, mtp=True)
+        assert eager.decoder.graphs is None and got == drain(eager, requests)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
