@@ -115,7 +115,10 @@ def measure(loop: Loop, args) -> dict:
                                 "over_batch_of_one": rate / out["batch_of_one"]["decode_tok_s"]}
         log.info("%d users: %.1f tok/s while all decode (%.2fx one)", n, rate, out["users"][str(n)]["over_batch_of_one"])
     if args.turn_tokens:
-        out["prefix"] = prefix_turns(loop, args)
+        runs = [prefix_turns(loop, args) for _ in range(args.turn_repeats)]   # each a chat of its own
+        out["prefix"] = runs[0] if len(runs) == 1 else {
+            "runs": runs, "ttft_ratio_median": statistics.median(r["ttft_ratio"] for r in runs),
+            "ttft_ratio_uncached_median": statistics.median(r["ttft_ratio_uncached"] for r in runs)}
     return out
 
 
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-tokens", type=int, default=4000, help="the first turn's prompt (0: no prefix run)")
     ap.add_argument("--turn-out", type=int, default=32, help="tokens each turn generates")
     ap.add_argument("--more", type=int, default=40, help="the second turn's new prompt tokens")
+    ap.add_argument("--turn-repeats", type=int, default=1, help="chats of two turns, each on a prompt of its own")
     ap.add_argument("--budget", default="0", help="the GPU's share of the experts, as duckd's model.gpu_ffn_budget "
                                                   "(0: none, the default; auto; bytes; a fraction of auto)")
     ap.add_argument("--json", help="write the result here (default: stdout)")
