@@ -10,6 +10,7 @@ process of its own, so the daemon's client imports nothing of the benchmarks.
     chaos                     faults under load on a daemon of its own (bench/chaos.py)
     loop                      the batch loop against the one-request path (bench/loop_compare.py)
     prefill                   prefill against the GPU alone and the ducks alone (bench/prefill_compare.py)
+    grammar                   the structured-output grammar libraries' costs on this CPU (bench/grammar.py)
 
 e2e through a daemon finds it as duckctl does: --address, --token, --config, --ca, --fingerprint,
 else the running daemon's runtime file (duck_proto.client); the other benchmarks take none of those.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-WHATS = ("kernels", "transport", "e2e", "chaos", "loop", "prefill")
+WHATS = ("kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar")
 
 
 def _daemon(argv: list[str]):
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos import main as run
     elif what == "loop":
         from bench.loop_compare import main as run
+    elif what == "grammar":
+        from bench.grammar import main as run
     else:
         from bench.prefill_compare import main as run
     return run(rest)

@@ -24,6 +24,7 @@
     duckctl bench loop|prefill --synthetic NAME [args...]
                                                   (the batch loop against one request; prefill against
                                                    the GPU alone and the ducks alone: a GPU host's)
+    duckctl bench grammar [--json]                (the structured-output grammar libraries on this CPU)
     The benchmarks run as `python -m bench WHAT` (bench/__main__.py), a process of their own.
     duckctl plan MODEL [args...] | plan --validate  (predicted tok/s of a fleet: duckd/plan/cli.py)
     duckctl image build [--out DIR] [--kernel PATH] [--busybox PATH] [--json]
@@ -350,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "chaos (faults under load, on a daemon of its own), loop and prefill (a "
                                      "synthetic model on local ducks); `duckctl bench WHAT --help`",
                        add_help=False)   # --help goes to the benchmark named
-    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos", "loop", "prefill"])
+    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar"])
     sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
                    add_help=False)
     im = sub.add_parser("image", help="the duck boot image (kernel + initramfs) for network-booted ducks")
