@@ -10,11 +10,14 @@ same tokens, or fail with a clear error soon after a fault.
 Faults (--faults, comma-separated; the schedule picks one at a time, --gap
 seconds apart): kill (kill -9 of a duck), sigstop (a duck stopped for
 --sigstop-s, then continued), restart (Fleet.Restart of a duck), cachecorrupt
-(a byte of a duck's cache entry flipped, then the duck killed), slowclient (a
-chat read slowly), oversize (an HTTP body past daemon.max_request_mb: 413),
-sighup and sigterm of the daemon (started again after it ends); loss, delay,
-reorder, duplicate (tc netem on one duck's link for --netem-s: the fleet then
-runs in network namespaces, which needs root). --loss RATE drops that fraction
+(a byte of a duck's cache entry flipped, then the duck killed), diskfull (the
+state folder's filesystem, a tmpfs of the harness's own, full for --diskfull-s
+while a duck that must store a cache entry again restarts, then restarted once
+space is back; needs root, skipped without), slowclient (a chat read slowly),
+oversize (an HTTP body past daemon.max_request_mb: 413), sighup and sigterm of
+the daemon (started again after it ends); loss, delay, reorder, duplicate (tc
+netem on one duck's link for --netem-s: the fleet then runs in network
+namespaces, which needs root). --loss RATE drops that fraction
 of datagrams on every duck's link, both ways, for the whole run (duckfw's fault
 injection, fleet.fault_drop_rate: no netem needed); the undisturbed runs are
 then lossy too, and a lossy link must change no token.
@@ -40,7 +43,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.chaos_faults import FAULTS, NETEM, FaultRecord, Planned, netem_available, schedule
+from bench.chaos_faults import (FAULTS, NETEM, FaultRecord, Planned, StateFs, diskfull_available, netem_available,
+                                schedule)
 from bench.chaos_load import Load, Target, prompts
 from bench.chaos_report import print_report, summarize
 from bench.live_daemon import RunningDaemon, all_serving, write_config
@@ -62,6 +66,8 @@ class Harness:
     grace_s: float
     max_request_mb: float
     netns_name: str = NETNS_NAME
+    diskfull_s: float = 5.0
+    state_fs: StateFs | None = None          # the state folder's own tmpfs (diskfull)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gap", default="2,10", help="MIN,MAX seconds between two faults (default 2,10)")
     ap.add_argument("--sigstop-s", type=float, default=10.0, help="how long sigstop keeps a duck stopped")
     ap.add_argument("--netem-s", type=float, default=5.0, help="how long a link fault lasts")
+    ap.add_argument("--diskfull-s", type=float, default=5.0,
+                    help="how long diskfull keeps the state folder's filesystem full (at least until the "
+                         "restarted duck has failed)")
     ap.add_argument("--deadline-s", type=float, default=30.0, help="a chat with no token this long is hung")
     ap.add_argument("--min-identical", type=float, default=0.95, help="fraction of chats that must be identical")
     ap.add_argument("--late-s", type=float, default=5.0, help="a failure this long after its fault fails the run")
@@ -104,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} {getattr(args, name)}: expected at least 1")
     if not 0 <= args.loss < 1:
         ap.error(f"--loss {args.loss}: expected 0 <= RATE < 1")
+    if args.diskfull_s < 0:
+        ap.error(f"--diskfull-s {args.diskfull_s}: expected >= 0")
     if args.count < 0 or not 0 <= args.min_identical <= 1 or args.deadline_s <= 0:
         ap.error("--count >= 0, 0 <= --min-identical <= 1 and --deadline-s > 0 expected")
     return args
@@ -118,23 +129,52 @@ def run(args: argparse.Namespace) -> dict:
         skipped = {k: why_not for k in netem_kinds}
         kinds = [k for k in kinds if k not in NETEM]
         log.warning("link faults %s skipped: %s", ", ".join(netem_kinds), why_not)
-        if not kinds:
-            raise SystemExit(f"bench.chaos: no fault left to run ({why_not})")
+    why_disk = diskfull_available() if "diskfull" in kinds else None
+    if why_disk:
+        skipped["diskfull"] = why_disk
+        kinds.remove("diskfull")
+        log.warning("diskfull skipped: %s", why_disk)
+    if not kinds:
+        raise SystemExit(f"bench.chaos: no fault left to run ({'; '.join(sorted(set(skipped.values())))})")
     plan = schedule(kinds, args.count, args.seed, args.gap, args.ducks)
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="duck-chaos-"))
+    state_fs = StateFs(state).mount() if "diskfull" in kinds else None
+    try:
+        report = _run(args, plan, state, state_fs, bool(netem_kinds and not why_not))
+    finally:
+        if state_fs is not None:
+            state_fs.unmount()
+    report["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "state_dir")} | {
+        "fleet": "netns" if netem_kinds and not why_not else "local", "state_dir": str(state),
+        "state_fs": "tmpfs (unmounted after the run)" if state_fs is not None else "as given"}
+    report["skipped"] = skipped
+    report["schedule"] = [asdict(p) for p in plan]
+    return report
+
+
+def _run(args: argparse.Namespace, plan: list[Planned], state: Path, state_fs: StateFs | None, netns: bool) -> dict:
+    """run()'s daemon, load and schedule, on a state folder ready for it."""
     fleet = {"fail_after_s": 1.5, "health_interval_s": 0.5}        # the daemon's defaults
     if args.loss:
         fleet["fault_drop_rate"] = args.loss
-    if netem_kinds and not why_not:
+    if netns:
         fleet |= {"driver": "netns", "netns": {"name": NETNS_NAME, "prefix": NETNS_PREFIX, "subnets": 2}}
     config = write_config(state.parent / f"{state.name}.toml", state, ducks=args.ducks,
                           model={"max_tokens": args.tokens},
                           daemon={"shutdown_grace_s": args.grace_s, "max_request_mb": args.max_request_mb}, **fleet)
-    log.info("starting duckd (%d %s ducks, state %s)", args.ducks, fleet.get("driver", "local"), state)
-    daemon = RunningDaemon(config, state).start()
+    log.info("starting duckd (%d %s ducks, state %s%s)", args.ducks, fleet.get("driver", "local"), state,
+             " on a tmpfs of its own" if state_fs else "")
+    daemon = RunningDaemon(config, state)
+    try:
+        daemon.start()
+    except BaseException:
+        if daemon.proc is not None and daemon.proc.poll() is None:   # not left holding the state folder
+            daemon.stop(timeout=30)
+        raise
     target = Target(daemon)
     load = Load(target, prompts(args.prompts or args.chats), args.tokens, args.deadline_s)
-    h = Harness(daemon, target, load, args.sigstop_s, args.netem_s, args.grace_s, args.max_request_mb)
+    h = Harness(daemon, target, load, args.sigstop_s, args.netem_s, args.grace_s, args.max_request_mb,
+                diskfull_s=args.diskfull_s, state_fs=state_fs)
     records: list[FaultRecord] = []
     try:
         t0 = time.monotonic()
@@ -163,10 +203,6 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         load.close()
         daemon.stop()
-    report["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "state_dir")} | {
-        "fleet": fleet.get("driver", "local"), "state_dir": str(state)}
-    report["skipped"] = skipped
-    report["schedule"] = [asdict(p) for p in plan]
     return report
 
 

@@ -161,10 +161,20 @@ class Daemon:
         """Where clients find this daemon (duck_proto.client): its addresses, token file, and with
         TLS (a duckd.tls.ServerCert) the certificate's path and fingerprint, which they verify."""
         path = self.state_dir / RUNTIME_FILE
-        path.write_text(json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid(),
-                                    "http_address": http_address, "scheme": "https" if tls else "http",
-                                    "tls_cert": str(tls.cert_file) if tls else "",
-                                    "tls_fingerprint": tls.fingerprint if tls else ""}))
+        text = json.dumps({"address": address, "token_file": str(token_file), "pid": os.getpid(),
+                           "http_address": http_address, "scheme": "https" if tls else "http",
+                           "tls_cert": str(tls.cert_file) if tls else "",
+                           "tls_fingerprint": tls.fingerprint if tls else ""})
+        # whole or not at all: a client never reads a partial file (a full disk left an empty one,
+        # and said only "[Errno 28] No space left on device")
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"cannot write the runtime file {path}: {e.strerror or e}; clients find duckd there "
+                          "(free space in daemon.state_dir or move it)") from None
         return path
 
     # -- the API (duckd.server.Core) -----------------------------------------

@@ -258,8 +258,12 @@ int main(int argc, char **argv)
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp", cfg.port_file);
         FILE *f = fopen(tmp, "w");
-        if (!f || fprintf(f, "%u\n", port) < 0 || fclose(f) != 0 || rename(tmp, cfg.port_file) != 0) {
-            dlog(DLOG_ERROR, "cannot write the port file %s: %s", cfg.port_file, strerror(errno));
+        int bad = !f || fprintf(f, "%u\n", port) < 0;
+        bad = (f && fclose(f) != 0) || bad || rename(tmp, cfg.port_file) != 0;
+        if (bad) {
+            int err = errno;
+            unlink(tmp);   /* a full disk leaves no empty port.tmp behind */
+            dlog(DLOG_ERROR, "cannot write the port file %s: %s", cfg.port_file, strerror(err));
             core_free(&core);
             return 1;
         }
