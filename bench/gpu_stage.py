@@ -41,9 +41,7 @@ class _EagerTimer:
 
 
 def _default_len(model) -> int:
-    n = min(2048, model.config.max_position_embeddings)
-    index_topk = getattr(getattr(model, "args", None), "index_topk", 0)
-    return min(n, index_topk) if index_topk else n
+    return min(2048, model.config.max_position_embeddings)
 
 
 @torch.inference_mode()

@@ -45,7 +45,7 @@ class TorchSlotDecoder:
                                    f"path (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3/V3.2 and Qwen3.5 have)")
         weight = model.model.embed_tokens.weight
         for t in cache_tensors(cache):
-            if t.device != weight.device or t.dtype not in (weight.dtype, torch.float32):
+            if t.device != weight.device or t.dtype not in (weight.dtype, torch.float32, torch.float8_e4m3fn):
                 raise UnsupportedModel(f"the slot cache holds {t.dtype} on {t.device}, the model is "
                                        f"{weight.dtype} on {weight.device}")
         self.model, self.cache, self.max_tokens = model, cache, max_tokens

@@ -67,9 +67,6 @@ class CudaDecoder:
 
     def _capacity(self, n: int) -> int:
         cap = self.model.config.max_position_embeddings
-        index_topk = getattr(getattr(self.model, "args", None), "index_topk", 0)   # DeepSeek-V3.2's dense limit
-        if index_topk:
-            cap = min(cap, index_topk)
         return max(n, min(cap, -(-n // CACHE_ROUND) * CACHE_ROUND))
 
     # -- steps ------------------------------------------------------------------------------

@@ -7,9 +7,8 @@ MTP pair included) absorbs kv_b_proj into the query and output instead.
 FFNs: sigmoid-scored routed experts with e_score_correction_bias, group-limited
 top-k and routed_scaling_factor go to the FFN backend; shared experts stay on
 the host; the first first_k_dense_replace layers are dense MLPs, also offloaded.
-DeepSeek-V3.2's indexer (DSA) weights are loaded and shape-checked but not run:
-attention is dense, which is what the indexer selects while the context is
-within index_topk tokens; longer contexts are refused (make_cache, forward).
+DeepSeek-V3.2 (DSA): past index_topk tokens each query attends to the tokens its
+lightning indexer selects (engine.models.deepseek_dsa); within them, densely.
 The MTP (nextn) layers sit after the main ones, at model.layers[num_hidden_layers:],
 as in the checkpoint; engine.mtp drives them.
 """
@@ -27,6 +26,8 @@ from engine import ops
 from engine.config import ConfigError, ModelConfig
 from engine.layers import RMSNorm, SlotBatch, static_decode_active
 from engine.models.base import CausalLM, GatedMLP, RoutedExperts
+from engine.models.deepseek_dsa import (DeepseekV32Indexer, cache_bytes_per_token, index_scores, put_rows,
+                                        row_chunk, select, slot_scores, sparse_latent_attention)
 from engine.weights import WeightSpec
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class DeepseekArgs:
     index_topk: int             # 0: not a DSA model
     index_n_heads: int
     index_head_dim: int
+    index_ue8m0: bool           # the indexer's fp8 scales are powers of two (scale_fmt "ue8m0")
     num_nextn_predict_layers: int
 
     @classmethod
@@ -87,6 +89,7 @@ class DeepseekArgs:
         if rope_kind not in ("default", "yarn"):
             raise ConfigError(f"{where}: rope_scaling {rope_kind!r} is not supported for DeepSeek (default, yarn)")
         q_lora = x.get("q_lora_rank")
+        scale_fmt = x.get("scale_fmt") or (x.get("quantization_config") or {}).get("scale_fmt")
         if dsa and not q_lora:
             raise ConfigError(f"{where}: deepseek_v32 needs q_lora_rank (its indexer reads the query latent)")
         return cls(q_lora_rank=q_lora or None, kv_lora_rank=need("kv_lora_rank"),
@@ -96,7 +99,7 @@ class DeepseekArgs:
                    topk_group=topk_group, dense_layers=dense,
                    rope_interleave=dsa or bool(x.get("rope_interleave", True)),
                    index_topk=need("index_topk") if dsa else 0, index_n_heads=need("index_n_heads") if dsa else 0,
-                   index_head_dim=need("index_head_dim") if dsa else 0,
+                   index_head_dim=need("index_head_dim") if dsa else 0, index_ue8m0=scale_fmt == "ue8m0",
                    num_nextn_predict_layers=int(x.get("num_nextn_predict_layers") or 0))
 
 
@@ -158,9 +161,12 @@ class DeepseekRotary:
 # -- the compressed cache and MLA ----------------------------------------------
 @dataclass(slots=True)
 class MlaCache:
-    """Static cache for one sequence: latent [layers, S, kv_lora_rank], k_rope [layers, S, rope_dim]."""
+    """Static cache for one sequence: latent [layers, S, kv_lora_rank], k_rope [layers, S, rope_dim];
+    with DSA the indexer's keys [layers, S, index_head_dim] (fp8) and their scales [layers, S] (fp32)."""
     latent: torch.Tensor
     k_rope: torch.Tensor
+    index_k: torch.Tensor | None = None
+    index_scale: torch.Tensor | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -168,7 +174,7 @@ class MlaCache:
 
     def per_position(self) -> list[torch.Tensor]:
         """The tensors with an entry per position ([layers, S, ...]): a position's entries hold that token alone."""
-        return [self.latent, self.k_rope]
+        return [t for t in (self.latent, self.k_rope, self.index_k, self.index_scale) if t is not None]
 
     def per_sequence(self) -> list[torch.Tensor]:
         """The tensors of state a sequence carries past every position (none)."""
@@ -179,9 +185,12 @@ class MlaCache:
 class SlotMlaCache:
     """The latent caches of several sequences at once (engine.batch on the torch path):
     latent [layers, slots, S, kv_lora_rank], k_rope [layers, slots, S, rope_dim]; the main
-    layers, and the MTP layers when the batch drafts with them."""
+    layers, and the MTP layers when the batch drafts with them; with DSA the indexer's keys
+    [layers, slots, S, index_head_dim] and scales [layers, slots, S]."""
     latent: torch.Tensor
     k_rope: torch.Tensor
+    index_k: torch.Tensor | None = None
+    index_scale: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -193,22 +202,11 @@ class SlotMlaCache:
 
     def per_position(self) -> list[torch.Tensor]:
         """The tensors with an entry per position ([layers, slots, S, ...]): a position's entries hold that token alone."""
-        return [self.latent, self.k_rope]
+        return [t for t in (self.latent, self.k_rope, self.index_k, self.index_scale) if t is not None]
 
     def per_sequence(self) -> list[torch.Tensor]:
         """The tensors of state a sequence carries past every position (none)."""
         return []
-
-
-class DeepseekV32Indexer(nn.Module):
-    """DSA lightning indexer: loaded and shape-checked; dense attention within index_topk needs no selection."""
-
-    def __init__(self, config: ModelConfig, args: DeepseekArgs):
-        super().__init__()
-        self.wq_b = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, args.index_head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(args.index_head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, args.index_n_heads, bias=False)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -229,57 +227,117 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=bias)
         if args.index_topk:
-            self.indexer = DeepseekV32Indexer(config, args)
+            self.indexer = DeepseekV32Indexer(
+                h, args.q_lora_rank, args.index_n_heads, args.index_head_dim, args.index_topk,
+                DeepseekRotary(config, args.qk_rope_head_dim, interleave=False), args.index_ue8m0)
         self.scale = qk_dim ** -0.5 * rotary.softmax_mult
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MlaCache) -> torch.Tensor:
         a, t, layer = self.args, x.shape[0], self.layer_idx
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        if a.q_lora_rank:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        else:
+            q_latent, q = None, self.q_proj(x)
         q_nope, q_rope = q.view(t, self.num_heads, -1).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)  # [T, R], [T, r]
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope[:, None, :])             # [T, H, r], [T, 1, r]
+        latent, k_rope = self.kv_a_layernorm(latent), k_rope[:, 0]
+        index = self.indexer(x, q_latent, positions) if a.index_topk else None         # queries, weights, keys, scales
         if isinstance(cache, SlotBatch):   # many sequences, each in its own slot
-            out = self._slots(q_nope, q_rope, self.kv_a_layernorm(latent), k_rope[:, 0], cache)
+            out = self._slots(q_nope, q_rope, latent, k_rope, index, cache)
             return self.o_proj(out.reshape(t, -1))
-        # static_decode: the whole cache under the mask below (make_cache kept it within index_topk)
+        # static_decode: the whole cache under the mask below
         end = cache.max_model_len if static_decode_active() else int(positions[-1]) + 1
         if end > cache.max_model_len:
             raise ValueError(f"position {end - 1} is beyond the KV cache (max_model_len={cache.max_model_len})")
-        if a.index_topk and end > a.index_topk:
-            raise ValueError(f"position {end - 1}: DeepSeek-V3.2 runs dense attention here, exact only within "
-                             f"index_topk={a.index_topk} tokens; the sparse indexer path is not implemented")
-        cache.latent[layer].index_copy_(0, positions, self.kv_a_layernorm(latent))
-        cache.k_rope[layer].index_copy_(0, positions, k_rope[:, 0])
+        cache.latent[layer].index_copy_(0, positions, latent)
+        cache.k_rope[layer].index_copy_(0, positions, k_rope)
+        if index is not None:
+            put_rows(cache.index_k[layer], positions, index[2])
+            cache.index_scale[layer].index_copy_(0, positions, index[3])
         latents, k_ropes = cache.latent[layer, :end], cache.k_rope[layer, :end]       # [S, R], [S, r]
-        mask = positions[:, None] >= torch.arange(end, device=x.device)[None, :]      # [T, S]
-        attend = self._absorbed if t <= ABSORB_MAX_TOKENS else self._expanded
-        out = attend(q_nope, q_rope, latents, k_ropes, mask)                            # [T, H, v]
+        if index is not None and end > a.index_topk:
+            out = self._sparse(q_nope, q_rope, index, positions, latents, k_ropes, cache.index_k[layer],
+                               cache.index_scale[layer], end)
+        else:
+            mask = positions[:, None] >= torch.arange(end, device=x.device)[None, :]  # [T, S]
+            attend = self._absorbed if t <= ABSORB_MAX_TOKENS else self._expanded
+            out = attend(q_nope, q_rope, latents, k_ropes, mask)                        # [T, H, v]
         return self.o_proj(out.reshape(t, -1))
 
-    def _slots(self, q_nope, q_rope, latent, k_rope, batch: SlotBatch) -> torch.Tensor:
-        """The tokens' latents and rotary keys written at their slots' positions; each run
-        of tokens then attends to its own slot with the call one sequence alone makes, or,
-        when every run is one token (a decode step), all of them in one absorbed call."""
+    def _slots(self, q_nope, q_rope, latent, k_rope, index, batch: SlotBatch) -> torch.Tensor:
+        """The tokens' latents and rotary keys (and indexer keys) written at their slots'
+        positions; each run of tokens then attends to its own slot with the call one sequence
+        alone makes, or, when every run is one token (a decode step), all of them in one
+        absorbed call."""
         a, cache, layer = self.args, batch.cache, self.layer_idx
-        if a.index_topk and batch.ends and max(batch.ends) > a.index_topk:
-            raise ValueError(f"position {max(batch.ends) - 1}: DeepSeek-V3.2 runs dense attention here, exact only "
-                             f"within index_topk={a.index_topk} tokens")
         latents, k_ropes = cache.latent[layer], cache.k_rope[layer]                      # [slots, S, R], [slots, S, r]
         latents.view(-1, latents.shape[-1]).index_copy_(0, batch.flat, latent)
         k_ropes.view(-1, k_ropes.shape[-1]).index_copy_(0, batch.flat, k_rope)
+        ikeys = iscale = None
+        if index is not None:
+            ikeys, iscale = cache.index_k[layer], cache.index_scale[layer]              # [slots, S, D], [slots, S]
+            put_rows(ikeys.view(-1, ikeys.shape[-1]), batch.flat, index[2])
+            iscale.view(-1).index_copy_(0, batch.flat, index[3])
+        rows = None
         if static_decode_active():   # a graph's decode step (SlotBatch.static): each row over its whole slot,
             keep = batch.positions[:, None] >= torch.arange(latents.shape[1], device=latents.device)[None, :]
-            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, batch.slots, keep[:, None, None, :])
-        if batch.decode_rows is not None:   # masked on the device (no host sync)
-            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, *batch.decode_rows)
+            rows = (batch.slots, keep[:, None, None, :])
+        elif batch.decode_rows is not None:   # masked on the device (no host sync)
+            rows = batch.decode_rows
+        if rows is not None:
+            if index is not None and rows[1].shape[-1] > a.index_topk:
+                return self._sparse_rows(q_nope, q_rope, index, batch.positions, latents, k_ropes, ikeys, iscale,
+                                         *rows)
+            return self._absorbed_rows(q_nope, q_rope, latents, k_ropes, *rows)
         outs = []
         for (slot, start, stop), end in zip(batch.runs, batch.ends):
             positions = batch.positions[start:stop]
+            if index is not None and end > a.index_topk:
+                outs.append(self._sparse(q_nope[start:stop], q_rope[start:stop], [i[start:stop] for i in index],
+                                         positions, latents[slot, :end], k_ropes[slot, :end], ikeys[slot],
+                                         iscale[slot], end))
+                continue
             mask = positions[:, None] >= torch.arange(end, device=positions.device)[None, :]   # [t, S]
             attend = self._absorbed if stop - start <= ABSORB_MAX_TOKENS else self._expanded
             outs.append(attend(q_nope[start:stop], q_rope[start:stop], latents[slot, :end], k_ropes[slot, :end],
                                mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _sparse(self, q_nope, q_rope, index, positions, latents, k_ropes, ikeys, iscale, end: int) -> torch.Tensor:
+        """One sequence's tokens at positions [T] (ascending) over its first `end` cache
+        entries, each attending to the index_topk entries its indexer scores best: scored and
+        selected a block of rows at a time (eagerly, only the keys up to the block's last
+        position), MLA absorbed over the picks."""
+        iq, iw = index[0], index[1]
+        graph = static_decode_active()
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)                          # [T, H, R]
+        o_latent = torch.empty_like(q_latent)
+        t, step = q_latent.shape[0], row_chunk(end)
+        for a in range(0, t, step):
+            b = min(t, a + step)
+            stop = end if graph else min(end, int(positions[b - 1]) + 1)
+            scores = index_scores(iq[a:b], iw[a:b], ikeys, iscale, positions[a:b], stop)
+            picks, valid = select(scores, self.args.index_topk, graph_safe=graph)
+            o_latent[a:b] = sparse_latent_attention(q_latent[a:b], q_rope[a:b], latents, k_ropes, picks, valid,
+                                                    self.scale)
+        return torch.einsum("thr,hvr->thv", o_latent, w_uv)                            # [T, H, v]
+
+    def _sparse_rows(self, q_nope, q_rope, index, positions, latents, k_ropes, ikeys, iscale, slots: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """_absorbed_rows under DSA: row b (slot slots[b] at positions[b], its keys where mask
+        [B, 1, 1, E] holds) scores its slot's indexer keys, keeps the index_topk best and attends
+        to those."""
+        scores = slot_scores(index[0], index[1], ikeys, iscale, positions, slots, mask[:, 0, 0])   # [B, E]
+        picks, valid = select(scores, self.args.index_topk, graph_safe=static_decode_active())   # [B, K]
+        flat = picks + slots[:, None] * latents.shape[1]                                 # rows of the slots seen flat
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        o_latent = sparse_latent_attention(q_latent, q_rope, latents.view(-1, latents.shape[-1]),
+                                           k_ropes.view(-1, k_ropes.shape[-1]), flat, valid, self.scale)
+        return torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
 
     def _absorbed_rows(self, q_nope, q_rope, latents, k_ropes, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """_absorbed for B tokens, row b in slot slots[b], in one call: the slots' latents and
@@ -475,17 +533,29 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _check_len(self, max_model_len: int) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        if self.args.index_topk and max_model_len > self.args.index_topk:
-            raise ValueError(f"max_model_len={max_model_len} exceeds index_topk={self.args.index_topk}: "
-                             f"DeepSeek-V3.2 runs dense attention here, which is exact only within index_topk "
-                             f"tokens; use max_model_len <= {self.args.index_topk}")
+
+    def cache_bytes_per_token(self, mtp: bool = False) -> int:
+        """One position's cache over the main layers (and the MTP layers): latents, rotary keys, indexer keys."""
+        a = self.args
+        layers = len(self.model.layers) if mtp else self.model.num_main_layers
+        return cache_bytes_per_token(a.kv_lora_rank, a.qk_rope_head_dim, a.index_head_dim, layers,
+                                     self.model.embed_tokens.weight.element_size())
+
+    def _index_cache(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The indexer's key and scale caches of shape [..., S] (none without DSA)."""
+        if not self.args.index_topk:
+            return None, None
+        indexer = self.model.layers[0].self_attn.indexer
+        return (torch.zeros(*shape, self.args.index_head_dim, dtype=indexer.key_dtype(like.dtype), device=like.device),
+                torch.zeros(*shape, dtype=torch.float32, device=like.device))
 
     def make_cache(self, max_model_len: int) -> MlaCache:
         self._check_len(max_model_len)
         p = self.model.embed_tokens.weight
         layers = len(self.model.layers)
         return MlaCache(torch.zeros(layers, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
-                        torch.zeros(layers, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))
+                        torch.zeros(layers, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device),
+                        *self._index_cache((layers, max_model_len), p))
 
     def make_slot_cache(self, slots: int, max_model_len: int, mtp: bool = False) -> SlotMlaCache:
         """mtp: the MTP layers' latents too (engine.batch with speculative steps)."""
@@ -496,4 +566,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         layers = len(self.model.layers) if mtp else self.model.num_main_layers
         return SlotMlaCache(
             torch.zeros(layers, slots, max_model_len, self.args.kv_lora_rank, dtype=p.dtype, device=p.device),
-            torch.zeros(layers, slots, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device))
+            torch.zeros(layers, slots, max_model_len, self.args.qk_rope_head_dim, dtype=p.dtype, device=p.device),
+            *self._index_cache((layers, slots, max_model_len), p))
+
+    def exact_indexer(self, exact: bool = True) -> None:
+        """The indexer's keys unrounded (no fp8, no Hadamard turn), as transformers' DeepseekV32
+        computes them: for tests against it. Caches made after this call follow."""
+        for layer in self.model.layers:
+            if hasattr(layer.self_attn, "indexer"):
+                layer.self_attn.indexer.exact = exact

@@ -135,10 +135,10 @@ def test_a_static_slot_step_with_an_mtp_pair_equals_the_eager_step(kind, ds_fold
     torch.testing.assert_close(static[:3], eager, rtol=1e-5, atol=1e-5)
 
 
-def test_a_cpu_host_batches_deepseek_on_the_torch_path_and_v32_keeps_its_dense_limit(ds_folder):
+def test_a_cpu_host_batches_deepseek_on_the_torch_path_with_v32s_indexer_cache(ds_folder):
     lm = load_model(ds_folder("deepseek_v32"), device="cpu", backend="fp9")
     batch = batch_decoder(lm.model, lm.tokenizer, slots=2, max_model_len=64)
     assert batch is not None and batch.path == "torch" and isinstance(batch.cache, ds.SlotMlaCache)
     assert batch.cache.latent.shape[:3] == (TINY_DS["deepseek_v32"]["num_hidden_layers"], 2, 64)
-    with pytest.raises(ValueError, match="exceeds index_topk=96"):
-        lm.model.make_slot_cache(2, 128)
+    assert batch.cache.index_k.shape == (TINY_DS["deepseek_v32"]["num_hidden_layers"], 2, 64, 32)
+    assert lm.model.make_slot_cache(2, 128).index_scale.shape[1:] == (2, 128)   # past index_topk

@@ -1,6 +1,6 @@
 """DeepSeek-V3 / V3.2 (MLA, grouped sigmoid routing, YaRN) against transformers on
 tiny random models saved by transformers; fp9 and fleet backends against fp32;
-the V3.2 tokenizer and chat format; the V3.2 dense-attention limit."""
+the V3.2 tokenizer and chat format; V3.2's indexer cache (its sparse attention: test_dsa.py)."""
 from __future__ import annotations
 
 import json
@@ -156,15 +156,16 @@ def test_fp9_and_fleet_agree_with_fp32(kind, ds_checkpoint, report):
         fleet.ffn.close()
 
 
-def test_v32_refuses_contexts_beyond_index_topk(ds_checkpoint):
+def test_v32_caches_its_indexer_keys_past_index_topk(ds_checkpoint):
     folder, _ = ds_checkpoint("deepseek_v32")
     lm = load_model(folder)
     topk = TINY_DS["deepseek_v32"]["index_topk"]
-    with pytest.raises(ValueError, match=f"max_model_len={topk + 1} exceeds index_topk={topk}"):
-        lm.model.make_cache(topk + 1)
-    with pytest.raises(ValueError, match="exceeds index_topk"):
-        generate(lm.model, lm.tokenizer, _prompt("deepseek_v32", 90, seed=4),
-                 SamplingParams(max_tokens=20, ignore_eos=True))
+    cache = lm.model.make_cache(topk + 50)
+    assert cache.index_k.shape == (3, topk + 50, 32) and cache.index_k.dtype == torch.float8_e4m3fn
+    assert cache.index_scale.shape == (3, topk + 50)
+    out = generate(lm.model, lm.tokenizer, _prompt("deepseek_v32", topk + 20, seed=4),
+                   SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(out.token_ids) == 20
     assert lm.model.model.layers[0].self_attn.indexer.wq_b.weight.shape == (4 * 32, 40)
 
 
