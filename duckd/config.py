@@ -90,7 +90,9 @@ class DaemonConfig:
 class ModelConfig:
     path: str = "default"              # "default" (SmolLM2-135M-Instruct), a HF folder or a .gguf
     backend: str = "fleet"             # fleet | fp9 | torch
-    max_model_len: int = 2048
+    max_model_len: int | str = 2048    # tokens per conversation, or "auto": the longest that fits kv_cache_budget
+    kv_cache_budget: str = "auto"      # memory for max_seqs sequences' decode cache (duckd.context_size): auto (half
+                                       # of what is free on the model's device after loading), bytes, or a fraction
     max_tokens: int = 256              # a chat's default limit
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
@@ -121,7 +123,10 @@ class ModelConfig:
             raise ConfigError(f"model.backend = {self.backend!r}: expected fleet, fp9 or torch")
         if self.path != "default" and not Path(self.path).expanduser().exists():
             raise ConfigError(f"model.path = {self.path!r}: no such file or folder")
-        _positive("model.max_model_len", self.max_model_len)
+        if self.max_model_len != "auto":
+            _positive("model.max_model_len", self.max_model_len)
+        self.kv_cache_budget = str(self.kv_cache_budget)
+        parse_budget(self.kv_cache_budget, 0, key="model.kv_cache_budget")
         _positive("model.max_tokens", self.max_tokens)
         _positive("model.max_queued", self.max_queued)
         _positive("model.max_seqs", self.max_seqs)
@@ -154,8 +159,9 @@ class ModelConfig:
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_budget(text: str, auto: int) -> int:
-    """model.gpu_ffn_budget in bytes: "auto" is `auto`; "24G" / "512M" / "1000" bytes; "0.5" half of auto."""
+def parse_budget(text: str, auto: int, key: str = "model.gpu_ffn_budget") -> int:
+    """A memory budget (model.gpu_ffn_budget, model.kv_cache_budget) in bytes: "auto" is `auto`;
+    "24G" / "512M" / "1000" bytes; "0.5" half of auto."""
     t = str(text).strip().upper().removesuffix("B")
     if t == "AUTO":
         return auto
@@ -171,7 +177,7 @@ def parse_budget(text: str, auto: int) -> int:
             raise ValueError
         return n * _UNITS[unit]
     except ValueError:
-        raise ConfigError(f"model.gpu_ffn_budget = {text!r}: expected auto, bytes (e.g. 24G, 512M, 0) or a "
+        raise ConfigError(f"{key} = {text!r}: expected auto, bytes (e.g. 24G, 512M, 0) or a "
                           f"fraction of auto (0 .. 1, e.g. 0.5)") from None
 
 
@@ -397,6 +403,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_AUTO = {(ModelConfig, "max_model_len", "auto")}   # numbers that may also be "auto"
+
+
 def _build(cls, table: dict, where: str):
     """A dataclass from a TOML table, naming unknown keys and bad types."""
     if not isinstance(table, dict):
@@ -415,7 +424,7 @@ def _build(cls, table: dict, where: str):
             value = [_build(_DUCK_LISTS[cls, key], v, f"{where}.ducks") for v in value]
         else:
             default = getattr(cls(), key) if cls not in (WolDuck, PxeDuck) else None
-            if default is not None and not _same_kind(default, value):
+            if default is not None and not _same_kind(default, value) and (cls, key, value) not in _AUTO:
                 raise ConfigError(f"{where}.{key} = {value!r}: expected {type(default).__name__}".lstrip("."))
         kwargs[key] = value
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.fleet_ffn import FleetFfn
 
+from duckd.config import ConfigError
 from duckd.packcache import PackCache
 
 log = logging.getLogger("duckd.model")
@@ -113,6 +114,7 @@ class ModelHost:
         self.name = ""
         self.last_decode_tps = 0.0
         self._grammars = self._tool_format = None
+        self.context = None   # duckd.context_size.ContextPlan, once loaded
 
     @property
     def grammars(self):
@@ -150,8 +152,22 @@ class ModelHost:
         self.loaded = load_model(path, device=device, backend=backend)
         self.ffn = self.loaded.ffn
         log.info("model %s loaded in %.1f s (backend %s)", self.name, time.monotonic() - t0, self.ffn.name)
+        self._size_context()
         self._place()
         self._streamed_prefill()
+
+    def _size_context(self) -> None:
+        """model.max_model_len against the decode cache's bytes per token and model.kv_cache_budget
+        (duckd.context_size): "auto" becomes the longest context that fits; the operator is told."""
+        from duckd.context_size import plan_context
+
+        try:
+            self.context = plan_context(self.loaded.model, self.cfg.max_model_len, self.cfg.max_seqs,
+                                        self.cfg.kv_cache_budget)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.cfg.max_model_len = self.context.max_model_len
+        log.info("context: %s", self.context.describe())
 
     def _place(self) -> None:
         """With a fleet: the GPU's share of the FFNs within model.gpu_ffn_budget (engine.placement).
