@@ -11,6 +11,8 @@ process of its own, so the daemon's client imports nothing of the benchmarks.
     loop                      the batch loop against the one-request path (bench/loop_compare.py)
     prefill                   prefill against the GPU alone and the ducks alone (bench/prefill_compare.py)
     grammar                   the structured-output grammar libraries' costs on this CPU (bench/grammar.py)
+    long_context              DeepSeek-V3.2's decode at 1k / 32k / 128k context and a 32k prefill, synthetic,
+                              on local ducks (bench/long_context.py)
 
 e2e through a daemon finds it as duckctl does: --address, --token, --config, --ca, --fingerprint,
 else the running daemon's runtime file (duck_proto.client); the other benchmarks take none of those.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-WHATS = ("kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar")
+WHATS = ("kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar", "long_context")
 
 
 def _daemon(argv: list[str]):
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.loop_compare import main as run
     elif what == "grammar":
         from bench.grammar import main as run
+    elif what == "long_context":
+        from bench.long_context import main as run
     else:
         from bench.prefill_compare import main as run
     return run(rest)

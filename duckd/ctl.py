@@ -348,10 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--by-routing", action="store_true", help="each layer's experts by how often they were chosen")
     pl.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="benchmarks: kernels, transport (this host), e2e (through the daemon), "
-                                     "chaos (faults under load, on a daemon of its own), loop and prefill (a "
-                                     "synthetic model on local ducks); `duckctl bench WHAT --help`",
+                                     "chaos (faults under load, on a daemon of its own), loop, prefill and long_context "
+                                     "(a synthetic model on local ducks); `duckctl bench WHAT --help`",
                        add_help=False)   # --help goes to the benchmark named
-    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar"])
+    b.add_argument("what", choices=["kernels", "transport", "e2e", "chaos", "loop", "prefill", "grammar",
+                                    "long_context"])
     sub.add_parser("plan", help="predict a fleet's tok/s for a model (no daemon): duckctl plan --help",
                    add_help=False)
     im = sub.add_parser("image", help="the duck boot image (kernel + initramfs) for network-booted ducks")
