@@ -2,10 +2,11 @@
 # On the lent GPU host, in one call: DeepSeek-V3.2's sparse attention on CUDA (tests/gpu), then
 # bench.long_context (decode at 1k / 32k / 128k context, a 32k prompt's prefill) into
 # $OUT/<date>-deepseek-long-<machine>.json, then the indexer kernel's own timings (bench.gpu_dsa).
-#   MACHINE=h100 [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] [LONG_ARGS=...] bash scripts/device_long.sh
+#   [MACHINE=h100] [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] [LONG_ARGS=...] bash scripts/device_long.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MACHINE=${MACHINE:-h100}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | tr H h)}
 t0=$(date +%s); say() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 if [ "${SKIP_DUCK_BUILD:-0}" != 1 ]; then
     bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py >>"$OUT/build.log" 2>&1 \
