@@ -27,15 +27,16 @@ SEEDS = (1, 3)
 MIN_ACCEPT, MAX_ACCEPT = 0.2, 0.95
 
 
-@pytest.fixture(scope="module")
-def mtp_checkpoint(tmp_path_factory):
-    cfg = TINY_DS[KIND]
+def write_mtp_checkpoint(folder, kind: str = KIND, **overrides):
+    """A tiny `kind` checkpoint with a nextn layer: the main model, then a donor's extra last layer
+    as the MTP layer (its attention, V3.2's indexer included, random), eh_proj passing the
+    token's embedding through, shared_head the main model's norm and lm_head."""
+    cfg = {**TINY_DS[kind], **overrides}
     n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    folder = tmp_path_factory.mktemp("deepseek_v3_mtp")
-    main = hf_deepseek(KIND)
+    main = hf_deepseek(kind, **overrides)
     main.save_pretrained(folder)
     write_word_tokenizer(folder, cfg["vocab_size"])
-    donor = hf_deepseek(KIND, seed=7, num_hidden_layers=n + 1).state_dict()  # its last layer becomes the nextn layer
+    donor = hf_deepseek(kind, seed=7, **{**overrides, "num_hidden_layers": n + 1}).state_dict()
     mtp = {k: v.contiguous() for k, v in donor.items() if k.startswith(f"model.layers.{n}.")}
     # transformers keeps experts fused; the checkpoint layout has one tensor per expert
     gate_up, down = mtp.pop(f"model.layers.{n}.mlp.experts.gate_up_proj"), mtp.pop(f"model.layers.{n}.mlp.experts.down_proj")
@@ -54,6 +55,11 @@ def mtp_checkpoint(tmp_path_factory):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    return write_mtp_checkpoint(tmp_path_factory.mktemp("deepseek_v3_mtp"))
 
 
 def _prompt(seed: int) -> list[int]:

@@ -144,6 +144,25 @@ def test_a_batch_past_index_topk_gives_each_request_what_it_gets_alone(v32):
         assert got == generate(lm.model, lm.tokenizer, prompt, params).token_ids
 
 
+def test_mtp_drafts_past_index_topk_keep_the_greedy_tokens(tmp_path):
+    """V3.2 with a nextn layer (its own indexer): MTP drafts alone and in the batch give the
+    tokens of plain decoding, on a prompt past index_topk (fp8 keys: every path the same)."""
+    from engine.mtp import generate_mtp
+    from tests.engine.test_deepseek_mtp import write_mtp_checkpoint
+
+    lm = load_model(write_mtp_checkpoint(tmp_path, KIND, index_n_heads=INDEX_HEADS), backend="fp9")
+    assert lm.model.mtp_layers and hasattr(lm.model.mtp_layers[0].self_attn, "indexer")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    requests = [(_prompt(KIND, n, seed=n), params) for n in (TOPK + 70, 2 * TOPK + 9)]
+    plain = [generate(lm.model, lm.tokenizer, p, s).token_ids for p, s in requests]
+    spec = generate_mtp(lm.model, lm.tokenizer, *requests[0])
+    assert spec.token_ids == plain[0] and spec.stats.mtp[1] > 0
+    batch = BatchDecoder(lm.model, lm.tokenizer, slots=2, max_model_len=3 * TOPK, step_tokens=64, path="torch",
+                         mtp=True)
+    assert batch.mtp
+    assert drain(batch, requests) == plain
+
+
 def test_hadamard_and_fp8_keys():
     h = dsa.hadamard(32, torch.device("cpu"))
     torch.testing.assert_close(h @ h.T, torch.eye(32), rtol=0, atol=1e-6)
