@@ -59,7 +59,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cases", default="kill9,sigstop10s,two_kills,loss5,replicas_kill",
                     help="comma-separated; the undisturbed runs always come first")
+    ap.add_argument("--netns", action="store_true",
+                    help="every daemon's ducks in network namespaces of their own (fleet.driver netns, two subnets "
+                         "over veth links; needs root), as boxes on a network are")
     args = ap.parse_args()
+    netns = {"driver": "netns", "netns": {"name": "lost", "prefix": "10.78", "subnets": 2}} if args.netns else {}
+
+    def launch(root, name, **fleet):
+        return start(root, name, **netns, **fleet)
+
     cases = set(args.cases.split(","))
     root = Path(tempfile.mkdtemp(prefix="duck-lost-"))
     rows: dict[str, list[dict]] = {}
@@ -69,7 +77,7 @@ def main() -> None:
         rows.setdefault(case, []).append(row)
         print(case, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
 
-    daemon = start(root, "main")
+    daemon = launch(root, "main")
     try:
         ref, _, _ = stream(daemon)
         for _ in range(args.reps):
@@ -84,7 +92,7 @@ def main() -> None:
                        restarts=sum(d.restarts for d in daemon.ducks()))
     finally:
         daemon.stop()
-    lossy = start(root, "lossy", fault_drop_rate=0.05) if "loss5" in cases else None
+    lossy = launch(root, "lossy", fault_drop_rate=0.05) if "loss5" in cases else None
     try:
         for _ in range(args.reps if lossy else 0):
             tokens, times, stats = stream(lossy)
@@ -92,7 +100,7 @@ def main() -> None:
     finally:
         if lossy:
             lossy.stop()
-    replicas = start(root, "replicas", replicas=2, host_cover_mb=0) if "replicas_kill" in cases else None
+    replicas = launch(root, "replicas", replicas=2, host_cover_mb=0) if "replicas_kill" in cases else None
     try:
         for i in range(args.reps if replicas else 0):
             all_serving(replicas, timeout=120)

@@ -99,7 +99,7 @@ typedef struct duck_call {
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
-             unauthenticated, mtu_fallbacks, no_run, lost_hints;
+             unauthenticated, mtu_fallbacks, no_run, lost_hints, early_retransmits;
     int32_t last_errno; ...;
 } duck_transport_stats;
 typedef struct duck_transport duck_transport;

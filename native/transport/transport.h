@@ -72,6 +72,7 @@ typedef struct duck_transport_stats {
     uint64_t mtu_fallbacks;      /* calls whose agreed datagram size did not get through */
     uint64_t no_run;             /* calls a duck answered with NACK NO_RUN (DUCK_T_ENORUN) */
     uint64_t lost_hints;         /* forward calls given up on at a lost hint (duck_transport_hint_lost) */
+    uint64_t early_retransmits;  /* of retransmits: sent before the timer, the other ducks' calls all answered */
     int32_t last_errno;
     uint32_t reserved;
 } duck_transport_stats;

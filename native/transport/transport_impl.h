@@ -85,6 +85,7 @@ struct duck_transport {
     int gathering;                /* replies of this run have started to arrive: poll briefly for the rest */
     duck_transport_stats stats;
     uint64_t progress;            /* moves at every reply and at the end of every run: read from any thread */
+    uint64_t last_ok_ns;          /* when the run's latest call completed (0: none yet) */
     /* lost ducks (transport_lost.c) */
     duck_cover_config cover;      /* its arrays point at slice_bytes and replica below */
     uint64_t *slice_bytes;
@@ -143,6 +144,7 @@ uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck);
 void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now);
 /* A call's retransmit interval, its cap and its failure deadline, from now. */
 void tr_start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now);
+uint64_t tr_sibling_wait_ns(const duck_transport *t, const duck_call *c, const call_state *s);
 int tr_run(duck_transport *t, duck_call *calls, uint32_t n, tr_done_fn done, void *ctx);
 /* From a done callback: sends calls [first, first + count) again, each with
  * its (new) payload and a new sequence number (shared by calls of one

@@ -29,7 +29,15 @@
  * (a lossy link). A slow duck's measurements grow with it (it is not
  * dropped); a dead one is caught within a few of its normal step times and its slices
  * are computed elsewhere, so an early verdict costs a little work, not the
- * request. */
+ * request.
+ *
+ * The ducks of a tensor-parallel step do the same work and answer within a
+ * short spread of each other. Once every other call of a run has its reply,
+ * the last silent one is retransmitted after that spread (half its duck's
+ * srtt, at least SIBLING_MIN_NS, plus a quarter of its expected compute) past
+ * the latest reply instead of after its whole timer: on a lossy link most
+ * steps lose a datagram somewhere, and each would otherwise cost a timer. A
+ * duplicate that was not needed costs the duck an answer from its cache. */
 #define _GNU_SOURCE   /* struct mmsghdr in transport_impl.h */
 #include "transport_impl.h"
 
@@ -45,6 +53,14 @@ uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck)
     if (rto > ceiling)
         rto = ceiling;
     return rto > floor ? rto : floor;
+}
+
+#define SIBLING_MIN_NS 200000u
+
+uint64_t tr_sibling_wait_ns(const duck_transport *t, const duck_call *c, const call_state *s)
+{
+    uint64_t half = t->link[c->duck].srtt_ns / 2;
+    return (half > SIBLING_MIN_NS ? half : SIBLING_MIN_NS) + s->work_ns / 4;
 }
 
 uint32_t duck_transport_rto_us(const duck_transport *t, uint32_t duck)
