@@ -216,10 +216,10 @@ def _response_format(body: dict) -> tuple[str, str] | None:
 
 
 def message_calls(m: dict, i: int) -> tuple[tuple[str, str, str], ...]:
-    """An assistant message's tool_calls as (id, name, arguments JSON text)."""
+    """An OpenAI message's tool_calls as (id, name, arguments JSON text): chat_calls of its calls."""
     calls = m.get("tool_calls") or []
     where = f"messages[{i}].tool_calls"
-    if not isinstance(calls, list) or (calls and m.get("role") != "assistant"):
+    if not isinstance(calls, list):
         raise errors.InvalidArgument(where, f"{where}: expected a list, on an assistant message")
     out = []
     for k, call in enumerate(calls):
@@ -228,8 +228,17 @@ def message_calls(m: dict, i: int) -> tuple[tuple[str, str, str], ...]:
                 not isinstance(fn.get("arguments", "{}"), str):
             raise errors.InvalidArgument(f"{where}[{k}]", f"{where}[{k}]: expected {{\"id\", \"type\": "
                                          "\"function\", \"function\": {\"name\", \"arguments\": a JSON string}}")
-        out.append((str(call.get("id") or f"call_{i}_{k}"), fn["name"], fn.get("arguments", "{}")))
-    return tuple(out)
+        out.append((call.get("id"), fn["name"], fn.get("arguments", "{}")))
+    return chat_calls(m.get("role"), out, i)
+
+
+def chat_calls(role: str | None, calls, i: int) -> tuple[tuple[str, str, str], ...]:
+    """Message i's tool calls, (id, name, arguments JSON text) each, as the chat service's: only an
+    assistant's; a call without an id gets call_{i}_{k}. Both APIs' messages come through here."""
+    where = f"messages[{i}].tool_calls"
+    if calls and role != "assistant":
+        raise errors.InvalidArgument(where, f"{where}: expected a list, on an assistant message")
+    return tuple((str(id_ or f"call_{i}_{k}"), name, arguments) for k, (id_, name, arguments) in enumerate(calls))
 
 
 def _tools(body: dict, req: ChatRequest) -> None:

