@@ -163,6 +163,9 @@ def test_v32_caches_its_indexer_keys_past_index_topk(ds_checkpoint):
     cache = lm.model.make_cache(topk + 50)
     assert cache.index_k.shape == (3, topk + 50, 32) and cache.index_k.dtype == torch.float8_e4m3fn
     assert cache.index_scale.shape == (3, topk + 50)
+    from duckd.context_size import cache_bytes_per_token
+    # measured on a cache of the model's own (duckd sizes the context so) = the closed form
+    assert cache_bytes_per_token(lm.model) == lm.model.cache_bytes_per_token() == 3 * ((32 + 16) * 4 + 32 + 4)
     out = generate(lm.model, lm.tokenizer, _prompt("deepseek_v32", topk + 20, seed=4),
                    SamplingParams(max_tokens=20, ignore_eos=True))
     assert len(out.token_ids) == 20
