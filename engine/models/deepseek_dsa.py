@@ -140,8 +140,8 @@ def scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_scale
 def index_scores(q, w, keys, key_scale, positions: torch.Tensor, end: int) -> torch.Tensor:
     """One sequence: queries at positions [T] over its first `end` keys -> [T, end] fp32,
     -inf past each query's position."""
-    kernel = _kernel()
-    if kernel is not None and q.is_cuda:
+    kernel = _kernel(q)
+    if kernel is not None:
         return kernel(q, w, keys, key_scale, positions, n_keys=end)
     keep = positions[:, None] >= torch.arange(end, device=q.device)[None, :]
     return scores_torch(q, w, keys[:end], key_scale[:end], keep)
@@ -151,19 +151,25 @@ def slot_scores(q, w, keys, key_scale, positions: torch.Tensor, slots: torch.Ten
     """Row b of a batch's decode step over slot slots[b] of a slot cache (keys [N, S, D],
     key_scale [N, S]) up to its position (keep [B, E]: the first E keys, true up to it) -> [B, E]."""
     end = keep.shape[-1]
-    kernel = _kernel()
-    if kernel is not None and q.is_cuda:
+    kernel = _kernel(q)
+    if kernel is not None:
         return kernel(q, w, keys, key_scale, positions, n_keys=end, rows_slot=slots)
     return scores_torch(q, w, take_rows(keys[:, :end], slots), key_scale[:, :end].index_select(0, slots), keep)
 
 
+def _kernel(q: torch.Tensor):
+    """engine.gpu.dsa_index's kernel where it runs for q: CUDA, or Triton's interpreter (tests)."""
+    mod = _kernel_module()
+    return mod.index_scores if mod is not None and (q.is_cuda or mod.INTERPRETED) else None
+
+
 @functools.lru_cache(maxsize=1)
-def _kernel():
+def _kernel_module():
     try:
-        from engine.gpu.dsa_index import index_scores as kernel
+        from engine.gpu import dsa_index
     except ImportError:       # no Triton (a CPU-only install)
         return None
-    return kernel
+    return dsa_index
 
 
 def select(scores: torch.Tensor, topk: int, graph_safe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

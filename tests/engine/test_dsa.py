@@ -163,6 +163,42 @@ def test_mtp_drafts_past_index_topk_keep_the_greedy_tokens(tmp_path):
     assert drain(batch, requests) == plain
 
 
+def _with_and_without_the_kernel(folder) -> float:
+    """In an interpreter worker: the tiny V3.2's logits past index_topk with the indexer's scores
+    from engine.gpu.dsa_index's kernel (one sequence's prefill, then a batch's decode rows over a
+    slot cache: its rows_slot variant) and from the torch path; the largest difference."""
+    from engine.batch_torch import TorchSlotDecoder
+
+    lm = load_model(folder, device="cpu", backend="fp9")
+    lm.model.exact_indexer()
+    prompts = [_prompt(KIND, n, seed=n) for n in (TOPK + 30, TOPK + 9)]
+
+    def run():
+        cache = lm.model.make_slot_cache(2, 2 * TOPK)
+        dec = TorchSlotDecoder(lm.model, cache, max_tokens=2 * TOPK)
+        out = []
+        for slot, p in enumerate(prompts):
+            out.append(dec.logits(dec.layers(torch.tensor(p), torch.arange(len(p)), torch.full((len(p),), slot))))
+        y = dec.layers(torch.tensor([5, 7]), torch.tensor([len(p) for p in prompts]), torch.tensor([0, 1]))
+        assert dec.last_batch.decode_rows is not None
+        return torch.cat(out + [dec.logits(y)])
+
+    assert dsa._kernel(torch.zeros(1)) is not None, "the interpreter runs the kernel on CPU tensors"
+    kernel = run()
+    dsa._kernel_module.cache_clear()
+    real = dsa._kernel_module
+    dsa._kernel_module = lambda: None
+    try:
+        torch_path = run()
+    finally:
+        dsa._kernel_module = real
+    return ((kernel - torch_path).abs().max() / torch_path.abs().max()).item()
+
+
+def test_the_engine_reads_the_triton_kernels_scores_as_its_own(v32, interpreted):
+    assert interpreted(_with_and_without_the_kernel, v32[0]) <= 1e-5
+
+
 def test_hadamard_and_fp8_keys():
     h = dsa.hadamard(32, torch.device("cpu"))
     torch.testing.assert_close(h @ h.T, torch.eye(32), rtol=0, atol=1e-6)
