@@ -62,11 +62,14 @@ def main() -> None:
     ap.add_argument("--netns", action="store_true",
                     help="every daemon's ducks in network namespaces of their own (fleet.driver netns, two subnets "
                          "over veth links; needs root), as boxes on a network are")
+    ap.add_argument("--send-twice", choices=("auto", "always", "never"), default="auto",
+                    help="fleet.send_twice of every daemon (docs/wire.md, Reliability): auto sends a lossy link's "
+                         "decode forwards twice")
     args = ap.parse_args()
     netns = {"driver": "netns", "netns": {"name": "lost", "prefix": "10.78", "subnets": 2}} if args.netns else {}
 
     def launch(root, name, **fleet):
-        return start(root, name, **netns, **fleet)
+        return start(root, name, **netns, send_twice=args.send_twice, **fleet)
 
     cases = set(args.cases.split(","))
     root = Path(tempfile.mkdtemp(prefix="duck-lost-"))

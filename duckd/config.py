@@ -296,6 +296,9 @@ class PxeConfig:
             raise ConfigError("fleet.pxe.ducks: each MAC and each address may appear once")
 
 
+TWICE = {"auto": 0, "always": 1, "never": -1}   # fleet.send_twice -> duck_transport_config.twice
+
+
 @dataclass(slots=True)
 class FleetConfig:
     driver: str = "local"              # local | netns | wol | pxe
@@ -317,6 +320,8 @@ class FleetConfig:
     spin_us: int = 1000                # how long they spin (yielding the CPU) before blocking
     host_spin_us: int = 0              # the host polls for replies this long before blocking
     retransmit_ms: float = 0.5         # the floor of the host's retransmit timer (it follows each duck's round trip)
+    send_twice: str = "auto"           # a decode forward's datagrams, and its reply's, sent twice: auto (to a duck
+                                       # whose link is found to lose datagrams), always, never (docs/wire.md, Loss)
     replicas: int = 1                  # 2: each slice also on the next duck, which computes it when its duck is lost
     host_cover_mb: int = 4096          # the most MB of lost ducks' slices the host computes (0: none; the request fails)
     host_cover_threads: int = 1        # threads computing them (1: the forwarding thread alone)
@@ -363,6 +368,8 @@ class FleetConfig:
             raise ConfigError(f"fleet.host_spin_us = {self.host_spin_us!r}: expected 0..100000")
         if not 0.1 <= self.retransmit_ms <= self.fail_after_s * 1000:
             raise ConfigError(f"fleet.retransmit_ms = {self.retransmit_ms!r}: expected 0.1 .. fail_after_s in ms")
+        if self.send_twice not in TWICE:
+            raise ConfigError(f"fleet.send_twice = {self.send_twice!r}: expected one of {', '.join(TWICE)}")
         if self.replicas not in (1, 2) or (self.replicas == 2 and self.ducks < 2):
             raise ConfigError(f"fleet.replicas = {self.replicas!r}: expected 1, or 2 with at least two ducks")
         if not 0 <= self.host_cover_mb <= 1 << 24:

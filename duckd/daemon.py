@@ -13,6 +13,7 @@ from pathlib import Path
 
 from duck_proto import duck_pb2 as pb
 from duck_proto.client import RUNTIME_FILE
+from duckd.config import TWICE
 from duckd.drivers import make_driver
 from duckd.events import EventLog
 from duckd.fleet_manager import FleetManager, State
@@ -87,7 +88,8 @@ class Daemon:
             self.transport = Fleet(self.fleet.addresses(), self.key, mtu=self.cfg.fleet.mtu,
                                    deadline_ms=self.cfg.fleet.fail_after_s * 1000,
                                    retransmit_ms=self.cfg.fleet.retransmit_ms,
-                                   spin_us=self.cfg.fleet.host_spin_us, mac_data=self.cfg.fleet.data_mac)
+                                   spin_us=self.cfg.fleet.host_spin_us, mac_data=self.cfg.fleet.data_mac,
+                                   twice=TWICE[self.cfg.fleet.send_twice])
             path = self._model_path()
             self.packs = PackCache(self.state_dir / "packed", model_key(path, self.cfg.fleet.tp,
                                                                         self.cfg.fleet.multiple_of, lib.WIRE_ABI))

@@ -43,6 +43,15 @@ class _FleetCollector:
             streamed.add_metric([i], s.bytes_streamed)
             corrupt.add_metric([i], s.cache_corrupt)
         yield from (state, gbps, rtt, errors, resends, restarts, streamed, corrupt)
+        if d.transport is not None:   # the host's side of the wire (docs/wire.md, Reliability)
+            t = d.transport.transport_stats(wait=0.1)
+            for key, name, text in (("retransmits", "duck_host_retransmits", "requests the host sent again"),
+                                    ("timeouts", "duck_host_timeouts", "calls no duck answered within the deadline"),
+                                    ("twice_calls", "duck_host_sent_twice", "calls sent twice on a lossy link"),
+                                    ("twice_starts", "duck_host_lossy_verdicts",
+                                     "times a duck's link was found lossy (its decode forwards then went twice)")):
+                if key in t:
+                    yield CounterMetricFamily(name, text, value=t[key])
         chat = d.chat
         yield GaugeMetricFamily("duck_requests_queued", "chat requests waiting for the model", value=chat.queued)
         yield GaugeMetricFamily("duck_requests_running", "chat requests generating", value=chat.running)

@@ -39,8 +39,8 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
     query_init(c);
     c->ws = duck_ffn_workspace_create();
     c->out = malloc((size_t)SEND_BATCH * (cfg->mtu + 64));
-    c->out_ptrs = calloc(SEND_BATCH, sizeof *c->out_ptrs);
-    c->out_lens = calloc(SEND_BATCH, sizeof *c->out_lens);
+    c->out_ptrs = calloc(2 * SEND_BATCH, sizeof *c->out_ptrs);
+    c->out_lens = calloc(3 * SEND_BATCH, sizeof *c->out_lens);
     if (!c->ws || !c->out || !c->out_ptrs || !c->out_lens) {
         dlog(DLOG_ERROR, "out of memory at start");
         return -1;
@@ -134,9 +134,12 @@ static void seal_one(void *ctx, unsigned k)
 
 /* Seals fragments [0, count) of one message in datagrams of at most mtu
  * bytes, skipping those marked in `have`, and sends them in batches; a large
- * message's batches are sealed over the pool (a prefill chunk's partial). */
+ * message's batches are sealed over the pool (a prefill chunk's partial).
+ * twice: each batch goes twice, the copies after the batch (a lossy link's
+ * reply: a datagram is lost only when both copies are). */
 static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
-                         uint32_t total, uint32_t mtu, int with_mac, const uint8_t *have, uint32_t have_bits)
+                         uint32_t total, uint32_t mtu, int with_mac, const uint8_t *have, uint32_t have_bits,
+                         int twice)
 {
     uint32_t count = wire_frag_count(total, mtu);
     uint32_t fsize = wire_frag_size(total, count);
@@ -152,14 +155,16 @@ static void send_message(duck_core *c, const duck_peer *to, const wire_header *b
                 frags[n++] = i;
         duck_pool_for(par ? c->pool : NULL, n, seal_one, &j);
         unsigned m = 0;
-        for (unsigned k = 0; k < n; k++) {
-            if (core_fault_drop(c))
-                continue;
-            c->out_ptrs[m] = c->out + (size_t)k * (c->cfg.mtu + 64);
-            c->out_lens[m++] = c->out_lens[k];
-        }
+        size_t *lens = c->out_lens + SEND_BATCH;
+        for (int copy = 0; copy <= (twice != 0); copy++)
+            for (unsigned k = 0; k < n; k++) {
+                if (core_fault_drop(c))
+                    continue;
+                c->out_ptrs[m] = c->out + (size_t)k * (c->cfg.mtu + 64);
+                lens[m++] = c->out_lens[k];
+            }
         if (m) {
-            c->send(c->send_ctx, to, c->out_ptrs, c->out_lens, m);
+            c->send(c->send_ctx, to, c->out_ptrs, lens, m);
             c->stats.datagrams_tx += m;
         }
     }
@@ -169,10 +174,10 @@ void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uin
 {
     wire_header h = {0};
     h.type = r->key.type;
-    h.flags = WIRE_F_REPLY;
+    h.flags = WIRE_F_REPLY | (r->twice ? WIRE_F_TWICE : 0);   /* the host counts the copies: its link's loss */
     h.session = r->key.session;
     h.sequence = r->key.sequence;
-    send_message(c, &r->to, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits);
+    send_message(c, &r->to, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits, r->twice);
 }
 
 static void send_nack(duck_core *c, const duck_peer *to, const msg_key *k, const reasm_slot *s, int with_mac)
@@ -196,7 +201,7 @@ static void send_nack(duck_core *c, const duck_peer *to, const msg_key *k, const
     h.flags = WIRE_F_REPLY;
     h.session = k->session;
     h.sequence = k->sequence;
-    send_message(c, to, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0);
+    send_message(c, to, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0, 0);
 }
 
 /* The key a message is remembered under: a link-keyed message by its

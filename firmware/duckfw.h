@@ -137,6 +137,7 @@ typedef struct reply_slot {
     msg_key key;
     duck_peer to;              /* where the reply went: a duplicate's answer goes there, not to its sender */
     int with_mac;
+    int twice;                 /* the request came with WIRE_F_TWICE: each datagram of the reply goes twice */
     uint32_t mtu;              /* datagram size the reply is cut for (a RESEND gets the same geometry) */
     uint64_t touched;
     uint64_t sent_ns;          /* CLOCK_MONOTONIC when the reply was first sent: a RESEND or a duplicate that
@@ -220,8 +221,8 @@ typedef struct duck_core {
     duck_send_fn send;
     void *send_ctx;
     uint8_t *out;              /* sealed datagrams of one batch */
-    uint8_t **out_ptrs;
-    size_t *out_lens;
+    uint8_t **out_ptrs;        /* what one send takes: 2 x SEND_BATCH places (a reply sent twice) */
+    size_t *out_lens;          /* the sealed datagrams' lengths, then (from SEND_BATCH on) the send's */
     uint64_t rng;
     int shutdown;              /* a SHUTDOWN was accepted */
     int mid_message;           /* the last datagram left a message incomplete */

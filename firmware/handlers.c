@@ -20,6 +20,7 @@ reply_slot *reply_new(duck_core *c, const msg_key *k, const wire_header *h, uint
     if (!r)
         return NULL;
     r->with_mac = (h->flags & WIRE_F_MAC) != 0;
+    r->twice = (h->flags & WIRE_F_TWICE) != 0;
     r->mtu = core_default_mtu(c);
     memset(r->buf, 0, sizeof(wire_reply_head));
     r->len = (uint32_t)sizeof(wire_reply_head) + body;
@@ -86,7 +87,8 @@ static reply_slot *query_refused(duck_core *c, reply_slot *r, const uint8_t *p, 
 {
     if (len < sizeof(wire_query))
         return reply_fail(r, WIRE_E_MALFORMED, "%s of %u bytes: a read-only request starts with the duck's %zu-byte "
-                          "query nonce (wire ABI %d)", wire_type_str(r->key.type), len, sizeof(wire_query), WIRE_ABI);
+                          "query nonce (wire ABI 8 and later; this duck's is %d)", wire_type_str(r->key.type), len,
+                          sizeof(wire_query), WIRE_ABI);
     c->stats.replayed++;
     return reply_fail(r, WIRE_E_STALE, "query nonce %02x%02x%02x%02x… is not this duck's current one: say hello "
                       "for the current one", p[0], p[1], p[2], p[3]);

@@ -81,6 +81,7 @@ reply_slot *msgs_take_reply(duck_msgs *m, const msg_key *k, uint32_t cap)
     r->key = *k;
     r->len = 0;
     r->with_mac = 0;
+    r->twice = 0;
     r->sent_ns = 0;
     r->to = k->peer;
     r->touched = ++m->clock;

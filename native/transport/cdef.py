@@ -9,7 +9,7 @@ _CONSTANTS = """
 WIRE_MAGIC WIRE_VERSION WIRE_ABI WIRE_HEADER_BYTES WIRE_MAC_BYTES WIRE_DIGEST_BYTES WIRE_KEY_MIN WIRE_KEY_MAX
 WIRE_IP_UDP_BYTES WIRE_MTU_DEFAULT WIRE_MTU_MIN WIRE_MTU_MAX WIRE_MAX_DATAGRAM WIRE_MAX_MESSAGE
 WIRE_MAX_FRAGMENTS WIRE_MAX_ERROR_TEXT WIRE_MAX_LAYERS WIRE_MAX_EXPERTS WIRE_MAX_TOKENS WIRE_TOKENS_DEFAULT WIRE_MAX_TOPK
-WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
+WIRE_UPLOAD_PART_MAX WIRE_SYNTH_MAX_ENTRIES WIRE_F_MAC WIRE_F_REPLY WIRE_F_TWICE WIRE_R_ZERO WIRE_HELLO_DATA_MAC WIRE_HELLO_FAULTS
 WIRE_HELLO_FULL WIRE_INVALIDATE_ALL WIRE_X_F32 WIRE_X_BF16 WIRE_DT_F32 WIRE_DT_BF16 WIRE_NONCE_BYTES WIRE_REPLAY_WINDOW WIRE_LINK_KEY_BYTES
 WIRE_FWD_HOLD WIRE_HOLD_MAX WIRE_NACK_NO_RUN
 DUCK_T_OK DUCK_T_ETIMEOUT DUCK_T_ETOOBIG DUCK_T_EARG DUCK_T_ESOCKET DUCK_T_EDUCK DUCK_T_ECOVER DUCK_T_ENORUN DUCK_ROUTE_HOST DUCK_ROUTE_NONE DUCK_STEP_ENOCUDA DUCK_STEP_ECUDA
@@ -90,7 +90,7 @@ const char *wire_type_str(unsigned type);
 typedef struct duck_transport_config {
     uint32_t n_ducks; const uint32_t *addrs; const uint16_t *ports; const uint8_t *key; uint32_t key_len;
     uint32_t mtu; uint32_t retransmit_us; uint32_t deadline_us; int32_t mac_data; uint32_t spin_us;
-    uint32_t rcvbuf; uint32_t workers; ...;
+    uint32_t rcvbuf; uint32_t workers; int32_t twice; ...;
 } duck_transport_config;
 typedef struct duck_call {
     uint32_t duck; uint32_t type; uint32_t session; uint32_t payload_len; const void *payload; void *reply;
@@ -99,7 +99,7 @@ typedef struct duck_call {
 } duck_call;
 typedef struct duck_transport_stats {
     uint64_t calls, datagrams_tx, datagrams_rx, retransmits, resend_requests, nacks, timeouts, stale, malformed,
-             unauthenticated, mtu_fallbacks, no_run, lost_hints, early_retransmits;
+             unauthenticated, mtu_fallbacks, no_run, lost_hints, early_retransmits, twice_calls, twice_starts;
     int32_t last_errno; ...;
 } duck_transport_stats;
 typedef struct duck_transport duck_transport;

@@ -74,6 +74,8 @@ class Fleet:
     large message and sum its partials: a prefill chunk is megabytes per duck,
     every byte of which the host MACs, checksums and copies (0: as many as this
     process may run on, at most 8; 1: this thread alone).
+    twice: a forward of a few datagrams (decode) sent twice, and its reply: 0 to a
+    duck whose link is found lossy (transport_timing.c), 1 always, -1 never.
     Each Fleet is a run (docs/wire.md, Authentication): hello() opens it on every
     duck that does not hold it, and state-changing messages and forwards carry
     MACs under that duck's link key, each taken once. Read-only requests (hello,
@@ -84,7 +86,7 @@ class Fleet:
 
     def __init__(self, addresses, key: bytes, *, mtu: int = 0, retransmit_ms: float = 10.0,
                  deadline_ms: float = 1000.0, mac_data: bool = True, spin_us: int = 0, rcvbuf: int = 0,
-                 workers: int = 0):
+                 workers: int = 0, twice: int = 0):
         self.addresses = [(str(h), int(p)) for h, p in addresses]
         if not self.addresses:
             raise ValueError("a fleet needs at least one duck address")
@@ -101,6 +103,7 @@ class Fleet:
         cfg.spin_us = spin_us
         cfg.rcvbuf = rcvbuf
         cfg.workers = workers
+        cfg.twice = twice
         err = ffi.new("char[256]")
         ptr = lib.duck_transport_create(cfg, err, 256)
         if ptr == ffi.NULL:
@@ -113,6 +116,7 @@ class Fleet:
         self.last_rtt_us: list[float] = []
         self._cover = None       # a HostCover the C transport calls into (native/transport/cover.py)
         self.lost_changed = False
+        self._last_stats: dict = {}   # transport_stats' last reading
         self._challenge: list[bytes] = [bytes(16)] * len(self.addresses)
         self._query: list[bytes] = [b""] * len(self.addresses)   # each duck's query nonce; b"": not known yet
         self._query_until = [0.0] * len(self.addresses)          # time.monotonic() when to ask for a new one
@@ -413,11 +417,22 @@ class Fleet:
         return [_struct_dict(ffi.cast("wire_stats *", ffi.from_buffer(body)))
                 for _, body in self._read([(d, lib.WIRE_T_STATS, b"", cap) for d in range(self.n_ducks)])]
 
-    def transport_stats(self) -> dict:
+    def transport_stats(self, wait: float | None = None) -> dict:
+        """The host transport's counters (duck_transport_stats field names). wait: seconds to wait
+        for a call in flight (an upload takes minutes) before the last reading is returned
+        instead ({} before the first), as it is once the transport is closed; None: as long as
+        it takes."""
         s = ffi.new("duck_transport_stats *")
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            return dict(self._last_stats)
+        try:
+            if self._t is None and wait is not None:
+                return dict(self._last_stats)
             lib.duck_transport_stats_get(self._open(), s)
-        return _struct_dict(s)
+        finally:
+            self._lock.release()
+        self._last_stats = _struct_dict(s)
+        return dict(self._last_stats)
 
     def cache_query(self, digests_per_duck: list[list[str]]) -> list[set[str]]:
         """For each duck, which of the given hex digests its cache holds."""

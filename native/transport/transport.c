@@ -306,6 +306,7 @@ static void seal_one(void *ctx, uint32_t n)
         state_reply_mtu(c->type, out + WIRE_HEADER_BYTES, len, j->s->mtu);
     wire_header h = {0};
     h.type = (uint8_t)c->type;
+    h.flags = j->s->twice ? WIRE_F_TWICE : 0;
     h.session = c->session;
     h.sequence = j->s->seq;
     h.frag_count = (uint16_t)j->s->req_frags;
@@ -353,8 +354,9 @@ void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s,
     size_t at = 0;
     tr_tx_flush(t);
     uint32_t n = tr_seal_request(t, c, s, have, lens, &at);
-    for (uint32_t i = 0; i < n; i++)
-        tr_tx_add(t, c->duck, t->seal + at + (size_t)i * t->seal_stride, lens[i]);
+    for (int copy = 0; copy <= s->twice; copy++)
+        for (uint32_t i = 0; i < n; i++)
+            tr_tx_add(t, c->duck, t->seal + at + (size_t)i * t->seal_stride, lens[i]);
     tr_tx_flush(t);
 }
 
@@ -375,7 +377,8 @@ void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s)
     h.frag_count = 1;
     h.total_len = (uint32_t)sizeof rs + bytes;
     size_t len = wire_seal(&h, payload, h.total_len, &t->keys[c->duck], s->with_mac, dgram);
-    tr_tx_add(t, c->duck, dgram, len);
+    for (int copy = 0; copy <= s->twice; copy++)
+        tr_tx_add(t, c->duck, dgram, len);
     tr_tx_flush(t);
     t->stats.resend_requests++;
 }

@@ -33,6 +33,9 @@ typedef struct duck_transport_config {
                                     partials, the calling thread included (a prefill chunk: megabytes per
                                     duck): 0, as many as this process may run on, at most 8; 1: the calling
                                     thread alone */
+    int32_t twice;               /* a forward of a few datagrams (decode) sent twice, its reply too (WIRE_F_TWICE):
+                                    0 to a duck whose link loses datagrams, one in 16 otherwise (a probe of the
+                                    loss; transport_timing.c), 1 always, -1 never */
 } duck_transport_config;
 
 /* Results of a call, besides the duck's own status inside the reply. */
@@ -73,6 +76,8 @@ typedef struct duck_transport_stats {
     uint64_t no_run;             /* calls a duck answered with NACK NO_RUN (DUCK_T_ENORUN) */
     uint64_t lost_hints;         /* forward calls given up on at a lost hint (duck_transport_hint_lost) */
     uint64_t early_retransmits;  /* of retransmits: sent before the timer, the other ducks' calls all answered */
+    uint64_t twice_calls;        /* calls whose datagrams went twice (WIRE_F_TWICE), the probes included */
+    uint64_t twice_starts;       /* times a duck's link was found lossy and its forwards went twice from then */
     int32_t last_errno;
     uint32_t reserved;
 } duck_transport_stats;

@@ -12,6 +12,16 @@
 /* The most bytes of sealed datagrams one scatter queues before it sends. */
 #define SEAL_BATCH_BYTES ((size_t)4 << 20)
 
+/* A call sent twice (WIRE_F_TWICE), until its reply's copies are counted: how many of them arrived
+ * (transport_timing.c, tr_loss_sample). */
+typedef struct twice_probe {
+    uint32_t seq;
+    uint16_t frags;               /* its reply's datagrams (once complete) */
+    uint8_t copies;               /* of them, copies that arrived */
+    uint8_t state;                /* PROBE_* */
+} twice_probe;
+#define LINK_PROBES 8
+
 /* What the transport knows of one duck across calls. */
 typedef struct duck_link {
     uint32_t mtu;                 /* agreed datagram size (WIRE_MTU_DEFAULT until agreed) */
@@ -21,6 +31,13 @@ typedef struct duck_link {
     uint64_t backoff_ns;          /* the interval a retransmitted call completed in, kept until a clean sample */
     uint64_t ns_per_token;        /* the duck's kernel time per forward token (smoothed over its replies); 0: none */
     uint64_t ns_per_token_var;    /* and its variation, as rttvar is the round trip's */
+    twice_probe probes[LINK_PROBES]; /* the last calls sent twice, their copies still counted */
+    uint32_t probe_next;
+    uint32_t copies_due, copies_seen; /* since the last verdict: the reply copies of the calls sent twice that
+                                     needed no retransmit, and those of them that arrived */
+    uint32_t small_calls;         /* small forwards started: every PROBE_EVERY-th goes twice while the link is
+                                     not lossy (a probe of its loss) */
+    int lossy;                    /* the last verdict: every small forward goes twice */
     int lost;                     /* its slices go to a replica or the host (transport_lost.c) */
     uint32_t lost_hint;           /* set from another thread (duck_transport_hint_lost): read atomically */
 } duck_link;
@@ -28,6 +45,7 @@ typedef struct duck_link {
 typedef struct call_state {
     uint32_t seq;
     int with_mac, done, progress; /* progress: a reply fragment, or a NACK holding request fragments */
+    int twice;                    /* every datagram of the call goes twice, and the duck's reply's too */
     int queued;                   /* sent while an earlier call to the duck was in flight: its round trip
                                      includes a wait, so it gives no sample */
     int32_t next;                 /* the next call to the same duck in this run; -1: none */
@@ -142,6 +160,12 @@ uint64_t tr_rto_ns(const duck_transport *t, uint32_t duck);
 /* A completed call's samples: its duck's round trip (unless retransmitted or
  * queued) and time per token. */
 void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64_t now);
+/* Whether a call goes twice (WIRE_F_TWICE), decided as it starts; and, as it completes, what it
+ * says of its duck's link (a lossy link's small forwards go twice for a while). */
+int tr_send_twice(duck_transport *t, const duck_call *c, const call_state *s);
+void tr_twice_sent(duck_transport *t, uint32_t duck, uint32_t seq);
+void tr_twice_copy(duck_transport *t, uint32_t duck, uint32_t seq);
+void tr_loss_sample(duck_transport *t, const duck_call *c, const call_state *s);
 /* A call's retransmit interval, its cap and its failure deadline, from now. */
 void tr_start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now);
 uint64_t tr_sibling_wait_ns(const duck_transport *t, const duck_call *c, const call_state *s);

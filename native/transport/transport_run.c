@@ -146,6 +146,8 @@ static int on_datagram(duck_transport *t, duck_call *calls, rx_item *it, uint64_
             t->stats.malformed++;
         return 0;
     }
+    if ((h.flags & (WIRE_F_REPLY | WIRE_F_TWICE)) == (WIRE_F_REPLY | WIRE_F_TWICE))
+        tr_twice_copy(t, (uint32_t)d, h.sequence);   /* either copy, the second often after its call is done */
     uint32_t ci = (uint32_t)found;
     duck_call *c = found >= 0 ? &calls[ci] : NULL;
     call_state *s = found >= 0 ? &t->st[ci] : NULL;
@@ -213,8 +215,10 @@ static int take_batch(duck_transport *t, duck_call *calls, int n, tr_done_fn don
      * them precede the callbacks, which may start calls again (their states anew) */
     for (int i = 0; i < n; i++) {
         t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_from[i];   /* the kernel overwrote it */
-        if (items[i].completes >= 0)
+        if (items[i].completes >= 0) {
             tr_rtt_sample(&t->link[items[i].duck], &calls[items[i].completes], &t->st[items[i].completes], now);
+            tr_loss_sample(t, &calls[items[i].completes], &t->st[items[i].completes]);
+        }
     }
     for (int i = 0; i < n; i++)
         if (items[i].completes >= 0) {
@@ -382,7 +386,12 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
         s->with_mac = needs_mac(t, c->type);
         s->mtu = t->link[c->duck].mtu;
         s->req_frags = wire_frag_count(c->payload_len, s->mtu);
+        s->twice = tr_send_twice(t, c, s);
         s->seq = same_msg ? t->st[sealed].seq : ++t->seq;
+        if (s->twice) {
+            t->stats.twice_calls++;
+            tr_twice_sent(t, c->duck, s->seq);
+        }
         s->t_start = s->t_heard = now;
         uint64_t ahead = 0;   /* until the duck is through the calls in flight before this one */
         for (int32_t j = t->active[c->duck]; j >= 0; j = t->st[j].next) {
@@ -396,7 +405,7 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
         s->work_ns = c->work_ns + ahead;
         tr_start_timer(t, c, s, now);
         int own_mac = s->with_mac && wire_mac_kind(c->type) == WIRE_MAC_LINK;   /* each duck's link key */
-        if (!same_msg || s->mtu != t->st[sealed].mtu || own_mac) {
+        if (!same_msg || s->mtu != t->st[sealed].mtu || s->twice != t->st[sealed].twice || own_mac) {
             at = end;
             nseal = tr_seal_request(t, c, s, NULL, lens, &at);
             if (!nseal)
@@ -404,8 +413,9 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
             end = at + (size_t)nseal * t->seal_stride;
         }
         sealed = i;
-        for (uint32_t f = 0; f < nseal; f++)
-            tr_tx_add(t, c->duck, t->seal + at + (size_t)f * t->seal_stride, lens[f]);
+        for (int copy = 0; copy <= s->twice; copy++)
+            for (uint32_t f = 0; f < nseal; f++)
+                tr_tx_add(t, c->duck, t->seal + at + (size_t)f * t->seal_stride, lens[f]);
     }
     tr_tx_flush(t);
     t->stats.calls += count;

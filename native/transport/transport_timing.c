@@ -37,7 +37,33 @@
  * srtt, at least SIBLING_MIN_NS, plus a quarter of its expected compute) past
  * the latest reply instead of after its whole timer: on a lossy link most
  * steps lose a datagram somewhere, and each would otherwise cost a timer. A
- * duplicate that was not needed costs the duck an answer from its cache. */
+ * duplicate that was not needed costs the duck an answer from its cache.
+ *
+ * Even so, each lost datagram of a decode step costs that spread and a round
+ * trip, and at 5 % loss most steps lose one. So a link found lossy sends its
+ * small forwards twice (WIRE_F_TWICE: each request datagram twice, and the
+ * duck each datagram of its reply, flagged alike): a datagram is then lost
+ * only when both copies are (0.25 % at 5 %). Retransmits do not say that a
+ * link is lossy (on a loaded host most are a sibling's spread misjudged);
+ * the copies do: of the reply datagrams a duck sent twice for a call that
+ * needed no retransmit (a retransmit's answer is sent twice again), the
+ * share that did not arrive is the link's loss; the second copy often
+ * arrives after its call is done, so the last LINK_PROBES such calls of a
+ * duck are remembered until then. While a link is not lossy, every
+ * PROBE_EVERY-th small forward to it goes twice as a probe; every
+ * LOSS_COPIES reply copies due, a verdict: LOSSY_MISSING or more missing
+ * (about 3 %) makes the link lossy; then CLEAN_MISSING or fewer of
+ * CLEAN_COPIES (0.2 %) clean again (a lossy link's window is longer: at
+ * 5 %, one of 128 copies with none missing is not rare). A
+ * lossless link pays the copies of one small call in PROBE_EVERY; a prefill
+ * chunk's hundreds of datagrams never go twice (RESEND asks for the missing
+ * ones only). */
+#define TWICE_MAX_FRAGS 4     /* a call of at most this many datagrams each way is small */
+#define PROBE_EVERY 16
+#define LOSS_COPIES 128
+#define LOSSY_MISSING 4
+#define CLEAN_COPIES 512
+#define CLEAN_MISSING 1
 #define _GNU_SOURCE   /* struct mmsghdr in transport_impl.h */
 #include "transport_impl.h"
 
@@ -135,6 +161,67 @@ void tr_rtt_sample(duck_link *l, const duck_call *c, const call_state *s, uint64
         l->srtt_ns = (7 * l->srtt_ns + r) / 8;
     }
     l->backoff_ns = 0;
+}
+
+int tr_send_twice(duck_transport *t, const duck_call *c, const call_state *s)
+{
+    if (c->type != WIRE_T_FORWARD || s->req_frags > TWICE_MAX_FRAGS || t->cfg.twice < 0)
+        return 0;
+    duck_link *l = &t->link[c->duck];
+    return t->cfg.twice > 0 || l->lossy || l->small_calls++ % PROBE_EVERY == 0;
+}
+
+enum { PROBE_FREE, PROBE_SENT, PROBE_CLEAN, PROBE_SPOILT };
+
+/* A call's copies are counted: a verdict on the link every LOSS_COPIES of them. */
+static void count_copies(duck_transport *t, duck_link *l, const twice_probe *p)
+{
+    if (p->state != PROBE_CLEAN)
+        return;
+    l->copies_due += 2u * p->frags;
+    l->copies_seen += p->copies < 2u * p->frags ? p->copies : 2u * p->frags;
+    if (l->copies_due < (l->lossy ? CLEAN_COPIES : LOSS_COPIES))
+        return;
+    uint32_t missing = l->copies_due - l->copies_seen;
+    if (!l->lossy && missing >= LOSSY_MISSING && t->cfg.twice == 0) {
+        l->lossy = 1;
+        t->stats.twice_starts++;
+    } else if (l->lossy && missing <= CLEAN_MISSING) {
+        l->lossy = 0;
+    }
+    l->copies_due = l->copies_seen = 0;
+}
+
+static twice_probe *find_probe(duck_link *l, uint32_t seq)
+{
+    for (int i = 0; i < LINK_PROBES; i++)
+        if (l->probes[i].state != PROBE_FREE && l->probes[i].seq == seq)
+            return &l->probes[i];
+    return NULL;
+}
+
+void tr_twice_sent(duck_transport *t, uint32_t duck, uint32_t seq)
+{
+    duck_link *l = &t->link[duck];
+    twice_probe *p = &l->probes[l->probe_next++ % LINK_PROBES];
+    count_copies(t, l, p);   /* the oldest: its copies have had a few calls' time */
+    *p = (twice_probe){seq, 0, 0, PROBE_SENT};
+}
+
+void tr_twice_copy(duck_transport *t, uint32_t duck, uint32_t seq)
+{
+    twice_probe *p = find_probe(&t->link[duck], seq);
+    if (p && p->copies < UINT8_MAX)
+        p->copies++;
+}
+
+void tr_loss_sample(duck_transport *t, const duck_call *c, const call_state *s)
+{
+    twice_probe *p = s->twice ? find_probe(&t->link[c->duck], s->seq) : NULL;
+    if (p && p->state == PROBE_SENT) {
+        p->state = c->retransmits || s->rep_count > TWICE_MAX_FRAGS ? PROBE_SPOILT : PROBE_CLEAN;
+        p->frags = (uint16_t)s->rep_count;
+    }
 }
 
 void tr_start_timer(const duck_transport *t, const duck_call *c, call_state *s, uint64_t now)

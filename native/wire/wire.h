@@ -35,14 +35,14 @@ extern "C" {
 
 #define WIRE_MAGIC 0x4B435544u          /* "DUCK" */
 #define WIRE_VERSION 1
-#define WIRE_ABI 8                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
+#define WIRE_ABI 9                      /* bump on any change of a message layout (2: SYNTH; 3: datagram
                                           size agreed per duck, partial dtype, wake-up time; 4: messages of
                                           up to 64 MiB, the duck's tokens per forward in HELLO; 5: RUN_OPEN,
                                           link-keyed Poly1305 MACs, replay window, hello's challenge and run,
                                           the drop counters bad_mac, replayed, no_run; 6: FORWARD's HOLD flag
                                           and the reply's group_ntok; 7: NACK's NO_RUN flag; 8: the query
                                           nonce: hello's query, query_ms and WIRE_HELLO_FULL, wire_query first in
-                                          HELLO, STATS and CACHE_QUERY) */
+                                          HELLO, STATS and CACHE_QUERY; 9: WIRE_F_TWICE) */
 #define WIRE_HEADER_BYTES 32
 #define WIRE_MAC_BYTES 16
 #define WIRE_DIGEST_BYTES 16            /* content hash: BLAKE2b-128, unkeyed */
@@ -97,7 +97,10 @@ enum wire_type {
 /* Header flags. */
 #define WIRE_F_MAC 0x1u      /* a MAC trails the payload */
 #define WIRE_F_REPLY 0x2u    /* sent by a duck */
-#define WIRE_F_KNOWN 0x3u    /* any other bit set is malformed */
+#define WIRE_F_TWICE 0x4u    /* a request whose sender sends each datagram twice (a lossy link, or a probe of
+                                its loss): each datagram of the reply goes twice too, flagged alike, so
+                                that the host can count the copies that were lost (docs/wire.md, Reliability) */
+#define WIRE_F_KNOWN 0x7u    /* any other bit set is malformed */
 
 /* Reply status (wire_reply_head.status); on a nonzero status the body is a
  * UTF-8 message of at most WIRE_MAX_ERROR_TEXT bytes saying what was wrong. */

@@ -33,7 +33,8 @@ def test_spin_is_spin_then_block_for_spin_us():
                                         ({"host_cover_mb": -1}, "fleet.host_cover_mb = -1"),
                                         ({"host_cover_threads": 0}, "fleet.host_cover_threads = 0"),
                                         ({"fault_drop_rate": 1.0}, "fleet.fault_drop_rate = 1.0"),
-                                        ({"retransmit_ms": 0.0}, "fleet.retransmit_ms = 0.0")])
+                                        ({"retransmit_ms": 0.0}, "fleet.retransmit_ms = 0.0"),
+                                        ({"send_twice": "sometimes"}, "fleet.send_twice = .sometimes.: expected one of auto, always, never")])
 def test_bad_values_are_named(fleet, text):
     with pytest.raises(ConfigError, match=text):
         FleetConfig(**fleet)

@@ -210,10 +210,14 @@ def test_metrics_parse_and_carry_every_duck(duckd_daemon, client, model):
     for name in ("duck_read_gbps", "duck_rtt_seconds", "duck_errors", "duck_retransmits", "duck_restarts",
                  "duck_bytes_streamed", "duck_requests_queued", "duck_requests_running",
                  "duck_time_to_first_token_seconds", "duck_time_per_output_token_seconds", "duck_request_seconds",
-                 "duck_prompt_tokens", "duck_generated_tokens", "duck_requests"):
+                 "duck_prompt_tokens", "duck_generated_tokens", "duck_requests", "duck_host_retransmits",
+                 "duck_host_timeouts", "duck_host_sent_twice", "duck_host_lossy_verdicts"):
         assert name in families, name
     out = [s.value for s in families["duck_generated_tokens"].samples if s.name.endswith("_total")]
     assert out and out[0] >= 3
+    # loopback loses nothing: no link was found lossy (one decode forward in 16 went twice, a probe)
+    assert [s.value for s in families["duck_host_lossy_verdicts"].samples if s.name.endswith("_total")] == [0]
+    assert [s.value for s in families["duck_host_sent_twice"].samples if s.name.endswith("_total")][0] > 0
 
 
 def test_a_full_queue_answers_429_and_the_rest_complete(tmp_path):

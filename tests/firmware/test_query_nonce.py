@@ -147,9 +147,9 @@ def test_a_host_of_abi_7_is_told_the_ducks_abi(tmp_path):
     with Ducks(1, tmp_path) as ducks:
         port, key = ducks[0].port, ducks.key
         status, body, _ = exchange(port, seal(b"", key, mtype=lib.WIRE_T_HELLO, sequence=100), key)
-        assert status == lib.WIRE_OK and struct.unpack_from("<I", body, 8)[0] == lib.WIRE_ABI == 8
+        assert status == lib.WIRE_OK and struct.unpack_from("<I", body, 8)[0] == lib.WIRE_ABI == 9
         status, body, _ = exchange(port, seal(b"", key, mtype=lib.WIRE_T_STATS, sequence=101), key)
-        assert status == lib.WIRE_E_MALFORMED and b"query nonce (wire ABI 8)" in body, body
+        assert status == lib.WIRE_E_MALFORMED and b"query nonce (wire ABI 8 and later; this duck's is 9)" in body, body
 
 
 class Abi7Duck:
@@ -194,7 +194,7 @@ def test_a_duck_of_abi_7_is_refused_by_name():
     old = Abi7Duck(key)
     try:
         with Fleet([old.address], key, deadline_ms=2000) as fleet:
-            with pytest.raises(DuckError, match=r"speaks wire ABI 7, this host 8"):
+            with pytest.raises(DuckError, match=r"speaks wire ABI 7, this host 9"):
                 fleet.hello()
     finally:
         old.close()

@@ -111,3 +111,63 @@ def test_the_retransmit_timer_does_not_climb_on_a_lossy_link(tmp_path):
             timers.append(lib.duck_transport_rto_us(ducks.fleet._t, 0))
         assert ducks.fleet.transport_stats()["retransmits"] >= 10
         assert max(timers[10:]) < 250_000, timers          # the ceiling: 2,000,000
+
+
+def _decode_steps(ducks, rng, per_duck, hidden, steps):
+    """single-token forwards (a decode step's datagram each way per duck), each checked"""
+    session = ducks.fleet.open_session({0: per_duck}, hidden)
+    for step in range(steps):
+        x = (rng.standard_normal((1, hidden)) * 0.1).astype(np.float32)
+        ids, w = routing(rng, 1, 2, 4)
+        assert_close(session.forward(0, x, ids, w), local_reference(per_duck, hidden, x, ids, w),
+                     SUMMATION_ORDER_RTOL, f"step {step}")
+    return ducks.fleet.transport_stats()
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_a_lossy_link_sends_decode_forwards_twice(tmp_path, loss):
+    """`send_twice` auto (transport_timing.c): one decode forward in 16 goes twice (WIRE_F_TWICE), and
+    the duck's reply twice, flagged alike; the reply copies that do not arrive are the link's loss.
+    At 5 % the host finds each duck's link lossy and sends it every decode forward twice:
+    retransmits become rare. A lossless link is never found lossy; it pays the probes alone."""
+    rng = np.random.default_rng(8)
+    n, hidden = 3, 256
+    per_duck = split_experts(make_layer(rng, 4, 64 * n, hidden), tp=n)
+    args = {i: ["--enable-fault-injection", "--drop-rate", str(loss), "--fault-seed", str(i + 1)] for i in range(n)}
+    with Ducks(n, tmp_path, per_duck_args=args, retransmit_ms=2, deadline_ms=5000) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        steps = 0
+        while steps < (8000 if loss else 2500):   # a verdict per 64 probes of a duck: about 1,100 steps
+            first = _decode_steps(ducks, rng, per_duck, hidden, 500)
+            steps += 500
+            if first["twice_starts"] >= n:
+                break
+        t = _decode_steps(ducks, rng, per_duck, hidden, 300)
+        if not loss:
+            assert t["twice_starts"] == 0, t
+            assert t["twice_calls"] == -(-(steps + 300) // 16) * n, t            # the probes: one in 16
+            return
+        assert first["twice_starts"] >= n, first                                     # each link found lossy
+        twice = t["twice_calls"] - first["twice_calls"]
+        assert twice > 0.8 * 300 * n, (first, t)                                  # then (nearly) every forward twice
+        # a call is lost now only when both copies of a datagram are (0.25 % each): retransmits are a
+        # small fraction of what a lossy link without copies needs (a call in 7 at 3 datagrams)
+        assert t["retransmits"] - first["retransmits"] < 0.05 * 300 * n, (first, t)
+        assert sum(s["duplicates"] for s in ducks.fleet.stats()) > 0                 # the ducks got both copies
+
+
+def test_send_twice_always_and_never(tmp_path):
+    """`always`: every forward of a few datagrams goes twice on a lossless link, and gives the same
+    sums; `never`: not one goes twice on a lossy one."""
+    rng = np.random.default_rng(9)
+    n, hidden = 2, 256
+    per_duck = split_experts(make_layer(rng, 4, 64 * n, hidden), tp=n)
+    with Ducks(n, tmp_path, retransmit_ms=2, deadline_ms=5000, twice=1) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        t = _decode_steps(ducks, rng, per_duck, hidden, 20)
+        assert t["twice_calls"] == 20 * n and t["twice_starts"] == 0, t
+    lossy = ["--enable-fault-injection", "--drop-rate", "0.05", "--fault-seed", "4"]
+    with Ducks(n, tmp_path / "never", args=lossy, retransmit_ms=2, deadline_ms=5000, twice=-1) as ducks:
+        ducks.fleet.upload(flat(per_duck))
+        t = _decode_steps(ducks, rng, per_duck, hidden, 200)
+        assert t["twice_calls"] == t["twice_starts"] == 0 and t["retransmits"] > 0, t
