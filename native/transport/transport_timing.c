@@ -50,7 +50,8 @@
  * share that did not arrive is the link's loss; the second copy often
  * arrives after its call is done, so the last LINK_PROBES such calls of a
  * duck are remembered until then. While a link is not lossy, every
- * PROBE_EVERY-th small forward to it goes twice as a probe; every
+ * PROBE_EVERY-th small forward to it goes twice as a probe (its first
+ * LOSS_COPIES / 2 all: a verdict soon after start); every
  * LOSS_COPIES reply copies due, a verdict: LOSSY_MISSING or more missing
  * (about 3 %) makes the link lossy; then CLEAN_MISSING or fewer of
  * CLEAN_COPIES (0.2 %) clean again (a lossy link's window is longer: at
@@ -168,7 +169,8 @@ int tr_send_twice(duck_transport *t, const duck_call *c, const call_state *s)
     if (c->type != WIRE_T_FORWARD || s->req_frags > TWICE_MAX_FRAGS || t->cfg.twice < 0)
         return 0;
     duck_link *l = &t->link[c->duck];
-    return t->cfg.twice > 0 || l->lossy || l->small_calls++ % PROBE_EVERY == 0;
+    uint32_t k = l->small_calls++;
+    return t->cfg.twice > 0 || l->lossy || k < LOSS_COPIES / 2 || k % PROBE_EVERY == 0;
 }
 
 enum { PROBE_FREE, PROBE_SENT, PROBE_CLEAN, PROBE_SPOILT };
