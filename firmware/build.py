@@ -33,7 +33,7 @@ def _native_sources():
 NATIVE_SOURCES = _native_sources()
 NATIVE = NATIVE_SOURCES.DUCK
 CORE = ["firmware/log.c", "firmware/cache.c", "firmware/cache_upload.c", "firmware/cache_synth.c",
-        "firmware/session.c", "firmware/reasm.c", "firmware/replay.c", "firmware/core.c", "firmware/handlers.c",
+        "firmware/session.c", "firmware/reasm.c", "firmware/replay.c", "firmware/fault.c", "firmware/reply.c", "firmware/core.c", "firmware/handlers.c",
         "firmware/hold.c", "firmware/forward.c"]
 PLATFORM = ["firmware/net_linux.c", "firmware/main.c"]
 FUZZ = ["firmware/fuzz_parser.c"]

@@ -376,6 +376,14 @@ static void drop_entry(duck_cache *c, cache_entry *e)
     free(e);
 }
 
+/* An upload in progress dropped (cache_upload.c stages them; the cache owns the slots). */
+void cache_staging_drop(duck_cache *c, staging *s)
+{
+    c->reserved -= s->total;
+    cache_mem_free(c, s->buf);
+    memset(s, 0, sizeof *s);
+}
+
 int cache_invalidate(duck_cache *c, const uint8_t *digest, uint32_t *dropped, char *err, size_t errlen)
 {
     *dropped = 0;

@@ -30,13 +30,6 @@ static staging *staging_get(duck_cache *c, const uint8_t *digest, int create)
     return lru;
 }
 
-void cache_staging_drop(duck_cache *c, staging *s)
-{
-    c->reserved -= s->total;
-    cache_mem_free(c, s->buf);
-    memset(s, 0, sizeof *s);
-}
-
 int cache_upload(duck_cache *c, const wire_upload *u, const uint8_t *data,
                  wire_upload_reply *rep, uint64_t *accepted, char *err, size_t errlen)
 {

@@ -8,12 +8,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#define SEND_BATCH 64
-/* Below this many bytes a message's datagrams are sealed and checked on the
- * serving thread alone: waking the pool would cost more than it saves. */
-#define PAR_MIN_BYTES ((size_t)256 << 10)
 
 /* Whether the duck refuses a request of this type without its MAC (wire_types: HELLO is open,
  * an unauthenticated asker getting only what a link check needs, handlers.c on_hello; PING too;
@@ -38,9 +33,9 @@ int core_init(duck_core *c, const duck_config *cfg, duck_send_fn send, void *sen
     run_new_challenge(c);
     query_init(c);
     c->ws = duck_ffn_workspace_create();
-    c->out = malloc((size_t)SEND_BATCH * (cfg->mtu + 64));
-    c->out_ptrs = calloc(2 * SEND_BATCH, sizeof *c->out_ptrs);
-    c->out_lens = calloc(3 * SEND_BATCH, sizeof *c->out_lens);
+    c->out = malloc((size_t)DUCK_SEND_BATCH * (cfg->mtu + 64));
+    c->out_ptrs = calloc(2 * DUCK_SEND_BATCH, sizeof *c->out_ptrs);
+    c->out_lens = calloc(3 * DUCK_SEND_BATCH, sizeof *c->out_lens);
     if (!c->ws || !c->out || !c->out_ptrs || !c->out_lens) {
         dlog(DLOG_ERROR, "out of memory at start");
         return -1;
@@ -79,131 +74,6 @@ void core_free(duck_core *c)
     c->out = NULL;
 }
 
-int core_fault_drop(duck_core *c)
-{
-    if (!c->cfg.faults || c->cfg.drop_rate <= 0)
-        return 0;
-    c->rng ^= c->rng << 13;   /* xorshift64: reproducible with --fault-seed */
-    c->rng ^= c->rng >> 7;
-    c->rng ^= c->rng << 17;
-    if ((double)(c->rng >> 11) * 0x1p-53 >= c->cfg.drop_rate)
-        return 0;
-    c->stats.injected_drops++;
-    return 1;
-}
-
-uint32_t core_default_mtu(const duck_core *c) { return wire_reply_mtu(0, c->cfg.mtu); }
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Whether the datagram in hand arrived before reply r was first sent: a
- * RESEND or duplicate the host sent while this duck computed (its timer
- * does not know how long a large forward takes). The reply that was just
- * sent answers it; sending the reply again would only double the traffic. */
-static int asked_before_reply(const duck_core *c, const reply_slot *r)
-{
-    return c->rx_ns && r->sent_ns && c->rx_ns < r->sent_ns;
-}
-
-typedef struct seal_job {
-    const duck_core *c;
-    const wire_header *base;
-    const uint8_t *payload;
-    uint32_t total, count, fsize;
-    int with_mac;
-    const uint32_t *frags;        /* the fragment each place of the batch holds */
-} seal_job;
-
-static void seal_one(void *ctx, unsigned k)
-{
-    const seal_job *j = ctx;
-    const duck_core *c = j->c;
-    uint32_t i = j->frags[k], off = j->fsize * i, len = j->total - off < j->fsize ? j->total - off : j->fsize;
-    wire_header h = *j->base;
-    h.frag_index = (uint16_t)i;
-    h.frag_count = (uint16_t)j->count;
-    h.total_len = j->total;
-    c->out_lens[k] = wire_seal(&h, j->payload + off, len, &c->cfg.key, j->with_mac,
-                               c->out + (size_t)k * (c->cfg.mtu + 64));
-}
-
-/* Seals fragments [0, count) of one message in datagrams of at most mtu
- * bytes, skipping those marked in `have`, and sends them in batches; a large
- * message's batches are sealed over the pool (a prefill chunk's partial).
- * twice: each batch goes twice, the copies after the batch (a lossy link's
- * reply: a datagram is lost only when both copies are). */
-static void send_message(duck_core *c, const duck_peer *to, const wire_header *base, const uint8_t *payload,
-                         uint32_t total, uint32_t mtu, int with_mac, const uint8_t *have, uint32_t have_bits,
-                         int twice)
-{
-    uint32_t count = wire_frag_count(total, mtu);
-    uint32_t fsize = wire_frag_size(total, count);
-    uint32_t frags[SEND_BATCH];
-    if (have && have_bits != count)
-        have = NULL;   /* the peer's view of the geometry is not ours: send all */
-    int par = c->pool && total >= PAR_MIN_BYTES;
-    seal_job j = {c, base, payload, total, count, fsize, with_mac, frags};
-    for (uint32_t i = 0; i < count;) {
-        unsigned n = 0;
-        for (; i < count && n < SEND_BATCH; i++)
-            if (!have || !(have[i / 8] & (1u << (i % 8))))
-                frags[n++] = i;
-        duck_pool_for(par ? c->pool : NULL, n, seal_one, &j);
-        unsigned m = 0;
-        size_t *lens = c->out_lens + SEND_BATCH;
-        for (int copy = 0; copy <= (twice != 0); copy++)
-            for (unsigned k = 0; k < n; k++) {
-                if (core_fault_drop(c))
-                    continue;
-                c->out_ptrs[m] = c->out + (size_t)k * (c->cfg.mtu + 64);
-                lens[m++] = c->out_lens[k];
-            }
-        if (m) {
-            c->send(c->send_ctx, to, c->out_ptrs, lens, m);
-            c->stats.datagrams_tx += m;
-        }
-    }
-}
-
-void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits)
-{
-    wire_header h = {0};
-    h.type = r->key.type;
-    h.flags = WIRE_F_REPLY | (r->twice ? WIRE_F_TWICE : 0);   /* the host counts the copies: its link's loss */
-    h.session = r->key.session;
-    h.sequence = r->key.sequence;
-    send_message(c, &r->to, &h, r->buf, r->len, r->mtu, r->with_mac, have, have_bits, r->twice);
-}
-
-static void send_nack(duck_core *c, const duck_peer *to, const msg_key *k, const reasm_slot *s, int with_mac)
-{
-    uint8_t buf[sizeof(wire_nack) + WIRE_MAX_FRAGMENTS / 8];
-    wire_nack n = {0};
-    n.sequence = k->sequence;
-    n.type = k->type;
-    n.frag_count = s ? s->frag_count : 0;
-    /* A link-keyed request while no run is open: every copy of it would be dropped
-     * (no_run), so "send it all again" would go on for ever; the host hears that it
-     * must open a run here first (a restarted duck) */
-    if (!s && wire_mac_kind(k->type) == WIRE_MAC_LINK && needs_mac(c, k->type) && !c->cfg.key.has_link)
-        n.flags = WIRE_NACK_NO_RUN;
-    memcpy(buf, &n, sizeof n);
-    uint32_t bytes = s ? (s->frag_count + 7u) / 8u : 0;
-    if (s)
-        memcpy(buf + sizeof n, s->bitmap, bytes);
-    wire_header h = {0};
-    h.type = WIRE_T_NACK;
-    h.flags = WIRE_F_REPLY;
-    h.session = k->session;
-    h.sequence = k->sequence;
-    send_message(c, to, &h, buf, (uint32_t)sizeof n + bytes, core_default_mtu(c), with_mac, NULL, 0, 0);
-}
-
 /* The key a message is remembered under: a link-keyed message by its
  * session, sequence and type alone (it is taken once whoever sends it: a
  * copy from another address is the same message), others with the sender. */
@@ -232,17 +102,21 @@ static void on_resend(duck_core *c, const duck_peer *from, const wire_header *h,
     c->stats.resends++;
     reply_slot *r = msgs_find_reply(&c->msgs, &k);
     if (r) {
-        if (asked_before_reply(c, r))
+        if (reply_asked_before(c, r))
             c->stats.early_resends++;
         else
-            core_send_reply(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
+            reply_send(c, r, rs.reply_frags ? p + sizeof rs : NULL, rs.reply_frags);
         return;
     }
     if (rs.type == WIRE_T_FORWARD && hold_has(&c->held, &k)) {
         hold_answer(c);   /* asked for a held forward's reply: the pass runs now (see datagram_checked) */
         return;
     }
-    send_nack(c, from, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0);
+    /* A link-keyed request while no run is open: every copy of it would be dropped
+     * (no_run), so "send it all again" would go on for ever; the host hears that it
+     * must open a run here first (a restarted duck) */
+    int no_run = wire_mac_kind(rs.type) == WIRE_MAC_LINK && needs_mac(c, rs.type) && !c->cfg.key.has_link;
+    nack_send(c, from, &k, msgs_find_reasm(&c->msgs, &k), (h->flags & WIRE_F_MAC) != 0, no_run);
 }
 
 static void refuse(duck_core *c, uint64_t *counter, const char *why, const duck_peer *from, size_t len)
@@ -253,15 +127,6 @@ static void refuse(duck_core *c, uint64_t *counter, const char *why, const duck_
     if (n <= 10 || (n & (n - 1)) == 0)
         dlog(DLOG_WARN, "dropped a %zu-byte datagram from port %u: %s (%llu so far)", len,
              (unsigned)((from->port >> 8) | ((from->port & 0xFF) << 8)), why, (unsigned long long)n);
-}
-
-/* Fault injection: a slow duck, once per complete request. */
-static void fault_delay(const duck_core *c)
-{
-    if (c->cfg.faults && c->cfg.delay_us) {
-        struct timespec d = {c->cfg.delay_us / 1000000u, (long)(c->cfg.delay_us % 1000000u) * 1000L};
-        nanosleep(&d, NULL);
-    }
 }
 
 static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, int rc, wire_header h,
@@ -303,7 +168,7 @@ static int batch_parallel(const duck_core *c, const uint8_t *const *bufs, const 
             return 0;
         bytes += lens[i];
     }
-    return c->pool && n > 1 && bytes >= PAR_MIN_BYTES;
+    return c->pool && n > 1 && bytes >= DUCK_PAR_MIN_BYTES;
 }
 
 void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs, const size_t *lens,
@@ -324,7 +189,7 @@ void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs,
             c->stats.malformed++;
             continue;
         }
-        if (core_fault_drop(c))
+        if (fault_drop(c))
             continue;
         if (par)
             datagram_checked(c, &from[i], lens[i], rc[i], h[i], payload[i]);
@@ -362,8 +227,8 @@ static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, in
     reply_slot *done = msgs_find_reply(&c->msgs, &k);
     if (done) {   /* answered to where the reply went first: a replay from elsewhere gets nothing */
         c->stats.duplicates++;
-        if (h.frag_index == 0 && !asked_before_reply(c, done))
-            core_send_reply(c, done, NULL, 0);
+        if (h.frag_index == 0 && !reply_asked_before(c, done))
+            reply_send(c, done, NULL, 0);
         return;
     }
     if (h.type == WIRE_T_FORWARD && hold_has(&c->held, &k)) {
@@ -415,6 +280,6 @@ static void datagram_checked(duck_core *c, const duck_peer *from, size_t len, in
         return;
     }
     r->to = *from;
-    core_send_reply(c, r, NULL, 0);
-    r->sent_ns = mono_ns();
+    reply_send(c, r, NULL, 0);
+    r->sent_ns = duck_now_ns();
 }

@@ -18,6 +18,8 @@
 
 /* --- logging (log.c): one line per event on stderr --------------------- */
 enum { DLOG_ERROR = 0, DLOG_WARN = 1, DLOG_INFO = 2, DLOG_DEBUG = 3 };
+/* CLOCK_MONOTONIC in ns (log.c). */
+uint64_t duck_now_ns(void);
 void dlog_init(uint32_t duck_id, int level);
 int dlog_enabled(int level);
 void dlog(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -221,8 +223,8 @@ typedef struct duck_core {
     duck_send_fn send;
     void *send_ctx;
     uint8_t *out;              /* sealed datagrams of one batch */
-    uint8_t **out_ptrs;        /* what one send takes: 2 x SEND_BATCH places (a reply sent twice) */
-    size_t *out_lens;          /* the sealed datagrams' lengths, then (from SEND_BATCH on) the send's */
+    uint8_t **out_ptrs;        /* what one send takes: 2 x DUCK_SEND_BATCH places (a reply sent twice) */
+    size_t *out_lens;          /* the sealed datagrams' lengths, then (from DUCK_SEND_BATCH on) the send's */
     uint64_t rng;
     int shutdown;              /* a SHUTDOWN was accepted */
     int mid_message;           /* the last datagram left a message incomplete */
@@ -255,14 +257,27 @@ void core_datagram(duck_core *c, const duck_peer *from, const uint8_t *buf, size
 #define CORE_BATCH_MAX 64
 void core_batch(duck_core *c, const duck_peer *from, const uint8_t *const *bufs, const size_t *lens,
                 const uint64_t *rx_ns, const uint8_t *drop, unsigned n);
-/* Fault injection: 1 when this datagram is to be dropped. */
-int core_fault_drop(duck_core *c);
+/* --- fault injection (fault.c) ---------------------------------------------- */
+/* 1 when this datagram is to be dropped. */
+int fault_drop(duck_core *c);
+/* A slow duck: sleeps --delay-us, once per complete request. */
+void fault_delay(const duck_core *c);
+/* --- replies: made, sealed and sent (reply.c) ------------------------------ */
+#define DUCK_SEND_BATCH 64
+/* Below this many bytes a message's datagrams are sealed and checked on the
+ * serving thread alone: waking the pool would cost more than it saves. */
+#define DUCK_PAR_MIN_BYTES ((size_t)256 << 10)
 /* The datagram size of replies that do not state one (WIRE_MTU_DEFAULT, or
  * less if the duck's own is less). */
-uint32_t core_default_mtu(const duck_core *c);
+uint32_t reply_default_mtu(const duck_core *c);
 /* Seals and sends reply fragments, r->mtu large; bitmap (or NULL: all) marks
  * those the peer already has. */
-void core_send_reply(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits);
+void reply_send(duck_core *c, const reply_slot *r, const uint8_t *have, uint32_t have_bits);
+/* Whether the datagram in hand arrived before r was first sent (see reply.c). */
+int reply_asked_before(const duck_core *c, const reply_slot *r);
+/* NACK: the fragments of request k held (s; NULL: none) sent to the asker; no_run: holding none,
+ * the duck cannot take it at all (WIRE_NACK_NO_RUN). */
+void nack_send(duck_core *c, const duck_peer *to, const msg_key *k, const reasm_slot *s, int with_mac, int no_run);
 /* --- the run and the replay window (replay.c) ---------------------------- */
 /* A fresh random challenge (getrandom). */
 void run_new_challenge(duck_core *c);

@@ -7,14 +7,6 @@
 
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* --- forward: the wake-up time --------------------------------------------- */
 
@@ -24,7 +16,7 @@ static uint32_t wake_ns(duck_core *c)
 {
     if (!c->rx_ns)
         return 0;
-    uint64_t now = now_ns(), dt = now > c->rx_ns ? now - c->rx_ns : 0;
+    uint64_t now = duck_now_ns(), dt = now > c->rx_ns ? now - c->rx_ns : 0;
     c->stats.wake_ns += dt;
     return dt > UINT32_MAX ? UINT32_MAX : (uint32_t)dt;
 }
@@ -84,7 +76,7 @@ static reply_slot *answer_held(duck_core *c, const msg_key *k, const wire_header
     int status = 0;
     const char *err = "";
     char msg[96];
-    uint64_t t0 = now_ns(), bytes = 0;
+    uint64_t t0 = duck_now_ns(), bytes = 0;
     if (!l || l->hidden != first->hidden) {
         status = WIRE_E_UNKNOWN_LAYER, err = "the layer's plan is gone";
     } else if (hold_gather(hd, f, p, &a) != 0) {
@@ -102,7 +94,7 @@ static reply_slot *answer_held(duck_core *c, const msg_key *k, const wire_header
             status = rc == DUCK_FFN_ENOMEM ? WIRE_E_NOMEM : WIRE_E_RANGE, err = msg;
         }
     }
-    uint64_t dt = now_ns() - t0;
+    uint64_t dt = duck_now_ns() - t0;
     if (!status) {
         c->stats.kernel_ns += dt;
         c->stats.bytes_streamed += bytes;
@@ -126,8 +118,8 @@ static reply_slot *answer_held(duck_core *c, const msg_key *k, const wire_header
         if (status)
             c->stats.errors++;
         r->to = o->from;
-        core_send_reply(c, r, NULL, 0);
-        r->sent_ns = now_ns();
+        reply_send(c, r, NULL, 0);
+        r->sent_ns = duck_now_ns();
     }
     reply_slot *r = NULL;
     if (p) {
@@ -226,9 +218,9 @@ reply_slot *forward_request(duck_core *c, const msg_key *k, const wire_header *h
         a.y_dtype = f.y_dtype == WIRE_DT_BF16 ? DUCK_DT_BF16 : DUCK_DT_F32;
         a.y = reply_body(r) + sizeof fr;
         fr.wake_ns = wake_ns(c);
-        uint64_t t0 = now_ns(), bytes = 0;
+        uint64_t t0 = duck_now_ns(), bytes = 0;
         int rc = duck_moe_forward(c->pool, c->kernels, c->ws, &a, &bytes);
-        uint64_t dt = now_ns() - t0;
+        uint64_t dt = duck_now_ns() - t0;
         if (rc != DUCK_FFN_OK)
             return reply_fail(r, rc == DUCK_FFN_ENOMEM ? WIRE_E_NOMEM : WIRE_E_RANGE,
                         "forward layer %u: kernel error %d", f.layer, rc);

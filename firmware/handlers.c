@@ -13,36 +13,6 @@ _Static_assert(DUCK_MAX_TOKENS >= WIRE_TOKENS_DEFAULT && DUCK_MAX_TOKENS <= WIRE
                "the kernels' tokens per call must lie within the wire's bounds");
 _Static_assert(WIRE_MAX_TOPK == DUCK_MAX_TOPK, "the wire and the kernels disagree on experts per token");
 
-reply_slot *reply_new(duck_core *c, const msg_key *k, const wire_header *h, uint32_t body)
-{
-    uint32_t room = body > WIRE_MAX_ERROR_TEXT + 1 ? body : WIRE_MAX_ERROR_TEXT + 1;
-    reply_slot *r = msgs_take_reply(&c->msgs, k, (uint32_t)sizeof(wire_reply_head) + room);
-    if (!r)
-        return NULL;
-    r->with_mac = (h->flags & WIRE_F_MAC) != 0;
-    r->twice = (h->flags & WIRE_F_TWICE) != 0;
-    r->mtu = core_default_mtu(c);
-    memset(r->buf, 0, sizeof(wire_reply_head));
-    r->len = (uint32_t)sizeof(wire_reply_head) + body;
-    return r;
-}
-
-uint8_t *reply_body(reply_slot *r) { return r->buf + sizeof(wire_reply_head); }
-
-reply_slot *reply_fail(reply_slot *r, int status, const char *fmt, ...)
-{
-    wire_reply_head head = {status, 0};
-    memcpy(r->buf, &head, sizeof head);
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf((char *)reply_body(r), WIRE_MAX_ERROR_TEXT + 1, fmt, ap);
-    va_end(ap);
-    n = n < 0 ? 0 : n > WIRE_MAX_ERROR_TEXT ? WIRE_MAX_ERROR_TEXT : n;
-    r->len = (uint32_t)sizeof head + (uint32_t)n;
-    dlog(DLOG_WARN, "%s seq %u refused: %s", wire_type_str(r->key.type), r->key.sequence, (char *)reply_body(r));
-    return r;
-}
-
 /* Without the fleet key's MAC and a current query nonce (a hello's payload is
  * empty, or a wire_query) the asker learns what a link and version check
  * needs (ABI, firmware version, datagram size, token limit, flags) and the

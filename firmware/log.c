@@ -1,4 +1,5 @@
-/* Leveled log lines on stderr: "duckfw[3] INFO 12.345678 session 7 opened". */
+/* Leveled log lines on stderr: "duckfw[3] INFO 12.345678 session 7 opened"; and the
+ * monotonic clock they and the rest of the duck read. */
 #define _POSIX_C_SOURCE 200809L
 #include "duckfw.h"
 
@@ -31,4 +32,11 @@ void dlog(int level, const char *fmt, ...)
     /* one fprintf per line: lines of several ducks on one terminal stay whole */
     fprintf(stderr, "duckfw[%u] %s %ld.%06ld %s\n", log_duck, names[level < 0 ? 0 : level > 3 ? 3 : level],
             (long)ts.tv_sec, ts.tv_nsec / 1000L, line);
+}
+
+uint64_t duck_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }

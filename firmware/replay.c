@@ -23,7 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <time.h>
 #include <unistd.h>
 
 static void random_bytes(uint8_t *p, size_t len)
@@ -81,13 +80,6 @@ void run_window_take(duck_core *c, uint32_t seq)
     c->win[(seq % WIRE_REPLAY_WINDOW) / 64] |= 1ull << (seq % 64);
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 void query_init(duck_core *c)
 {
     if (!c->cfg.query_period_ms)
@@ -96,7 +88,7 @@ void query_init(duck_core *c)
     memset(c->query[1], 0, sizeof c->query[1]);
     c->query_prev = 0;
     c->query_epoch = 0;
-    c->query_t0 = now_ns();
+    c->query_t0 = duck_now_ns();
 }
 
 /* Periods are counted from the start, not from the last request: a duck
@@ -104,7 +96,7 @@ void query_init(duck_core *c)
  * keeps the one before only if it was the previous period's. */
 const uint8_t *query_current(duck_core *c, uint32_t *left_ms)
 {
-    uint64_t period = (uint64_t)c->cfg.query_period_ms * 1000000u, age = now_ns() - c->query_t0;
+    uint64_t period = (uint64_t)c->cfg.query_period_ms * 1000000u, age = duck_now_ns() - c->query_t0;
     uint64_t epoch = age / period;
     if (left_ms)
         *left_ms = (uint32_t)(((epoch + 2) * period - age) / 1000000u);

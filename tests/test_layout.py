@@ -85,3 +85,29 @@ def test_arrows_run_down_and_no_circle_crosses_files():
 def test_the_circle_finder_finds_circles():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _firmware_calls() -> dict[str, set[str]]:
+    """Which firmware/*.c file calls a function another one defines (read from the sources: a
+    definition is a line that starts with a return type and the name, its body on the next line)."""
+    import re
+    files = {p.name: p.read_text() for p in (ROOT / "firmware").glob("*.c")}
+    defined = {}
+    for name, text in files.items():
+        for m in re.finditer(r"^(?!static\b)[a-z_][\w ]*?\**\b([a-z_]\w*)\([^;{]*\)\s*\n?\{", text, re.M):
+            defined.setdefault(m.group(1), name)
+    calls = {}
+    for name, text in files.items():
+        body = re.sub(r"/\*.*?\*/|//[^\n]*|\"(\\.|[^\"\\])*\"", "", text, flags=re.S)
+        calls[name] = {defined[f] for f in re.findall(r"\b([a-z_]\w*)\s*\(", body)
+                       if f in defined and defined[f] != name}
+    return calls
+
+
+def test_the_firmware_reply_path_has_no_circle():
+    """The duck's request path runs one way (core.c -> handlers.c -> forward.c -> reply.c ->
+    fault.c, log.c): the reply is made and sent in reply.c, which reads no request."""
+    calls = _firmware_calls()
+    assert "handlers.c" in calls["core.c"] and "reply.c" in calls["forward.c"], calls   # the walk found the calls
+    assert "core.c" not in calls["forward.c"] | calls["handlers.c"] | calls["reply.c"], calls
+    assert _circles(calls) == [], _circles(calls)

@@ -168,6 +168,12 @@ int tr_send_twice(duck_transport *t, const duck_call *c, const call_state *s)
 {
     if (c->type != WIRE_T_FORWARD || s->req_frags > TWICE_MAX_FRAGS || t->cfg.twice < 0)
         return 0;
+    wire_forward f;
+    if (c->payload_len < sizeof f)
+        return 0;
+    memcpy(&f, c->payload, sizeof f);
+    if (f.flags & WIRE_FWD_HOLD)
+        return 0;   /* a part of a long forward (prefill): its copy would run the held pass early */
     duck_link *l = &t->link[c->duck];
     uint32_t k = l->small_calls++;
     return t->cfg.twice > 0 || l->lossy || k < LOSS_COPIES / 2 || k % PROBE_EVERY == 0;

@@ -38,7 +38,7 @@ def test_loopback_carries_a_layer_in_one_datagram_each_way(tmp_path):
     per_duck = one_layer(rng, n, hidden)
     x = (rng.standard_normal((1, hidden)) * 0.1).astype(np.float32)
     ids, w = routing(rng, 1, 2, 2)
-    with Ducks(n, tmp_path) as ducks:
+    with Ducks(n, tmp_path, twice=-1) as ducks:   # datagrams counted: no decode forward sent twice
         infos = ducks.fleet.hello()
         assert [i.mtu for i in infos] == [65535] * n and "mtu 65535 of lo" in ducks[0].log()
         assert ducks.fleet.datagram_sizes() == [65535] * n
@@ -50,7 +50,7 @@ def test_loopback_carries_a_layer_in_one_datagram_each_way(tmp_path):
         assert datagrams(ducks.fleet, lambda: session.forward(0, x, ids, w)) == (n, n)
         assert np.array_equal(y, local_reference(per_duck, hidden, x, ids, w))
         # a ceiling of 1500: the fragments of an Ethernet path, both ways, and the same bits
-        with Fleet([d.address for d in ducks.ducks], ducks.key, mtu=1500) as narrow:
+        with Fleet([d.address for d in ducks.ducks], ducks.key, mtu=1500, twice=-1) as narrow:
             narrow.hello()
             assert narrow.datagram_sizes() == [1500] * n
             s2 = narrow.open_session({0: per_duck}, hidden)
@@ -63,7 +63,7 @@ def test_the_duck_announces_its_own_size(tmp_path):
     rng = np.random.default_rng(2)
     hidden = 7168
     per_duck = one_layer(rng, 1, hidden, n_experts=1)
-    with Ducks(1, tmp_path, args=["--mtu", "9000"]) as ducks:
+    with Ducks(1, tmp_path, args=["--mtu", "9000"], twice=-1) as ducks:
         assert ducks.fleet.hello()[0].mtu == 9000 and ducks.fleet.datagram_sizes() == [9000]
         ducks.fleet.upload(flat(per_duck))
         session = ducks.fleet.open_session({0: per_duck}, hidden)
