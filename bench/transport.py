@@ -68,6 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
+from duckd.config import TWICE
 from native.kernels import MoeSlice
 from native.transport import Fleet, duckfw_path, split_experts, write_key_file
 
@@ -194,7 +195,7 @@ def _run_case(fleet: Fleet, session, fn, iters: int, host_spin_us: int, partials
 def overhead(addresses, key, args, hidden: int, host_spin_us: int, mac: bool = True) -> dict:
     """One token, no expert routed: the protocol and scheduling cost of a layer."""
     n = len(addresses)
-    with Fleet(addresses, key, mtu=args.mtu, spin_us=host_spin_us, mac_data=mac) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, spin_us=host_spin_us, mac_data=mac, twice=TWICE[args.send_twice]) as fleet:
         session = fleet.open_session({0: [[] for _ in range(n)]}, hidden)
         x = np.ones((1, hidden), np.float32)
         ids, w = np.full((1, 8), -1, np.int32), np.zeros((1, 8), np.float32)
@@ -214,7 +215,8 @@ def partials(addresses, key, args, host_spin_us: int, bf16: bool, mac: bool = Tr
     per_duck = split_experts([expert], tp=n)
     x = (rng.standard_normal((1, HIDDEN)) * 0.1).astype(np.float32)
     ids, w = np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
-    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us, mac_data=mac) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us, mac_data=mac,
+               twice=TWICE[args.send_twice]) as fleet:
         fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
         session = fleet.open_session({0: per_duck}, HIDDEN)
         out = np.empty((1, HIDDEN), np.uint16 if bf16 else np.float32)
@@ -246,7 +248,7 @@ def prefill_chunk(addresses, key, args, workers: int) -> dict:
     x = (xf.view(np.uint32) >> 16).astype(np.uint16)          # bf16 bits, as a GPU host sends them
     ids, w = np.zeros((tokens, 1), np.int32), np.ones((tokens, 1), np.float32)
     iters = max(args.iters // 50, 20)
-    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=10000, workers=workers) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=10000, workers=workers, twice=TWICE[args.send_twice]) as fleet:
         fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
         session = fleet.open_session({0: per_duck}, hidden)
         out = np.empty((tokens, hidden), np.uint16)
@@ -308,7 +310,8 @@ def deepseek_slice(addresses, key, args, host_spin_us: int) -> dict:
     local = MoeSlice(per_duck[0], HIDDEN)
     ref = timed(lambda: local.forward(x, ids, w), max(iters // 4, 20), warmup=5)
     bytes_per_duck = sum(e.weight_bytes for e in per_duck[0])
-    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us) as fleet:
+    with Fleet(addresses, key, mtu=args.mtu, deadline_ms=5000, spin_us=host_spin_us,
+               twice=TWICE[args.send_twice]) as fleet:
         fleet.upload([[t for e in s for t in (e.gate_up, e.down)] for s in per_duck])
         session = fleet.open_session({0: per_duck}, HIDDEN)
         out = np.empty((1, HIDDEN), np.float32)
@@ -432,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-us", type=int, default=200, help="the host's polling in the _host_polling cases")
     p.add_argument("--duck-spin-us", type=int, default=0,
                    help="ducks spin-then-block (--idle spin) this long; 0: they block at once (a shared host)")
+    p.add_argument("--send-twice", choices=sorted(TWICE), default="never",
+                   help="the Fleet's send_twice (docs/wire.md, Reliability): never (the default here) counts a "
+                        "clean link's datagrams; auto adds duckd's loss probes (a duck's first 64 forwards and one "
+                        "in 16 after, twice)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     g = p.add_argument_group("emulated LAN (--netns N; root and iproute2)")
     g.add_argument("--netns", type=int, default=0, metavar="N",
