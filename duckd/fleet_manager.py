@@ -169,22 +169,32 @@ class FleetManager:
         interval = self.cfg.health_interval_s
         while not self.stopping:
             t0 = time.monotonic()
-            await asyncio.gather(*(self._check(d, interval) for d in self.ducks if d.state in LIVE))
+            live = [d for d in self.ducks if d.state in LIVE]
+            # one check's unexpected error must not end every duck's health checks for good
+            for d, r in zip(live, await asyncio.gather(*(self._check(d, interval) for d in live),
+                                                       return_exceptions=True)):
+                if isinstance(r, Exception):
+                    log.error("duck %d: health check failed: %r", d.id, r)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
 
     async def _check(self, duck: Duck, interval: float) -> None:
-        from native.transport import DuckError, DuckTimeout
+        from native.transport import ClosedError, DuckError, DuckTimeout
 
         gone = self.driver.exited(duck.spec)
         if gone:
             return self.fail(duck, gone)
+        probe = duck.probe
         try:
-            rtt = (await self._probe(duck.probe.ping))[0]
-            counters = (await self._probe(duck.probe.stats))[0]
+            rtt = (await self._probe(probe.ping))[0]
+            counters = (await self._probe(probe.stats))[0]
             duck.checks += 1
             before = self.session() if self.session else 0   # the daemon's session when the hello was asked
-            info = (await self._probe(duck.probe.hello_only))[0]
+            info = (await self._probe(probe.hello_only))[0]
             duck.cache_entries = info.cache_entries
+        except ClosedError:
+            # a restart's link wait closed this probe under the check (and puts a new one in place): the
+            # duck is being brought up again, and this check says nothing of it
+            return
         except DuckError as e:
             # the probe fleet holds this duck alone: its own message would call it "duck 0"
             what = "no answer" if isinstance(e, DuckTimeout) else f"error {e.status}"

@@ -18,11 +18,11 @@ Every call returns within the failure deadline: a duck that does not answer
 raises DuckTimeout naming it. The wire format is native/wire/wire.h (docs/wire.md);
 all constants below come from that header through the compiled module.
 """
-from native.transport.errors import DuckError, DuckTimeout
+from native.transport.errors import ClosedError, DuckError, DuckTimeout
 from native.transport.fleet_socket import DuckInfo, Fleet
 from native.transport.keys import duckfw_path, read_key_file, write_key_file
 from native.transport.session import MAX_TOKENS, Session
 from native.transport.split import slice_width, split_expert, split_experts, synth_experts, synth_seed
 
-__all__ = ["DuckError", "DuckTimeout", "DuckInfo", "Fleet", "MAX_TOKENS", "Session", "duckfw_path", "read_key_file",
+__all__ = ["ClosedError", "DuckError", "DuckTimeout", "DuckInfo", "Fleet", "MAX_TOKENS", "Session", "duckfw_path", "read_key_file",
            "write_key_file", "split_expert", "split_experts", "slice_width", "synth_experts", "synth_seed"]

@@ -12,3 +12,8 @@ class DuckError(RuntimeError):
 
 class DuckTimeout(DuckError):
     """A duck did not answer within the failure deadline."""
+
+
+class ClosedError(RuntimeError):
+    """A call on a Fleet after close() (another thread may close one under a caller: a duck's
+    health probe replaced at its restart)."""

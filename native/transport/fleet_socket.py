@@ -17,7 +17,7 @@ from native.fp9 import Fp9Tensor, SynthTensor
 from native.kernels import ExpertSlice
 from native.transport import session as _session
 from native.transport import upload as _upload
-from native.transport.errors import DuckError, DuckTimeout
+from native.transport.errors import ClosedError, DuckError, DuckTimeout
 
 log = logging.getLogger("duck.transport")
 
@@ -396,7 +396,7 @@ class Fleet:
     def _open(self):
         """The C transport, for a caller that holds the lock; a closed one is an error, not a crash."""
         if self._t is None:
-            raise RuntimeError("the fleet transport is closed")
+            raise ClosedError("the fleet transport is closed")
         return self._t
 
     @staticmethod
