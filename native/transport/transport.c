@@ -354,10 +354,15 @@ void tr_send_request(duck_transport *t, const duck_call *c, const call_state *s,
     size_t at = 0;
     tr_tx_flush(t);
     uint32_t n = tr_seal_request(t, c, s, have, lens, &at);
-    for (int copy = 0; copy <= s->twice; copy++)
-        for (uint32_t i = 0; i < n; i++)
-            tr_tx_add(t, c->duck, t->seal + at + (size_t)i * t->seal_stride, lens[i]);
+    tr_tx_sealed(t, c->duck, at, lens, n, s->twice);
     tr_tx_flush(t);
+}
+
+void tr_tx_sealed(duck_transport *t, uint32_t duck, size_t at, const size_t *lens, uint32_t n, int twice)
+{
+    for (int copy = 0; copy <= twice; copy++)
+        for (uint32_t i = 0; i < n; i++)
+            tr_tx_add(t, duck, t->seal + at + (size_t)i * t->seal_stride, lens[i]);
 }
 
 void tr_send_resend(duck_transport *t, const duck_call *c, const call_state *s)

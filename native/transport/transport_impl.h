@@ -141,6 +141,8 @@ void tr_parallel(duck_transport *t, uint32_t n, size_t bytes, tr_item_fn fn, voi
 uint64_t tr_now_ns(void);
 void tr_tx_flush(duck_transport *t);
 void tr_tx_add(duck_transport *t, uint32_t duck, uint8_t *dgram, size_t len);
+/* n sealed datagrams at t->seal + at (seal_stride apart) queued for duck, each twice where twice. */
+void tr_tx_sealed(duck_transport *t, uint32_t duck, size_t at, const size_t *lens, uint32_t n, int twice);
 /* The datagram size below the agreed one that a failed size falls back to. */
 uint32_t tr_small_mtu(const duck_transport *t);
 /* Seals the fragments of a call's request (those not set in `have`, or all)

@@ -413,9 +413,7 @@ static int send_calls(duck_transport *t, duck_call *calls, uint32_t first, uint3
             end = at + (size_t)nseal * t->seal_stride;
         }
         sealed = i;
-        for (int copy = 0; copy <= s->twice; copy++)
-            for (uint32_t f = 0; f < nseal; f++)
-                tr_tx_add(t, c->duck, t->seal + at + (size_t)f * t->seal_stride, lens[f]);
+        tr_tx_sealed(t, c->duck, at, lens, nseal, s->twice);
     }
     tr_tx_flush(t);
     t->stats.calls += count;
