@@ -228,13 +228,15 @@ class SlotBatch:
                    torch.tensor(flat, dtype=torch.int64, device=device), runs, ends, decode_rows)
 
 
-def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
-    """k, v [T, KVH, D] written at their slots' positions, then each run's q over its own slot."""
+    """k, v [T, KVH, D] written at their slots' positions (None: written already), then each run's
+    q over its own slot."""
     cache = batch.cache
     ck, cv = cache.k[layer], cache.v[layer]                  # [slots, S, KVH, D]
-    ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
-    cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
+    if k is not None:
+        ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
+        cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
     if _mode.static:   # a graph's decode step (SlotBatch.static): each row over its slot, no host sync
         return ops.decode_attention(q, ck, cv, batch.positions, scale, slots=batch.slots)
     if batch.decode_rows is not None:   # every run one token (a decode step): one masked call for all
@@ -306,9 +308,11 @@ def rotary_cached_attention(layer: int, cache: KVCache, positions: torch.Tensor,
     instead of a cache: rotary at each token's position, then each run in its own slot."""
     norms = ((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0))
     inv_freq = rotary.inv_freq_on(q.device)
-    if isinstance(cache, SlotBatch):
-        q, k = ops.qk_norm_rope(q, k, cache.positions, inv_freq, *norms)
-        return _slot_attention(layer, cache, q, k, v, scale)
+    if isinstance(cache, SlotBatch):   # the cache write in the same kernel, at each token's row of the flat slots
+        ck, cv = cache.cache.k[layer], cache.cache.v[layer]
+        q, _ = ops.qk_norm_rope(q, k, cache.positions, inv_freq, *norms, v=v, k_cache=ck.view(-1, *ck.shape[2:]),
+                                v_cache=cv.view(-1, *cv.shape[2:]), rows=cache.flat)
+        return _slot_attention(layer, cache, q, None, None, scale)
     end = attention_end(cache, positions)
     q, _ = ops.qk_norm_rope(q, k, positions, inv_freq, *norms, v=v, k_cache=cache.k[layer], v_cache=cache.v[layer])
     return attend_cache(layer, cache, positions, q, end, scale)

@@ -93,7 +93,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *, v=None, k_cache=None,
-                     v_cache=None):
+                     v_cache=None, rows=None):
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     freqs = positions.float()[:, None] * inv_freq[None, :]   # [T, D/2]
@@ -101,24 +101,26 @@ def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, ep
     cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     if k_cache is not None:
-        k_cache.index_copy_(0, positions, k)
-        v_cache.index_copy_(0, positions, v)
+        k_cache.index_copy_(0, positions if rows is None else rows, k)
+        v_cache.index_copy_(0, positions if rows is None else rows, v)
     return q, k
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0, *,
                  v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                 v_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 v_cache: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, KVH, D] -> (q, k) with RMSNorm over each head (Qwen3's q_norm/k_norm
     weights [D]; None: no norm, Llama) and half-split (rotate_half) rotary at positions [T]:
     freqs = positions * inv_freq [D/2] in fp32, cos/sin cast to q's dtype before the products.
     k_cache, v_cache [S, KVH, D] (one layer of a KVCache): k and v [T, KVH, D] are written
-    there at positions, which the caller has checked to be within S."""
+    there at positions (or at rows [T] int64 where given: a slot cache seen as one [N * S, KVH, D]),
+    which the caller has checked to be within S."""
     if triton_runs_on(q):
-        return _kernels()[0].qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v, k_cache, v_cache)
+        return _kernels()[0].qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v, k_cache, v_cache,
+                                          rows)
     return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, k_cache=k_cache,
-                            v_cache=v_cache)
+                            v_cache=v_cache, rows=rows)
 
 
 # -- attention over the static cache ------------------------------------------------------

@@ -109,26 +109,28 @@ if triton is not None:
             tl.store(cache_dst + HALF + i, y2, mask=ok & cache_ok)
 
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr,
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, row_ptr, inv_freq_ptr, qw_ptr, kw_ptr,
                              q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, H, KVH, S, eps,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs, stride_ch,
                              DTYPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                             NORM: tl.constexpr, CACHE: tl.constexpr):
-        """Program (t, head): heads [0, H) are q's, [H, H + KVH) k's, then (CACHE) KVH of v's."""
+                             NORM: tl.constexpr, CACHE: tl.constexpr, ROWS: tl.constexpr):
+        """Program (t, head): heads [0, H) are q's, [H, H + KVH) k's, then (CACHE) KVH of v's.
+        The cache row of token t is its position, or (ROWS) row_ptr[t] (a slot cache seen flat)."""
         t = tl.program_id(0)
         head = tl.program_id(1)
         pos = tl.load(pos_ptr + t)
-        # a position outside the cache writes nothing (the callers check it on the host
+        row = tl.load(row_ptr + t) if ROWS else pos
+        # a row outside the cache writes nothing (the callers check it on the host
         # where they can; a CUDA graph cannot, and must not write out of bounds)
-        in_cache = (pos >= 0) & (pos < S)
+        in_cache = (row >= 0) & (row < S)
         if head < H:
             _norm_rope_head(q_ptr + t * stride_qt + head * stride_qh, qw_ptr, inv_freq_ptr, pos,
                             q_out_ptr + t * stride_qot + head * stride_qoh, q_out_ptr, False, eps,
                             DTYPE, HALF, BLOCK_HALF, NORM, False)
         elif head < H + KVH:
             kh = head - H
-            slot = k_cache_ptr + pos * stride_cs + kh * stride_ch
+            slot = k_cache_ptr + row * stride_cs + kh * stride_ch
             _norm_rope_head(k_ptr + t * stride_kt + kh * stride_kh, kw_ptr, inv_freq_ptr, pos,
                             k_out_ptr + t * stride_kot + kh * stride_koh, slot, in_cache, eps,
                             DTYPE, HALF, BLOCK_HALF, NORM, CACHE)
@@ -137,7 +139,7 @@ if triton is not None:
             d = tl.arange(0, 2 * BLOCK_HALF)
             ok = (d < 2 * HALF) & in_cache
             v = tl.load(v_ptr + t * stride_vt + vh * stride_vh + d, mask=ok)
-            tl.store(v_cache_ptr + pos * stride_cs + vh * stride_ch + d, v, mask=ok)
+            tl.store(v_cache_ptr + row * stride_cs + vh * stride_ch + d, v, mask=ok)
 
     @triton.jit
     def _router_topk_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_l,
@@ -231,10 +233,10 @@ def _heads(t: torch.Tensor, name: str, d: int) -> None:
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                  v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                 v_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 v_cache: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, KVH, D] (views with any row and head strides) -> rotated (q, k),
     new contiguous tensors; with k_cache, v_cache [S, KVH, D] also k and v [T, KVH, D]
-    written there at positions."""
+    written there at positions, or at rows [T] (int64) where given."""
     t, h, d = q.shape
     kvh = k.shape[1]
     _heads(q, "q", d)
@@ -256,19 +258,22 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
         if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
             raise ValueError(f"qk_norm_rope: k_cache {tuple(k_cache.shape)} {k_cache.stride()} and v_cache "
                              f"{tuple(v_cache.shape)} {v_cache.stride()} differ in layout")
+        if rows is not None and (rows.shape != positions.shape or rows.dtype != torch.int64):
+            raise ValueError(f"qk_norm_rope: rows must be int64 like positions {tuple(positions.shape)}, got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, kvh, d), dtype=k.dtype, device=k.device)
     if t:
         half = d // 2
         block_half = _next_pow2(half)
         _qk_norm_rope_kernel[(t, h + kvh + (kvh if cache else 0))](
-            q, k, v if cache else k, positions, inv_freq, q_weight if norm else q, k_weight if norm else k,
+            q, k, v if cache else k, positions, rows if cache and rows is not None else positions, inv_freq, q_weight if norm else q, k_weight if norm else k,
             q_out, k_out, k_cache if cache else k_out, v_cache if cache else k_out, h, kvh,
             k_cache.shape[0] if cache else 0, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0) if cache else 0, v.stride(1) if cache else 0, q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), k_cache.stride(0) if cache else 0, d if cache else 0,
             DTYPE=tl_dtype(q, "qk_norm_rope"), HALF=half, BLOCK_HALF=block_half, NORM=norm, CACHE=cache,
-            num_warps=1 if block_half <= 64 else 2)
+            ROWS=cache and rows is not None, num_warps=1 if block_half <= 64 else 2)
     return q_out, k_out
 
 

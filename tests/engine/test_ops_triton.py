@@ -84,7 +84,9 @@ def check_rms_norm(t: int, n: int, dtype: torch.dtype, seed: int, device: str = 
 
 
 def check_qk_norm_rope(t: int, h: int, kvh: int, d: int, dtype: torch.dtype, first: int, norm: bool,
-                       cache: bool, seed: int, device: str = "cpu") -> None:
+                       cache: bool, seed: int, device: str = "cpu", rows: bool = False) -> None:
+    """rows: the cache is two slots of a slot cache seen flat, the tokens written in the second
+    (at rows = slots + positions, as a batch's step writes: engine.layers.SlotBatch.flat)."""
     from engine.gpu import ops_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -94,22 +96,23 @@ def check_qk_norm_rope(t: int, h: int, kvh: int, d: int, dtype: torch.dtype, fir
     positions = torch.arange(first, first + t, device=device)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=device).float() / d))
     q_w, k_w = ((1 + 0.2 * torch.randn(d, generator=gen)).to(device, dtype) for _ in range(2)) if norm else (None, None)
-    slots = first + t + 3
+    slots = (first + t + 3) * (2 if rows else 1)
     k_cache, v_cache = (torch.randn(slots, kvh, d, generator=gen).to(device, dtype) for _ in range(2))
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
-    caches = dict(v=v, k_cache=k_cache, v_cache=v_cache) if cache else {}
+    written = positions + slots // 2 if rows else positions
+    caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, rows=written if rows else None) if cache else {}
     with poisoned_outputs():
         got = ops_triton.qk_norm_rope(q, k, positions, inv_freq, q_w, k_w, 1e-6, **caches)
     want = ops.qk_norm_rope_ref(q, k, positions, inv_freq, q_w, k_w, 1e-6, v=v, k_cache=want_k_cache,
-                                v_cache=want_v_cache)
-    what = f"qk_norm_rope T={t} H={h} KVH={kvh} D={d} {dtype} from {first} norm={norm} cache={cache}"
+                                v_cache=want_v_cache, rows=written if rows else None)
+    what = f"qk_norm_rope T={t} H={h} KVH={kvh} D={d} {dtype} from {first} norm={norm} cache={cache} rows={rows}"
     assert_matches(got[0], want[0], what + ": q")
     assert_matches(got[1], want[1], what + ": k")
     if cache:
-        assert torch.equal(k_cache[positions], got[1]), f"{what}: the cache holds another k than returned"
+        assert torch.equal(k_cache[written], got[1]), f"{what}: the cache holds another k than returned"
         assert torch.equal(v_cache, want_v_cache), f"{what}: v cache"
         others = torch.ones(slots, dtype=torch.bool, device=device)
-        others[positions] = False
+        others[written] = False
         assert torch.equal(k_cache[others], want_k_cache[others]), f"{what}: slots off the positions written"
 
 
@@ -125,6 +128,8 @@ QK_CASES = [  # T, H, KVH, D, dtype, first position, norm, cache
 def check_all_qk_norm_rope(device: str = "cpu") -> None:
     for i, case in enumerate(QK_CASES):
         check_qk_norm_rope(*case, seed=i, device=device)
+    check_qk_norm_rope(3, 8, 2, 64, torch.bfloat16, 9, True, True, seed=7, device=device, rows=True)
+    check_qk_norm_rope(1, 4, 4, 64, torch.float32, 5, False, True, seed=8, device=device, rows=True)
 
 
 def check_decode_attention(t: int, h: int, kvh: int, d: int, s: int, positions: list[int], dtype: torch.dtype,
@@ -443,8 +448,8 @@ def test_kernels_compile_for_hopper_without_spills():
          | {"eps": "fp32"}, dict(DTYPE=tl.bfloat16, HAS_RESIDUAL=True, BLOCK=2048), 4),
         (ops_triton._qk_norm_rope_kernel, {n: bf16 for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "q_out_ptr",
                                                               "k_out_ptr", "k_cache_ptr", "v_cache_ptr")}
-         | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "eps": "fp32"},
-         dict(DTYPE=tl.bfloat16, HALF=64, BLOCK_HALF=64, NORM=True, CACHE=True), 1),
+         | {"pos_ptr": "*i64", "row_ptr": "*i64", "inv_freq_ptr": "*fp32", "eps": "fp32"},
+         dict(DTYPE=tl.bfloat16, HALF=64, BLOCK_HALF=64, NORM=True, CACHE=True, ROWS=True), 1),
         (ops_triton._router_topk_kernel, {"logits_ptr": bf16, "ids_ptr": "*i32", "weights_ptr": "*fp32"},
          dict(TOP_K=8, NORMALIZE=True, BLOCK_E=128, BLOCK_K=8), 1),
         *((decode_attention._split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "pos_ptr": "*i64",
