@@ -79,9 +79,22 @@ def test_invalid_config_fails_at_start_naming_the_field(tmp_path):
         assert r.returncode != 0 and field in r.stderr, (text, r.stderr)
 
 
-def _duckfw_pids() -> set[int]:
+def _duckfw_pids(session_of: int | None = None) -> set[int]:
+    """The duckfw processes of this machine; session_of: only those in that process's session
+    (another test run on the machine starts ducks of its own)."""
+    import os
     out = subprocess.run(["pgrep", "-x", "duckfw"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    pids = {int(p) for p in out.split()}
+    if session_of is None:
+        return pids
+    mine = set()
+    for pid in pids:
+        try:
+            if os.getsid(pid) == os.getsid(session_of):
+                mine.add(pid)
+        except ProcessLookupError:   # gone since pgrep saw it
+            pass
+    return mine
 
 
 def test_one_daemon_per_state_folder_and_private_files(tmp_path):
@@ -163,7 +176,7 @@ def test_a_host_backend_starts_no_ducks(tmp_path):
     daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"backend": "torch"}),
                            state).start()
     try:
-        assert _duckfw_pids() - before == set(), "ducks started for a model that runs on the host"
+        assert _duckfw_pids(daemon.proc.pid) - before == set(), "ducks started for a model that runs on the host"
         assert all(d.state == pb.OFFLINE for d in daemon.ducks())
         text, stats = daemon.chat("Which city is the capital of France?", max_tokens=8)
         assert "Paris" in text and stats.output_len > 0
