@@ -167,8 +167,8 @@ class Runner:
 
     @torch.inference_mode()
     def batched(self, sizes: list[int], prompt_len: int, steps: int, graphs: bool | None = None) -> list[dict]:
-        """Continuous batching on the torch path (engine.batch_torch, a GPU host's with
-        model.gpu_batching): for each B in sizes, B sequences of prompt_len random tokens,
+        """Continuous batching on the torch path (engine.batch_torch, every request's on a
+        GPU host): for each B in sizes, B sequences of prompt_len random tokens,
         each prefilled into its own slot, then decode steps of one token per slot in one
         forward (from the batch-size buckets' CUDA graphs on CUDA unless graphs is False).
         Per B: the median step, aggregate tok/s, its ratio to B = 1, the FFN call per layer
@@ -346,7 +346,7 @@ def main(argv: list[str]) -> int:
                     help="--batch's decode steps from CUDA graphs per batch-size bucket (on CUDA; off: eager; "
                          "both: eager, then graphs)")
     ap.add_argument("--batch", default="",
-                    help="also decode B sequences at once on the torch batching path (model.gpu_batching), "
+                    help="also decode B sequences at once on the torch batching path (a GPU host's), "
                          "e.g. 1,8,32: aggregate tok/s per B after the first prompt length")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")

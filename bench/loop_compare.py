@@ -48,14 +48,14 @@ def word_tokenizer(vocab: int):
 class Loop:
     """The model, its tokenizer and one batch decoder; random prompts from one generator."""
 
-    def __init__(self, model, slots: int, max_model_len: int, step_tokens: int, seed: int):
+    def __init__(self, model, slots: int, max_model_len: int, step_tokens: int, seed: int, prefill_chunk: int = 0):
         from engine.batch import BatchDecoder
         self.model, self.vocab = model, model.config.vocab_size
         self.tokenizer = word_tokenizer(self.vocab)
         self.mtp = bool(getattr(model, "mtp_layers", None))
         self.max_model_len = max_model_len
         self.batch = BatchDecoder(model, self.tokenizer, slots, max_model_len, step_tokens, path="torch",
-                                  mtp=self.mtp)
+                                  mtp=self.mtp, prefill_chunk=prefill_chunk)
         self.gen = torch.Generator().manual_seed(seed)
 
     def prompt(self, n: int) -> list[int]:
@@ -99,12 +99,25 @@ def measure(loop: Loop, args) -> dict:
     out: dict = {}
     loop.one_request(loop.prompt(16), 4)                         # warm-up: graphs, kernels, the ducks' workspace
     loop.in_loop([loop.prompt(16)], 4)
-    one = [loop.one_request(loop.prompt(args.prompt), args.tokens) for _ in range(args.repeats)]
-    alone = [loop.in_loop([loop.prompt(args.prompt)], args.tokens)[0][0] for _ in range(args.repeats)]
+    one, alone = [], []
+    loop.batch.trace = []
+    for _ in range(args.repeats):   # interleaved: a drift of the ducks' speed favours neither path
+        one.append(loop.one_request(loop.prompt(args.prompt), args.tokens))
+        alone.append(loop.in_loop([loop.prompt(args.prompt)], args.tokens)[0][0])
+    decode = [s for s in loop.batch.trace if not s["prefill"]]
+    loop.batch.trace = None
+    if args.profile:   # where a decode step's time goes on each path
+        with _profiled(True, "one request (the one-request path)", rows=15):
+            loop.one_request(loop.prompt(args.prompt), args.tokens)
+        with _profiled(True, "a batch of one (the loop)", rows=15):
+            loop.in_loop([loop.prompt(args.prompt)], args.tokens)
     out["one_request"] = {"runs": [_stats(r) for r in one],
                           "decode_tok_s": statistics.median(r.stats.decode_tps for r in one)}
     out["batch_of_one"] = {"runs": [_stats(r) for r in alone],
-                           "decode_tok_s": statistics.median(r.stats.decode_tps for r in alone)}
+                           "decode_tok_s": statistics.median(r.stats.decode_tps for r in alone),
+                           # a decode step's time in BatchDecoder.step, and of it the forward and logits
+                           "step_ms_median": statistics.median(s["ms"] for s in decode),
+                           "forward_ms_median": statistics.median(s["forward_ms"] for s in decode)}
     out["batch_of_one_over_one_request"] = out["batch_of_one"]["decode_tok_s"] / out["one_request"]["decode_tok_s"]
     log.info("decode: one request %.2f tok/s, batch of one %.2f tok/s (%.3fx)", out["one_request"]["decode_tok_s"],
              out["batch_of_one"]["decode_tok_s"], out["batch_of_one_over_one_request"])
@@ -128,7 +141,10 @@ def prefix_turns(loop: Loop, args) -> dict:
     one_alone = loop.one_request(first_prompt, args.turn_out)        # the one-request path's TTFT at this length
     (first,), _ = loop.in_loop([first_prompt], args.turn_out)
     second_prompt = first_prompt + first.token_ids + loop.prompt(args.more)
-    (on,), _ = loop.in_loop([second_prompt], args.turn_out)
+    loop.batch.trace = []
+    with _profiled(args.profile, "the second turn, prefix cache on"):
+        (on,), _ = loop.in_loop([second_prompt], args.turn_out)
+    steps, loop.batch.trace = loop.batch.trace, None
     loop.batch.prefix_cache = False
     try:
         (off,), _ = loop.in_loop([second_prompt], args.turn_out)
@@ -138,12 +154,37 @@ def prefix_turns(loop: Loop, args) -> dict:
            "first_one_request_ttft_s": round(one_alone.stats.ttft, 4),
            "ttft_ratio": on.stats.ttft / first.stats.ttft,
            "ttft_ratio_uncached": off.stats.ttft / first.stats.ttft,
-           "identical": on.token_ids == off.token_ids}
+           "identical": on.token_ids == off.token_ids,
+           "second_cached_first_steps": steps[:4]}   # the rest's prefill, then the first decode steps
     log.info("prefix: first turn %d tokens TTFT %.3f s (one-request path %.3f s); second %d tokens (%d cached) "
              "TTFT %.3f s = %.3fx, uncached %.3f s; identical %s", len(first_prompt), first.stats.ttft,
              one_alone.stats.ttft, len(second_prompt), on.stats.cached, on.stats.ttft, out["ttft_ratio"],
              off.stats.ttft, out["identical"])
     return out
+
+
+class _profiled:
+    """torch.profiler around a block where on: its top operators by self time (device, then host) logged."""
+
+    def __init__(self, on: bool, what: str, rows: int = 25):
+        self.on, self.what, self.rows, self.prof = on, what, rows, None
+
+    def __enter__(self):
+        if self.on:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return False
+        self.prof.__exit__(*exc)
+        table = self.prof.key_averages()
+        for key in (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]:
+            log.info("profile of %s, by %s:\n%s", self.what, key, table.table(sort_by=key, row_limit=self.rows))
+        return False
 
 
 def _place(model, backend, text: str) -> dict | None:
@@ -180,7 +221,7 @@ def run(args) -> dict:
             out["placement"] = _place(model, backend, args.budget)
         try:
             longest = max(args.prompt + args.tokens, args.turn_tokens + args.more + 2 * args.turn_out) + 8
-            loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed)
+            loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed, args.prefill_chunk)
             out["mtp"] = loop.mtp
             out["graphs"] = getattr(loop.batch.decoder, "graphs", None) is not None
             out.update(measure(loop, args))
@@ -202,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--users", default="8,32", help="requests at once in the loop")
     ap.add_argument("--step-tokens", type=int, default=256, help="duckd's model.step_tokens")
+    ap.add_argument("--prefill-chunk", type=int, default=1024, help="duckd's model.prefill_chunk")
     ap.add_argument("--turn-tokens", type=int, default=4000, help="the first turn's prompt (0: no prefix run)")
     ap.add_argument("--turn-out", type=int, default=32, help="tokens each turn generates")
     ap.add_argument("--more", type=int, default=40, help="the second turn's new prompt tokens")
     ap.add_argument("--turn-repeats", type=int, default=1, help="chats of two turns, each on a prompt of its own")
     ap.add_argument("--budget", default="0", help="the GPU's share of the experts, as duckd's model.gpu_ffn_budget "
                                                   "(0: none, the default; auto; bytes; a fraction of auto)")
+    ap.add_argument("--profile", action="store_true", help="log torch.profiler's top operators of the cached "
+                                                             "second turn")
     ap.add_argument("--json", help="write the result here (default: stdout)")
     args = ap.parse_args(argv)
     try:

@@ -3,15 +3,13 @@ the model's template, or a raw prompt) and yields TokenEvents as text becomes fi
 then one DoneEvent with the generation's stats. Errors are duckd.errors; the gRPC
 (duckd.server) and OpenAI HTTP (duckd.http_api) adapters translate both ways.
 
-Where the model runs on the CPU host's native decoder, requests are decoded
-together (engine.batch: continuous batching, model.max_seqs at once, one forward
-per step for all of them, on a thread of the service's own); a request waits
-for a free slot in FIFO order. Elsewhere (CUDA, MTP, other families) requests
-wait in a queue on the event loop and generate one at a time, in a thread of
-the service's own, so waiting requests hold no thread. More than
-model.max_queued waiting is Busy. A waiting request whose caller goes away leaves the queue at
-once; one whose turn comes while the fleet cannot serve fails then (Unavailable);
-a running one ends at its next token when its caller goes away or the daemon
+Every request is one sequence of the model's batch (engine.batch: continuous batching,
+model.max_seqs at once, one forward per step for all of them, on a thread of the batch
+runner's own; a single request is a batch of one), on any host and family; a request waits
+for a free slot in FIFO order. More than model.max_queued waiting is Busy. A waiting request
+whose caller goes away leaves the queue at once; one whose turn comes while the fleet cannot
+serve fails then (Unavailable); a running one ends at its next token when its caller goes
+away or the daemon
 stops, held-back text (a stop string's prefix) or not."""
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from duckd.errors import Busy, InvalidArgument, Unavailable
@@ -116,10 +113,6 @@ class DoneEvent:
         return self.stats.output_len
 
 
-class Cancelled(Exception):
-    """Raised inside a generation to stop it (caller gone, daemon stopping)."""
-
-
 @dataclass(slots=True)
 class ActiveRequest:
     """A request the service holds now (what the console's requests panel shows)."""
@@ -146,7 +139,6 @@ class _Call:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        self.emitted = {"n": 0, "t0": time.perf_counter(), "ttft": 0.0}
         self.record = ActiveRequest(next(service._ids), len(prompt), time.monotonic())
 
     def text(self, text: str, logprobs=None) -> None:
@@ -162,13 +154,10 @@ class _Call:
             self.put(("token", (content, entries, reasoning, calls)))
         if not text:
             return
-        emitted = self.emitted
-        if not emitted["n"]:
-            emitted["ttft"] = time.perf_counter() - emitted["t0"]
+        if not self.record.generated:
             self.record.first_token = time.monotonic()
-        emitted["n"] += 1
+        self.record.generated += 1
         self.service.tokens_out += 1
-        self.record.generated = emitted["n"]
 
 
 @dataclass(slots=True)
@@ -254,11 +243,8 @@ class ChatService:
         self.observers: list = []  # callables (DoneEvent) -> None, e.g. the metrics
         self.active: dict[int, ActiveRequest] = {}
         self._ids = itertools.count(1)
-        self._turn = asyncio.Lock()       # FIFO: the waiting requests, in order of arrival
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duck-generate")
         self._count = threading.Lock()   # the counters move on the loop and in worker threads
-        self._batch = None               # engine.batch_runner.BatchRunner, made at the first request where it applies
-        self._batch_checked = False
+        self._batch = None               # engine.batch_runner.BatchRunner, made at the first request
 
     def _add(self, queued: int = 0, running: int = 0) -> None:
         with self._count:
@@ -350,23 +336,18 @@ class ChatService:
         return {**self.daemon.model.loaded.sampling, **mine}
 
     def batch_runner(self):
-        """The continuous-batching runner when it applies (model.max_seqs > 1, a family with a
-        batched path: engine.batch.batch_decoder; on a GPU host only with model.gpu_batching;
-        with model.mtp and an MTP head, the batch drafts with it); None: one generation at a time."""
-        if self._batch_checked:
+        """The continuous-batching runner (engine.batch.batch_decoder: model.max_seqs slots; with
+        model.mtp and an MTP head the batch drafts with it), made at the first request."""
+        if self._batch is not None:
             return self._batch
-        self._batch_checked = True
         cfg, loaded = self.daemon.cfg.model, self.daemon.model.loaded
-        if cfg.max_seqs <= 1:
-            return None
         from engine.batch import batch_decoder
         from engine.batch_runner import BatchRunner
         batch = batch_decoder(loaded.model, loaded.tokenizer, cfg.max_seqs, cfg.max_model_len, cfg.step_tokens,
-                              gpu=cfg.gpu_batching, mtp=cfg.mtp, prefix_cache=cfg.prefix_cache)
-        if batch is not None:
-            self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
-            log.info("continuous batching (%s path%s%s): up to %d sequences per step", batch.path,
-                     ", MTP drafts" if batch.mtp else "", ", prefix cache" if batch.prefix_cache else "", cfg.max_seqs)
+                              mtp=cfg.mtp, prefix_cache=cfg.prefix_cache, prefill_chunk=cfg.prefill_chunk)
+        self._batch = BatchRunner(batch, lock=self.daemon.model.lock, admit=self._admit)
+        log.info("continuous batching (%s path%s%s): up to %d sequences per step", batch.path,
+                 ", MTP drafts" if batch.mtp else "", ", prefix cache" if batch.prefix_cache else "", cfg.max_seqs)
         return self._batch
 
     def _admit(self, job) -> None:
@@ -386,7 +367,7 @@ class ChatService:
         runner = self.batch_runner()
         # the runner's own queue, less the slots its next step gives them (self.queued would also count, for a
         # moment, a job the runner has taken and is starting: a spurious Busy under a flood)
-        waiting = len(runner.waiting) - runner.free_slots if runner is not None else self.queued
+        waiting = len(runner.waiting) - runner.free_slots
         if waiting >= self.max_queued:
             raise Busy(f"{waiting} requests are queued (model.max_queued = {self.max_queued}); "
                        f"retry shortly")
@@ -398,9 +379,7 @@ class ChatService:
         params = self._params(r, len(prompt), grammar)
         shape = _Shape(self._reasoning_split(r, prompt),
                        self.daemon.model.tool_format.parser(r.tools) if r.tools and r.tool_choice != "none" else None)
-        events = self._batched(runner, prompt, params, shape) if runner is not None else \
-            self._one_at_a_time(prompt, params, shape)
-        async for event in events:
+        async for event in self._batched(runner, prompt, params, shape):
             yield event
 
     def _reasoning_split(self, r: ChatRequest, prompt: list[int]):
@@ -419,7 +398,7 @@ class ChatService:
         from native.transport import DuckError
 
         call = _Call(self, prompt, shape)
-        queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
+        queue, cancel, put, record = call.queue, call.cancel, call.put, call.record
         stopping = self.daemon.stopping
         state = {"queued": True}
 
@@ -448,7 +427,7 @@ class ChatService:
         self.daemon.active_chats += 1
         try:
             runner.submit(job)
-            async for event in self._events(queue, prompt, emitted, stopping, shape):
+            async for event in self._events(queue, stopping, shape):
                 yield event
         finally:
             cancel.set()
@@ -462,75 +441,8 @@ class ChatService:
             self.active.pop(record.id, None)
             self.daemon.active_chats -= 1
 
-    async def _one_at_a_time(self, prompt: list[int], params, shape: _Shape):
-        """A request alone on the model (no batching here): FIFO, one generation at a time."""
-        from engine.generate import generate
-        from engine.mtp import generate_mtp
-        from native.transport import DuckError
-
-        loaded = self.daemon.model.loaded
-        mtp = self.daemon.cfg.model.mtp and getattr(loaded.model, "mtp_layers", None)
-        run = generate_mtp if mtp and params.drafts_apply else generate   # drafts know no penalty, give no logprobs
-
-        call = _Call(self, prompt, shape)
-        queue, cancel, put, emitted, record = call.queue, call.cancel, call.put, call.emitted, call.record
-        stopping = self.daemon.stopping
-        loop = asyncio.get_running_loop()
-
-        def on_text(text: str, logprobs=None) -> None:
-            if cancel.is_set() or stopping.is_set():
-                raise Cancelled()
-            call.text(text, logprobs)
-
-        def work() -> None:
-            with self.daemon.model.lock:
-                self._add(running=1)
-                emitted["t0"] = time.perf_counter()
-                try:
-                    result = run(loaded.model, loaded.tokenizer, prompt, params, on_text=on_text,
-                                 max_model_len=len(prompt) + params.max_tokens,
-                                 prefill_chunk=self.daemon.cfg.model.prefill_chunk,
-                                 should_stop=lambda: cancel.is_set() or stopping.is_set())
-                    put(("done", result))
-                except Cancelled:
-                    put(("cancelled", None))
-                except DuckError as e:
-                    put(("unavailable", str(e)))
-                except Exception as e:       # reported to the caller, the daemon goes on
-                    log.exception("generation failed")
-                    put(("error", f"{type(e).__name__}: {e}"))
-                finally:
-                    self._add(running=-1)
-
-        self._add(queued=1)
-        self.active[record.id] = record
-        self.daemon.active_chats += 1
-        waiting = True
-        try:
-            async with self._turn:       # a caller that goes away while waiting leaves the queue here
-                waiting = False
-                self._add(queued=-1)
-                if stopping.is_set():
-                    raise Unavailable("duckd is stopping")
-                self._check_ready()      # the fleet may have failed while this request waited
-                record.state = "running"
-                loop.run_in_executor(self._worker, work)
-                async for event in self._events(queue, prompt, emitted, stopping, shape):
-                    if isinstance(event, DoneEvent):
-                        done = event
-                        break
-                    yield event
-            yield done                   # the next request's turn does not wait for this caller
-        finally:
-            if waiting:
-                self._add(queued=-1)
-            cancel.set()
-            self.active.pop(record.id, None)
-            self.daemon.active_chats -= 1
-
-    async def _events(self, queue: asyncio.Queue, prompt: list[int], emitted: dict, stopping, shape: _Shape):
+    async def _events(self, queue: asyncio.Queue, stopping, shape: _Shape):
         """What the generation thread reports, as events, until it is done."""
-        from engine.tokens import GenerationStats
         while True:
             kind, value = await queue.get()
             if kind in ("done", "cancelled"):   # the generation is over: a held tag's or call's text
@@ -543,9 +455,8 @@ class ChatService:
                 self.daemon.model.last_decode_tps = value.stats.decode_tps
                 yield self._finish(DoneEvent(value.stats, value.finish_reason))
                 return
-            elif kind == "cancelled":       # value: the runner's result (its own token count), or None
-                stats = value.stats if value is not None else \
-                    GenerationStats(len(prompt), emitted["n"], time.perf_counter() - emitted["t0"], emitted["ttft"])
+            elif kind == "cancelled":       # value: the runner's result (its own token count)
+                stats = value.stats
                 log.info("chat cancelled after %d tokens (%s)", stats.output_len,
                          "daemon stopping" if stopping.is_set() else "client gone")
                 yield self._finish(DoneEvent(stats, "cancelled"))

@@ -97,9 +97,9 @@ class ModelConfig:
     max_queued: int = 64               # requests waiting for the model; one more is refused (busy)
     max_seqs: int = 32                 # sequences decoded together (continuous batching; 1: one at a time)
     step_tokens: int = 256             # tokens per batched step: every sequence's next token, then prompt chunks
-    gpu_batching: bool = False         # continuous batching on a GPU host too (CUDA graphs per batch-size bucket)
+    prefill_chunk: int = 1024          # prompt tokens per step while no sequence decodes (a lone prompt reads in
+                                       # larger steps than step_tokens; the CPU host's native decoder takes 1024)
     prefix_cache: bool = True          # a prompt's beginning that a batch slot holds is not read again (engine.batch)
-    prefill_chunk: int = 1024          # prompt tokens per prefill forward (engine.prefill)
     gpu_prefill: str = "auto"          # long prompts' experts over PCIe to the GPU, ducks beside: auto (a CUDA host
                                        # with a fleet) | hybrid | gpu (the GPU takes every expert held) | off
     gpu_prefill_min_tokens: int = 0    # 0: a prompt goes that way when it is estimated faster than the fleet alone

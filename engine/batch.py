@@ -100,7 +100,7 @@ class BatchDecoder:
     """Continuous batching on the native or the torch path (see the module docstring)."""
 
     def __init__(self, model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 path: str = "native", mtp: bool = False, prefix_cache: bool = True):
+                 path: str = "native", mtp: bool = False, prefix_cache: bool = True, prefill_chunk: int = 0):
         if slots < 1 or max_model_len < 2:
             raise ValueError(f"a batch needs slots >= 1 and max_model_len >= 2, got {slots} and {max_model_len}")
         if not 1 <= step_tokens:
@@ -108,7 +108,9 @@ class BatchDecoder:
         if path not in ("native", "torch"):
             raise ValueError(f"path must be 'native' (engine.cpu.decode) or 'torch' (engine.batch_torch), got {path!r}")
         if path == "native":
+            from engine.cpu.decode import MAX_STEP_TOKENS
             from engine.cpu.decode import CpuDecoder as decoder   # an fp32 model and cache on the CPU
+            prefill_chunk = min(prefill_chunk, MAX_STEP_TOKENS)
         else:
             from engine.batch_torch import TorchSlotDecoder as decoder
         self.model, self.tokenizer, self.max_model_len, self.path = model, tokenizer, max_model_len, path
@@ -131,13 +133,16 @@ class BatchDecoder:
         else:
             self.cache = model.make_slot_cache(slots, max_model_len, mtp=True) if mtp else \
                 model.make_slot_cache(slots, max_model_len)
-        self.decoder = decoder(model, self.cache, max_tokens=step_tokens)   # raises UnsupportedModel
+        # a step holds step_tokens while a sequence decodes, prefill_chunk while none does (a lone prompt)
+        self.decoder = decoder(model, self.cache, max_tokens=max(step_tokens, prefill_chunk))   # raises UnsupportedModel
         self.step_tokens = min(step_tokens, self.decoder.max_tokens)
+        self.prefill_chunk = min(max(step_tokens, prefill_chunk), self.decoder.max_tokens)
         if self.step_tokens < slots:
             raise ValueError(f"{slots} sequences need steps of at least {slots} tokens, this decoder takes "
                              f"{self.step_tokens}")
         self.active: list[Sequence] = []             # in order of arrival
         self.steps = 0
+        self.trace: list[dict] | None = None         # a list: each step's tokens, prefill rows, path and time
         self.prefixes = SlotPrefixes(self.cache, prefix_cache, mtp, self.active)   # the free slots, and what they hold
         # long prompts' experts streamed to the GPU (a CUDA host with a fleet): engine.gpu.hybrid_prefill
         self.streamed = getattr(model, "streamed_prefill", None) if path == "torch" else None
@@ -195,7 +200,7 @@ class BatchDecoder:
                 ids += [seq.out.out_ids[-1]] + pair
                 positions += range(seq.position, seq.position + 1 + len(pair))
                 slots += [seq.slot] * (1 + len(pair))
-        budget = (budget or self.step_tokens) - len(ids)
+        budget = (budget or (self.step_tokens if ids else self.prefill_chunk)) - len(ids)
         for seq in self.active if alone is None else [alone]:
             if budget <= 0:
                 break
@@ -215,6 +220,7 @@ class BatchDecoder:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One forward for every active sequence; returns those that finished (result set)."""
+        began = time.perf_counter()
         finished = [s for s in self.active if s.should_stop is not None and s.should_stop()]
         for seq in finished:
             self._end(seq, "cancelled")
@@ -224,6 +230,7 @@ class BatchDecoder:
             if seq.waits is not None:
                 self.prefixes.resolve(seq)
         long = self._long_prompt()
+        forward = time.perf_counter()
         if long is not None:    # this step: its next chunk alone, the experts streamed to the GPU
             ids, positions, slots, wants, chunks = self._plan(long, self.streamed.chunk)
             with self.streamed.hook(len(ids)):
@@ -238,8 +245,11 @@ class BatchDecoder:
         wants.sort(key=lambda w: w[1])
         rows = [r for _, first, n in wants for r in range(first, first + n)]
         logits, greedy = self._logits(y, rows, wants)
-        if long is None and chunks and self.streamed is not None:   # the ducks' prefill rate, for worth()
-            self.streamed.fleet_timed(sum(n for _, _, n, _ in chunks), time.perf_counter() - t0)
+        forward = time.perf_counter() - forward
+        if long is None and chunks and self.streamed is not None:   # the ducks' rate, for worth(): per token
+            # of the step, decode rows included (a step of 31 decode rows and 10 prompt tokens is no
+            # measure of 10 prompt tokens)
+            self.streamed.fleet_timed(len(ids), time.perf_counter() - t0)
         self.steps += 1
         now = time.perf_counter()
         at, ended = 0, []
@@ -263,6 +273,12 @@ class BatchDecoder:
         for seq in ended:
             self._end(seq)
             finished.append(seq)
+        if self.trace is not None:
+            self.trace.append({"tokens": len(ids), "prefill": sum(n for _, _, n, _ in chunks),
+                               "streamed": long is not None, "graph": self.decoder.last_batch is None
+                               if self.path == "torch" else False,
+                               "ms": round((time.perf_counter() - began) * 1e3, 2),
+                               "forward_ms": round(forward * 1e3, 2)})
         return finished
 
     def _long_prompt(self) -> Sequence | None:
@@ -365,23 +381,22 @@ def _greedy_rows(wants) -> list[int]:
 
 
 def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens: int = DEFAULT_STEP_TOKENS,
-                  gpu: bool = False, mtp: bool = False, prefix_cache: bool = True):
-    """A BatchDecoder where one applies, None otherwise (with why at info level): on the
-    CPU host the native decoder's (Llama, Qwen3, Qwen3-MoE), else the torch path's (other
-    families with slot_batching, or any with DUCK_CPU_NATIVE=0); on a GPU host the torch path's only when gpu is set (duckd's
-    model.gpu_batching; decode steps from CUDA graphs per batch-size bucket, engine.gpu.batch_graphs). mtp: the batch drafts with the model's MTP layer (the torch path), or
-    without MTP where it cannot (says why)."""
+                  mtp: bool = False, prefix_cache: bool = True, prefill_chunk: int = 0) -> BatchDecoder:
+    """The BatchDecoder a model takes: on the CPU host the native decoder's (Llama, Qwen3,
+    Qwen3-MoE), else the torch path's (other families with slot_batching, any with
+    DUCK_CPU_NATIVE=0, and every family on a GPU host: decode steps from CUDA graphs per
+    batch-size bucket, engine.gpu.batch_graphs). mtp: the batch drafts with the model's MTP
+    layer (the torch path), or without MTP where it cannot (says why). prefill_chunk: the prompt
+    tokens of a step while no sequence decodes (BatchDecoder). Raises UnsupportedModel
+    (each path's reason) for a model no path takes."""
     from engine.cpu.decode import native_mode
     from engine.cpu.host_model import UnsupportedModel
 
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    if not on_cpu and not gpu:
-        log.info("no continuous batching on the GPU host (model.gpu_batching is off): one request at a time")
-        return None
     if mtp and getattr(model, "mtp_layers", None):
         try:
             return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path="torch", mtp=True,
-                                prefix_cache=prefix_cache)
+                                prefix_cache=prefix_cache, prefill_chunk=prefill_chunk)
         except (UnsupportedModel, ValueError) as e:
             log.warning("continuous batching without MTP drafts: %s", e)
     paths = ["native", "torch"] if on_cpu and native_mode() != "off" else ["torch"]
@@ -389,11 +404,10 @@ def batch_decoder(model, tokenizer, slots: int, max_model_len: int, step_tokens:
     for path in paths:   # on the CPU host: the native decoder, else the torch path (a family it lacks)
         try:
             return BatchDecoder(model, tokenizer, slots, max_model_len, step_tokens, path=path,
-                                prefix_cache=prefix_cache)
+                                prefix_cache=prefix_cache, prefill_chunk=prefill_chunk)
         except UnsupportedModel as e:
             why.append(f"{path} path: {e}")
-    log.info("no continuous batching: %s", "; ".join(why))
-    return None
+    raise UnsupportedModel(f"no batched path for {type(model).__name__}: {'; '.join(why)}")
 
 
 def report(fn, *args) -> None:

@@ -22,7 +22,7 @@
 # PIN=0: unpinned and blocking). Environment:
 #   STEPS (decode steps, 8), E2E_ARGS (more bench e2e arguments, e.g. "--prompts 16 --no-pairs
 #   --backends fleet --duck-spin-us 300"; "--batch 1,8,32" adds continuous batching on the torch
-#   path, what model.gpu_batching runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16),
+#   path, what a GPU host's duckd runs), TAG (suffix of the e2e file names), KTHREADS (1,4,16),
 #   DUCKS x DTHREADS (the fleet of the deepseek and qwen3 steps, 4 x 4; the file names then say
 #   e.g. -8x2)
 set -uo pipefail

@@ -2,8 +2,10 @@
 # On the lent GPU host, in one call: the request loop against the one-request path
 # (bench.loop_compare: one request, the same alone in the batch loop, many users, a chat's two
 # turns with the prefix cache on and off), shape by shape, into $OUT/<date>-loop-<shape>-<machine>.json.
-#   SHAPES="qwen3 deepseek" MACHINE=h100 [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] bash scripts/device_loop.sh
-# TESTS run first (pytest); LOOP_ARGS go to bench.loop_compare.
+#   SHAPES="qwen3 deepseek" MACHINE=h100 [BUDGETS="0 auto"] [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] \
+#       bash scripts/device_loop.sh
+# TESTS run first (pytest); LOOP_ARGS go to bench.loop_compare; BUDGETS: its --budget values (the GPU's
+# share of the experts, duckd's model.gpu_ffn_budget; one file each, "-budget-<b>" in its name past 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MACHINE=${MACHINE:-h100}; SHAPES=${SHAPES:-qwen3 deepseek}
@@ -24,9 +26,13 @@ for shape in $SHAPES; do
     deepseek) synth="--synthetic deepseek-v3 --layers 4 --dense-layers 1" ;;
     *) echo "SHAPES: qwen3 or deepseek, not $shape"; exit 2 ;;
     esac
-    name="$(date +%F)-loop-$shape-$MACHINE.json"
-    python3 -m bench.loop_compare $synth --pin-ducks ${LOOP_ARGS:-} --json "$OUT/$name" 2>"$OUT/loop-$shape.log"
-    rc=$?; grep -E "loop_compare|Error|error" "$OUT/loop-$shape.log" | tail -12
-    [ $rc -eq 0 ] || tail -30 "$OUT/loop-$shape.log"
-    say "$shape: done"
+    for budget in ${BUDGETS:-0}; do
+        tag=$shape; [ "$budget" = 0 ] || tag="$shape-budget-$budget"
+        name="$(date +%F)-loop-$tag-$MACHINE.json"
+        python3 -m bench.loop_compare $synth --pin-ducks --budget "$budget" ${LOOP_ARGS:-} --json "$OUT/$name" \
+            2>"$OUT/loop-$tag.log"
+        rc=$?; grep -E "loop_compare|Error|error" "$OUT/loop-$tag.log" | tail -12
+        [ $rc -eq 0 ] || tail -30 "$OUT/loop-$tag.log"
+        say "$tag: done"
+    done
 done

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class PrefillSplit:
         self.history: list[dict] = []          # per layer of the last prefill: g, experts, times
         self.plan = "gpu" if mode == "gpu" else "split"   # of the pass under way
         self.passes: dict[int, dict] = {}      # log2 of the prompt length -> {plan: s per token, "n": prompts}
+        self.pass_seconds: deque[float] = deque(maxlen=8)   # the last passes' times, whole
 
     def begin(self, tokens: int) -> str:
         """The plan of a pass of tokens (see the module docstring): a plan not yet timed at this
@@ -94,6 +96,8 @@ class PrefillSplit:
 
     def timed(self, tokens: int, seconds: float) -> None:
         """The pass of tokens begun last took seconds, its results on the GPU."""
+        if seconds > 0:
+            self.pass_seconds.append(seconds)
         if self.mode != "gpu" and tokens and seconds > 0:
             seen = self.passes.setdefault(_bucket(tokens), {"n": 0})
             seen[self.plan] = _ema(seen.get(self.plan), seconds / tokens)
@@ -142,6 +146,24 @@ class PrefillSplit:
                 r = self.rates(*key)
                 r.gpu_s = _ema(r.gpu_s, seconds / (g * t))
         self.other_s = _ema(self.other_s, other_s)
+
+
+def fleet_fit(points, tokens: int) -> float | None:
+    """a + b x tokens least-squares fitted to (tokens, seconds) points, a and b kept >= 0; the mean time
+    per token where every point has one length; None without points."""
+    if not points:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    ms = sum(s for _, s in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var == 0:
+        return ms / mt * tokens
+    b = max(0.0, sum((t - mt) * (s - ms) for t, s in points) / var)
+    a = max(0.0, ms - b * mt)
+    if a == 0.0:    # the intercept clipped: the slope through the origin's least squares
+        b = sum(t * s for t, s in points) / sum(t * t for t, _ in points)
+    return a + b * tokens
 
 
 def _bucket(tokens: int) -> int:
@@ -255,18 +277,25 @@ class StreamedPrefill:
     bound: each weight crosses PCIe once per chunk) and when a prompt is long enough.
 
     A prompt is streamed when its estimated time so is below the fleet's alone: one pass of
-    the held experts over PCIe (at the measured copy rate) against its tokens at the fleet's
-    measured prefill rate (engine.generate times every prefill). Until the fleet has been
-    timed, from min_tokens on (also when set: then always from min_tokens on)."""
+    the held experts over PCIe (at the measured copy rate; no less than the fastest of the last
+    passes measured whole, copies, GPU decode and GEMMs: 0.6 s on an H100 for the Qwen3-30B-A3B
+    shape where its 16 GB take 0.3 s over PCIe) against the fleet's time for its
+    tokens, a + b x tokens fitted to the last FLEET_POINTS prefills the fleet did (the batch times
+    each step that reads prompt tokens without the stream, engine.generate each prefill): a short
+    rest touches nearly every expert, so the ducks' time has a part no token count shrinks (a
+    per-token rate alone sent a chat's 41-token rest through a 0.6 s pass where the ducks take
+    0.3 s). One length seen: its time per token. Until the fleet has been timed, from
+    FIRST_GUESS_TOKENS on; with min_tokens set, always from min_tokens on."""
 
     FIRST_GUESS_TOKENS = 256
+    FLEET_POINTS = 32
 
     def __init__(self, stream, backend: FfnBackend, mode: str = "hybrid", pcie_gbps: float | None = None,
                  chunk: int = 16384, min_tokens: int = 0):
         self.stream, self.backend = stream, backend
         self.split = PrefillSplit(mode, pcie_gbps)
         self.chunk, self.min_tokens = chunk, min_tokens
-        self.fleet_s_per_token: float | None = None
+        self.fleet_points: deque[tuple[int, float]] = deque(maxlen=self.FLEET_POINTS)   # (tokens, seconds)
         self.pass_bytes = sum(stream.held(layer) * stream.expert_bytes(layer) for layer in stream.order)
 
     def placed(self, resident) -> None:
@@ -275,17 +304,30 @@ class StreamedPrefill:
         stream = self.stream
         stream.order = sorted(i for i in stream.layers if resident is None or not resident.whole(i))
         self.pass_bytes = sum(stream.held(i) * stream.expert_bytes(i) for i in stream.order)
+        self.split.pass_seconds.clear()   # passes of the old placement time another pass
 
     def worth(self, tokens: int) -> bool:
         if self.min_tokens:
             return tokens >= self.min_tokens
-        if self.fleet_s_per_token is None or not self.split.pcie_s_per_byte:
+        fleet = self.fleet_seconds(tokens)
+        if fleet is None or not self.split.pcie_s_per_byte:
             return tokens >= self.FIRST_GUESS_TOKENS
-        return self.pass_bytes * self.split.pcie_s_per_byte < tokens * self.fleet_s_per_token
+        return self.pass_estimate() < fleet
+
+    def pass_estimate(self) -> float:
+        """A pass's seconds, for any prompt it takes: its bytes over PCIe, or the fastest pass
+        measured of late where that is longer."""
+        copy = self.pass_bytes * (self.split.pcie_s_per_byte or 0.0)
+        return max([copy, *([min(self.split.pass_seconds)] if self.pass_bytes and self.split.pass_seconds else [])])
 
     def fleet_timed(self, tokens: int, seconds: float) -> None:
-        """A prefill of tokens the fleet did alone, in seconds (what worth() weighs)."""
-        self.fleet_s_per_token = _ema(self.fleet_s_per_token, seconds / tokens)
+        """A prefill of tokens the fleet did (a step of that many tokens), in seconds: what worth() weighs."""
+        if tokens > 0 and seconds > 0:
+            self.fleet_points.append((tokens, seconds))
+
+    def fleet_seconds(self, tokens: int) -> float | None:
+        """The fleet's estimated time for a prefill of tokens (see the class docstring); None before any."""
+        return fleet_fit(self.fleet_points, tokens)
 
     def hook(self, tokens: int) -> HybridPrefill:
         return HybridPrefill(self.stream, self.backend, self.split, tokens)

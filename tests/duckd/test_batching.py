@@ -122,7 +122,7 @@ def test_a_queued_request_whose_client_left_runs_nothing(daemon):
 
 def test_the_torch_path_batches_in_the_daemon(tmp_path):
     """With DUCK_CPU_NATIVE=0 the daemon batches through the model's torch modules (the
-    path a GPU host takes with model.gpu_batching): concurrent streams still get exactly
+    path every GPU host takes): concurrent streams still get exactly
     what they get alone."""
     state = tmp_path / "duck"
     d = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2, model={"max_seqs": 4, "max_queued": 8}),

@@ -1,4 +1,4 @@
-"""duckd under load, real daemon and ducks, one sequence at a time (model.max_seqs = 1;
+"""duckd under load, real daemon and ducks, one sequence at a time (model.max_seqs = 1: a batch of one slot;
 tests/duckd/test_batching.py has the batch): waiting chats hold no thread, so the health
 monitor sees a killed duck within 2 s while 32 chats are queued, and the queued ones
 then fail fast (with the host's cover off); a queued request whose client goes away leaves the queue at once and

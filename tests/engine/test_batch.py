@@ -227,3 +227,39 @@ def test_slot_batch_plans_refuse_what_would_corrupt_a_cache(tiny_checkpoint):
         SlotBatch.plan(cache, [0, 0, 1], [0, 1, 0], "cpu")
     plan = SlotBatch.plan(cache, [3, 0, 1], [1, 0, 0], "cpu")
     assert plan.runs == [(1, 0, 1), (0, 1, 3)] and plan.ends == [4, 2] and plan.flat.tolist() == [11, 0, 1]
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_lone_prompt_reads_in_prefill_chunks_and_a_shared_step_in_step_tokens(path, tiny_checkpoint, monkeypatch):
+    """A step holds step_tokens while a sequence decodes and prefill_chunk while none does (no one
+    waits behind a lone prompt: fewer, larger steps, each expert read once per step); the tokens
+    are the same either way."""
+    if path == "torch":
+        monkeypatch.setenv("DUCK_CPU_NATIVE", "0")
+    folder, _ = tiny_checkpoint("qwen3_moe")
+    lm = load_model(folder, device="cpu", backend="fp9")
+    vocab = TINY["qwen3_moe"]["vocab_size"]
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, vocab, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    batch = BatchDecoder(lm.model, lm.tokenizer, slots=2, max_model_len=64, step_tokens=8, path=path,
+                         prefill_chunk=32)
+    assert (batch.step_tokens, batch.prefill_chunk) == (8, 32)
+    batch.trace = []
+    lone = batch.add(prompt, params)
+    while lone.result is None:
+        batch.step()
+    reads = [s["prefill"] for s in batch.trace if s["prefill"]]
+    assert reads == [32, 8], "alone: a chunk of prefill_chunk, then the rest"
+    batch.trace = []
+    first = batch.add(prompt[:5], SamplingParams(max_tokens=30, ignore_eos=True))
+    batch.step()                     # its prompt read: it decodes from now on
+    second = batch.add(prompt[::-1], params)
+    while second.result is None:
+        batch.step()
+    shared = [s for s in batch.trace[1:] if s["prefill"]]
+    assert shared and all(s["tokens"] <= 8 for s in shared), "beside a decoding sequence: steps of step_tokens"
+    assert lone.result.token_ids == generate(lm.model, lm.tokenizer, prompt, params).token_ids
+    assert second.result.token_ids == generate(lm.model, lm.tokenizer, prompt[::-1], params).token_ids
+    while first.result is None:
+        batch.step()

@@ -12,7 +12,7 @@ import torch
 
 from engine.fleet_ffn import FleetFfn
 from engine.gpu.expert_stream import ExpertStream
-from engine.gpu.hybrid_prefill import HybridPrefill, PrefillSplit
+from engine.gpu.hybrid_prefill import HybridPrefill, PrefillSplit, StreamedPrefill
 from engine.loader import load_model
 from tests.engine.test_prefill import _prompt, _rel, family  # noqa: F401 (fixture)
 
@@ -165,7 +165,6 @@ def test_generate_streams_a_long_prompt_and_keeps_the_tokens(family):  # noqa: F
     the stream's chunk (two here), the tokens those of the fleet alone; a shorter one stays on the ducks."""
     from engine.generate import generate
     from engine.tokens import SamplingParams
-    from engine.gpu.hybrid_prefill import StreamedPrefill
 
     folder, vocab = family("deepseek_v3")    # no native CPU decoder: generate's torch path
     lm = load_model(folder, backend=FleetFfn(local_ducks=DUCKS))
@@ -230,9 +229,30 @@ def test_a_batch_streams_a_long_prompt_alone_beside_decoding_sequences(kind, fam
         assert second.token_ids == run([(turn, params)])[0]
         # the batch times the steps the ducks prefill: what a streamed prefill with no fixed threshold weighs
         timed = lm.model.streamed_prefill = StreamedPrefill(stream, lm.ffn, "hybrid", chunk=64)
-        assert timed.fleet_s_per_token is None
+        assert timed.fleet_seconds(20) is None
         run([(long[:20], params)])
-        assert timed.fleet_s_per_token > 0 and timed.split.history == []   # 20 tokens: under the first guess
+        assert timed.fleet_seconds(20) > 0 and timed.split.history == []   # 20 tokens: under the first guess
     finally:
         lm.model.streamed_prefill = None
         lm.ffn.close()
+
+
+def test_the_fleets_prefill_time_is_fitted_with_a_part_no_token_count_shrinks():
+    """A short rest costs the ducks nearly a read of every expert: the fit of the steps' times keeps
+    that part (a), where a rate per token (a 256-token step's) would price 41 tokens at a sixth."""
+    from engine.gpu.hybrid_prefill import fleet_fit
+    assert fleet_fit([], 41) is None
+    steps = [(t, 0.2 + 0.004 * t) for t in (32, 256, 1024, 256, 64)]
+    assert fleet_fit(steps, 41) == pytest.approx(0.2 + 0.004 * 41)
+    assert fleet_fit([(256, 1.0), (256, 1.2)], 128) == pytest.approx(0.55)    # one length: per token
+    through_origin = fleet_fit([(10, 0.1), (20, 0.3)], 30)   # a fitted < 0: the slope through 0
+    assert through_origin == pytest.approx(30 * (10 * 0.1 + 20 * 0.3) / (10 ** 2 + 20 ** 2))
+    stream = type("Stream", (), {"order": [], "layers": {}, "held": None})()
+    streamed = StreamedPrefill(stream, None, "hybrid", pcie_gbps=50.0)
+    streamed.pass_bytes = int(20e9)                          # a pass: 0.4 s over PCIe
+    for t, sec in steps:
+        streamed.fleet_timed(t, sec)
+    assert not streamed.worth(41) and streamed.worth(64)     # 0.36 s on the ducks at 41, 0.46 at 64
+    streamed.split.timed(4000, 0.6)                           # a whole pass measured: slower than its copies
+    assert streamed.pass_estimate() == pytest.approx(0.6)
+    assert not streamed.worth(64) and streamed.worth(128)    # the ducks: 0.46 s at 64, 0.71 at 128

@@ -1,4 +1,4 @@
-"""Continuous batching on a GPU host (engine.batch_torch, duckd's model.gpu_batching):
+"""Continuous batching on a GPU host (engine.batch_torch: every request on a GPU host):
 tiny models on CUDA over a slot cache, decode steps from CUDA graphs per batch-size bucket
 (engine.gpu.batch_graphs) where the cache is a SlotKVCache, other steps eager, the FFNs on
 the host-side fp9 kernels through the pinned host contract. fp32 (TF32 off): every
@@ -40,9 +40,8 @@ def _tiny_on_cuda(tmp_path, kind: str, dtype: str):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_batch_gives_each_request_what_it_gets_alone(kind, dtype, tmp_path):
     with _tiny_on_cuda(tmp_path, kind, dtype) as lm:
-        assert batch_decoder(lm.model, lm.tokenizer, 3, 64, 16) is None, "off unless model.gpu_batching"
-        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True)
-        assert batch is not None and batch.path == "torch"
+        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16)
+        assert batch.path == "torch"
         g = torch.Generator().manual_seed(4)
         requests = [(torch.randint(2, TINY[kind]["vocab_size"], (3 + 4 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True)) for i in range(5)]
@@ -65,11 +64,11 @@ def test_gpu_batch_graphs_give_the_eager_batch_tokens(kind, tmp_path, monkeypatc
         g = torch.Generator().manual_seed(9)
         requests = [(torch.randint(2, TINY[kind]["vocab_size"], (2 + 3 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True)) for i in range(6)]
-        graphs = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16, gpu=True)
+        graphs = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16)
         with_graphs = drain(graphs, requests)
         assert graphs.decoder.graph_steps > 0
         monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")
-        eager = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16, gpu=True)
+        eager = batch_decoder(lm.model, lm.tokenizer, 4, 64, 16)
         assert eager.decoder.graphs is None
         assert with_graphs == drain(eager, requests)
 
@@ -102,12 +101,12 @@ def test_gpu_batch_of_the_latent_and_hybrid_caches(kind, tmp_path):
         g = torch.Generator().manual_seed(6)
         requests = [(torch.randint(2, vocab, (3 + 6 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True)) for i in range(5)]
-        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True)
+        batch = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16)
         together = drain(batch, requests)
         assert [len(t) for t in together] == [p.max_tokens for _, p in requests]
         # the latent cache's decode steps replay the bucket graphs; the DeltaNet state's run eagerly
         assert (batch.decoder.graph_steps > 0) == kind.startswith("deepseek")
-        assert together == [drain(batch_decoder(lm.model, lm.tokenizer, 1, 64, 16, gpu=True), [r])[0]
+        assert together == [drain(batch_decoder(lm.model, lm.tokenizer, 1, 64, 16), [r])[0]
                             for r in requests]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -128,13 +127,13 @@ def test_gpu_batch_with_mtp_drafts_is_greedy_identical(mtp_checkpoint, monkeypat
         g = torch.Generator().manual_seed(8)
         requests = [(torch.randint(2, TINY_DS[KIND]["vocab_size"], (4 + 5 * i,), generator=g).tolist(),
                      SamplingParams(max_tokens=12, ignore_eos=True)) for i in range(4)]
-        with_mtp = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True, mtp=True)
+        with_mtp = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, mtp=True)
         assert with_mtp.mtp
         got = drain(with_mtp, requests)
         assert with_mtp.decoder.graph_steps > 0
-        assert got == drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True), requests)
+        assert got == drain(batch_decoder(lm.model, lm.tokenizer, 3, 64, 16), requests)
         monkeypatch.setenv("DUCK_CUDA_GRAPHS", "0")
-        eager = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, gpu=True, mtp=True)
+        eager = batch_decoder(lm.model, lm.tokenizer, 3, 64, 16, mtp=True)
         assert eager.decoder.graphs is None and got == drain(eager, requests)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32

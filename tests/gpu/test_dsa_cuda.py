@@ -54,7 +54,7 @@ def test_a_gpu_batch_past_index_topk_gives_each_request_what_it_gets_alone(folde
     lm.model.exact_indexer()
     requests = [(_prompt(KIND, n, seed=n), SamplingParams(max_tokens=m, ignore_eos=True))
                 for n, m in ((TOPK + 50, 14), (20, 30), (2 * TOPK, 10), (TOPK - 3, 12))]
-    batch = batch_decoder(lm.model, lm.tokenizer, 3, 4 * TOPK, 64, gpu=True)
+    batch = batch_decoder(lm.model, lm.tokenizer, 3, 4 * TOPK, 64)
     together = drain(batch, requests)
     assert batch.decoder.graph_steps > 0, "decode steps replay the bucket graphs"
     assert together == [generate(lm.model, lm.tokenizer, p, s, max_model_len=4 * TOPK).token_ids
@@ -66,7 +66,7 @@ def test_fp8_keys_in_bf16_run_alone_and_batched(folder):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompt = _prompt(KIND, 3 * TOPK, seed=5)
     alone = generate(lm.model, lm.tokenizer, prompt, params, max_model_len=1024).token_ids
-    batch = batch_decoder(lm.model, lm.tokenizer, 2, 1024, 64, gpu=True)
+    batch = batch_decoder(lm.model, lm.tokenizer, 2, 1024, 64)
     together = drain(batch, [(prompt, params), (_prompt(KIND, 30, seed=6), params)])
     assert len(alone) == 16 and [len(t) for t in together] == [16, 16]
     assert batch.decoder.graph_steps > 0

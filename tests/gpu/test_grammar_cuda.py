@@ -59,7 +59,7 @@ def test_cuda_batch_with_mtp_drafts_under_a_grammar(lm):
                  SamplingParams(max_tokens=30, grammar=grammar)) for i in range(4)]
 
     def batch(mtp: bool):
-        return batch_decoder(lm.model, lm.tokenizer, 3, 96, 24, gpu=True, mtp=mtp)
+        return batch_decoder(lm.model, lm.tokenizer, 3, 96, 24, mtp=mtp)
 
     with_drafts, plain = drain_results(batch(True), requests), drain_results(batch(False), requests)
     verified = 0
