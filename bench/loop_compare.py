@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-repeats", type=int, default=1, help="chats of two turns, each on a prompt of its own")
     ap.add_argument("--budget", default="0", help="the GPU's share of the experts, as duckd's model.gpu_ffn_budget "
                                                   "(0: none, the default; auto; bytes; a fraction of auto)")
-    ap.add_argument("--profile", action="store_true", help="log torch.profiler's top operators of the cached "
-                                                             "second turn")
+    ap.add_argument("--profile", action="store_true", help="log torch.profiler's top operators of a decode run "
+                                                             "on each path and of the cached second turn")
     ap.add_argument("--json", help="write the result here (default: stdout)")
     args = ap.parse_args(argv)
     try:

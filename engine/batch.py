@@ -230,9 +230,9 @@ class BatchDecoder:
             if seq.waits is not None:
                 self.prefixes.resolve(seq)
         long = self._long_prompt()
-        forward = time.perf_counter()
         if long is not None:    # this step: its next chunk alone, the experts streamed to the GPU
             ids, positions, slots, wants, chunks = self._plan(long, self.streamed.chunk)
+            t0 = time.perf_counter()
             with self.streamed.hook(len(ids)):
                 y = self.decoder.layers(torch.tensor(ids), torch.tensor(positions),
                                         torch.tensor(slots, dtype=torch.int32), limit=len(ids))
@@ -245,11 +245,11 @@ class BatchDecoder:
         wants.sort(key=lambda w: w[1])
         rows = [r for _, first, n in wants for r in range(first, first + n)]
         logits, greedy = self._logits(y, rows, wants)
-        forward = time.perf_counter() - forward
+        forward = time.perf_counter() - t0   # the step's forward and logits
         if long is None and chunks and self.streamed is not None:   # the ducks' rate, for worth(): per token
             # of the step, decode rows included (a step of 31 decode rows and 10 prompt tokens is no
             # measure of 10 prompt tokens)
-            self.streamed.fleet_timed(len(ids), time.perf_counter() - t0)
+            self.streamed.fleet_timed(len(ids), forward)
         self.steps += 1
         now = time.perf_counter()
         at, ended = 0, []
@@ -275,8 +275,8 @@ class BatchDecoder:
             finished.append(seq)
         if self.trace is not None:
             self.trace.append({"tokens": len(ids), "prefill": sum(n for _, _, n, _ in chunks),
-                               "streamed": long is not None, "graph": self.decoder.last_batch is None
-                               if self.path == "torch" else False,
+                               "streamed": long is not None,
+                               "graph": getattr(self.decoder, "last_batch", True) is None,   # the torch path's replay
                                "ms": round((time.perf_counter() - began) * 1e3, 2),
                                "forward_ms": round(forward * 1e3, 2)})
         return finished

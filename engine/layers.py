@@ -228,15 +228,24 @@ class SlotBatch:
                    torch.tensor(flat, dtype=torch.int64, device=device), runs, ends, decode_rows)
 
 
-def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+def _flat_slots(batch: SlotBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's k and v slot caches seen as one cache [slots * S, KVH, D] (batch.flat indexes it)."""
+    ck, cv = batch.cache.k[layer], batch.cache.v[layer]
+    return ck.view(-1, *ck.shape[2:]), cv.view(-1, *cv.shape[2:])
+
+
+def _slot_attention(layer: int, batch: SlotBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """k, v [T, KVH, D] written at their slots' positions (None: written already), then each run's
-    q over its own slot."""
-    cache = batch.cache
-    ck, cv = cache.k[layer], cache.v[layer]                  # [slots, S, KVH, D]
-    if k is not None:
-        ck.view(-1, *ck.shape[2:]).index_copy_(0, batch.flat, k)
-        cv.view(-1, *cv.shape[2:]).index_copy_(0, batch.flat, v)
+    """k, v [T, KVH, D] written at their slots' positions, then each run's q over its own slot."""
+    fk, fv = _flat_slots(batch, layer)
+    fk.index_copy_(0, batch.flat, k)
+    fv.index_copy_(0, batch.flat, v)
+    return _slot_attend(layer, batch, q, scale)
+
+
+def _slot_attend(layer: int, batch: SlotBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each run's q over its own slot, the step's keys and values written there."""
+    ck, cv = batch.cache.k[layer], batch.cache.v[layer]      # [slots, S, KVH, D]
     if _mode.static:   # a graph's decode step (SlotBatch.static): each row over its slot, no host sync
         return ops.decode_attention(q, ck, cv, batch.positions, scale, slots=batch.slots)
     if batch.decode_rows is not None:   # every run one token (a decode step): one masked call for all
@@ -309,10 +318,9 @@ def rotary_cached_attention(layer: int, cache: KVCache, positions: torch.Tensor,
     norms = ((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0))
     inv_freq = rotary.inv_freq_on(q.device)
     if isinstance(cache, SlotBatch):   # the cache write in the same kernel, at each token's row of the flat slots
-        ck, cv = cache.cache.k[layer], cache.cache.v[layer]
-        q, _ = ops.qk_norm_rope(q, k, cache.positions, inv_freq, *norms, v=v, k_cache=ck.view(-1, *ck.shape[2:]),
-                                v_cache=cv.view(-1, *cv.shape[2:]), rows=cache.flat)
-        return _slot_attention(layer, cache, q, None, None, scale)
+        fk, fv = _flat_slots(cache, layer)
+        q, _ = ops.qk_norm_rope(q, k, cache.positions, inv_freq, *norms, v=v, k_cache=fk, v_cache=fv, rows=cache.flat)
+        return _slot_attend(layer, cache, q, scale)
     end = attention_end(cache, positions)
     q, _ = ops.qk_norm_rope(q, k, positions, inv_freq, *norms, v=v, k_cache=cache.k[layer], v_cache=cache.v[layer])
     return attend_cache(layer, cache, positions, q, end, scale)

@@ -96,9 +96,10 @@ class PrefillSplit:
 
     def timed(self, tokens: int, seconds: float) -> None:
         """The pass of tokens begun last took seconds, its results on the GPU."""
-        if seconds > 0:
-            self.pass_seconds.append(seconds)
-        if self.mode != "gpu" and tokens and seconds > 0:
+        if seconds <= 0:
+            return
+        self.pass_seconds.append(seconds)
+        if self.mode != "gpu" and tokens:
             seen = self.passes.setdefault(_bucket(tokens), {"n": 0})
             seen[self.plan] = _ema(seen.get(self.plan), seconds / tokens)
 
@@ -318,7 +319,9 @@ class StreamedPrefill:
         """A pass's seconds, for any prompt it takes: its bytes over PCIe, or the fastest pass
         measured of late where that is longer."""
         copy = self.pass_bytes * (self.split.pcie_s_per_byte or 0.0)
-        return max([copy, *([min(self.split.pass_seconds)] if self.pass_bytes and self.split.pass_seconds else [])])
+        if not self.pass_bytes or not self.split.pass_seconds:   # nothing to stream: a pass costs no copy
+            return copy
+        return max(copy, min(self.split.pass_seconds))
 
     def fleet_timed(self, tokens: int, seconds: float) -> None:
         """A prefill of tokens the fleet did (a step of that many tokens), in seconds: what worth() weighs."""

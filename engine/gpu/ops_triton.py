@@ -267,7 +267,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
         half = d // 2
         block_half = _next_pow2(half)
         _qk_norm_rope_kernel[(t, h + kvh + (kvh if cache else 0))](
-            q, k, v if cache else k, positions, rows if cache and rows is not None else positions, inv_freq, q_weight if norm else q, k_weight if norm else k,
+            q, k, v if cache else k, positions, rows if cache and rows is not None else positions, inv_freq,
+            q_weight if norm else q, k_weight if norm else k,
             q_out, k_out, k_cache if cache else k_out, v_cache if cache else k_out, h, kvh,
             k_cache.shape[0] if cache else 0, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0) if cache else 0, v.stride(1) if cache else 0, q_out.stride(0), q_out.stride(1),
