@@ -184,38 +184,42 @@ class ResidentExperts:
         from engine.gpu.moe import MAX_PAIRS
 
         t, k = slots.shape
-        few = t * k <= MAX_PAIRS or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if held.fp9 is not None:
-            from engine.gpu.fp9_gemv import kernel_runs
-            return _fp9_share(held, x, slots, weights, gemv=few and kernel_runs(x.device))
-        small = few and x.device.type == "cuda"
+            return _fp9_share(held, x, slots, weights, capturing)
         gate_up, down = held.gate_up, held.down
         dtype = gate_up.dtype
         if held.experts == 1:                      # a dense FFN: every token, weight 1 (the router's are ones)
             h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
             a = F.silu(h[:, 0::2]) * h[:, 1::2]
             return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
-        if small:
+        if t * k <= MAX_PAIRS and x.device.type == "cuda":
             from engine.gpu.moe import grouped_gemv
             h = grouped_gemv(x.to(dtype), slots.to(torch.int32), gate_up, k)   # [T*k, 2I] fp32
             a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
             y = grouped_gemv(a, slots.to(torch.int32), down, 1)                # [T*k, H] fp32
             return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
+        from engine.gpu.fp9_gemv import kernel_runs
+        from engine.gpu.fp9_moe import FUSED_ROWS, copies_moe_forward
+        if kernel_runs(x.device) and (capturing or t * k <= FUSED_ROWS * gate_up.shape[0]):
+            return copies_moe_forward(gate_up, down, x, slots, weights)     # grouped GEMMs, no host sync
         return _grouped_share(gate_up, down, x.to(dtype), slots, weights)
 
 
-def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gemv: bool) -> torch.Tensor:
-    """The share of experts held in fp9: a decode step's few pairs through the fused GEMV (no host sync:
-    inside the graphs), a prefill's many through groups decoded to bf16 and grouped GEMMs."""
-    from engine.gpu.expert_stream import fp9_experts_forward
-    from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up
+def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, capturing: bool) -> torch.Tensor:
+    """The share of experts held in fp9: a decode step's few pairs through the fused GEMV, more through
+    the grouped GEMMs from fp9 (both without a host sync: inside the graphs), a long prefill's through
+    groups decoded to bf16 and torch's grouped GEMMs (engine.gpu.fp9_moe.held_experts_forward)."""
+    from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up, kernel_runs
+    from engine.gpu.fp9_moe import held_experts_forward
+    from engine.gpu.moe import MAX_PAIRS
 
     lay, src = held.fp9
     t, k = slots.shape
     if held.experts == 1:
         slots = torch.zeros_like(slots)          # a dense FFN: every token its one expert
-    if not gemv:
-        return fp9_experts_forward(lay, src, lay.held, x, slots, weights)
+    if t * k > MAX_PAIRS or not kernel_runs(x.device):
+        return held_experts_forward(lay, src, lay.held, x, slots, weights, capturing=capturing)
     flat = slots.reshape(-1).to(torch.int32)
     dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     h = fp9_gate_up(lay, src, flat, x.to(dtype), k)                              # [T*k, tp*gu_rows] fp32

@@ -225,9 +225,10 @@ class ExpertStream:
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids / weights [T, k] (the layer's routing) -> [T, H] fp32: the sum over the
-        (token, expert) pairs whose expert is one of the fetched [0, g), nothing of the others.
-        Each pair's output is rounded to the GEMMs' type (bf16, or fp32 for an fp32 model)
-        before it is weighted and added in fp32."""
+        (token, expert) pairs whose expert is one of the fetched [0, g), nothing of the others
+        (engine.gpu.fp9_moe.held_experts_forward)."""
+        from engine.gpu.fp9_moe import held_experts_forward
+
         b, g = self._where.pop(layer, (0, 0))
         lay = self.layers[layer]
         if g == 0:
@@ -244,7 +245,7 @@ class ExpertStream:
                 began = time.perf_counter()
 
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        y = fp9_experts_forward(lay, self._gpu[b], g, x, ids, weights, ready)
+        y = held_experts_forward(lay, self._gpu[b], g, x, ids, weights, ready)
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(compute)

@@ -97,6 +97,26 @@ def decode_fp9_ref(src: torch.Tensor, count: int, stride: int, rows: int, cols: 
 
 if triton is not None:
     @triton.jit
+    def fp9_values(mag, sign, c, prescale):
+        """fp32 weights of e5m3 magnitudes (int32), their column c's bit of the block's sign word
+        (int64) and the tensor's prescale: the spec's arithmetic on the exponent bits (a subnormal,
+        magnitude < 8, is its normal of exponent 1 less 2^-14)."""
+        neg = ((sign >> c.to(tl.int64)) & 1) != 0
+        sub = mag < 8
+        bits = ((mag | tl.where(sub, 8, 0)) << 20) + (112 << 23)                   # the code's exponent + 112
+        w = bits.to(tl.float32, bitcast=True) - tl.where(sub, 0.00006103515625, 0.0)
+        return tl.where(neg, -w, w) * prescale
+
+    @triton.jit
+    def fp9_header(src, base, e, tp, d, slot_bytes, live):
+        """Slice d of expert e among tensors of slot_bytes from src + base: (its bytes, its prescale,
+        its flags); 0s where not live."""
+        tensor = src + base + (e * tp + d) * slot_bytes
+        prescale = tl.load(tensor.to(tl.pointer_type(tl.float32)) + 4, mask=live, other=0.0)
+        flags = tl.load(tensor.to(tl.pointer_type(tl.int16)) + 3, mask=live, other=0).to(tl.int32)
+        return tensor, prescale, flags
+
+    @triton.jit
     def _decode_kernel(src, out, stride, rows, cols, pairs, groups, per, outer, inner, row_stride,
                        GB: tl.constexpr):
         """One tensor, one row pair, GB groups: [GB, 128] magnitudes (both rows of each block)."""
@@ -116,11 +136,7 @@ if triton is not None:
         at = 64 + idx[:, None] * 144                                               # [GB, 1]
         mag = tl.load(tensor + at + 16 + j[None, :], mask=live, other=0).to(tl.int32)
         sign = tl.load((tensor + at + 8 * r[None, :]).to(tl.pointer_type(tl.int64)), mask=live, other=0)
-        neg = ((sign >> c[None, :].to(tl.int64)) & 1) != 0
-        sub = mag < 8
-        bits = ((mag | tl.where(sub, 8, 0)) << 20) + (112 << 23)                   # the code's exponent + 112
-        w = bits.to(tl.float32, bitcast=True) - tl.where(sub, 0.00006103515625, 0.0)  # subnormals: less 2^-14
-        w = tl.where(neg, -w, w) * prescale
+        w = fp9_values(mag, sign, c[None, :], prescale)
         row = 2 * p + r[None, :]
         col = g[:, None] * 64 + c[None, :]
         ok = live & (row < rows) & (col < cols)
@@ -133,6 +149,8 @@ if triton is not None:
         u = w.to(tl.int32, bitcast=True)
         half = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int16)
         tl.store(out.to(tl.pointer_type(tl.int16)) + base + row.to(tl.int64) * row_stride + col, half, mask=ok)
+else:   # no triton: the kernels' shared parts are not there either
+    fp9_values = fp9_header = None
 
 
 def decode_fp9(src: torch.Tensor, count: int, stride: int, rows: int, cols: int, out: torch.Tensor,

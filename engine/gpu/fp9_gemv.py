@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.gpu.fp9_decode import GROUP, Placement, decode_fp9
+from engine.gpu.fp9_decode import GROUP, Placement, decode_fp9, fp9_header, fp9_values
 
 try:
     import triton
@@ -48,9 +48,7 @@ if triton is not None:
         n_tp = tp if SUM_TP else 1
         for i in range(0, n_tp):
             d = i if SUM_TP else tl.program_id(2)
-            tensor = src + base + (e * tp + d) * slot_bytes
-            prescale = tl.load(tensor.to(tl.pointer_type(tl.float32)) + 4, mask=held, other=0.0)
-            flags = tl.load(tensor.to(tl.pointer_type(tl.int16)) + 3, mask=held, other=0).to(tl.int32)
+            tensor, prescale, flags = fp9_header(src, base, e, tp, d, slot_bytes, held)
             xoff = d * cols if SUM_TP else 0
             for g0 in range(0, groups, GB):
                 g = g0 + tl.arange(0, GB)
@@ -61,11 +59,7 @@ if triton is not None:
                 at = 64 + idx[:, None] * 144
                 mag = tl.load(tensor + at + 16 + q[None, :], mask=live, other=0).to(tl.int32)
                 sign = tl.load((tensor + at + 8 * r[None, :]).to(tl.pointer_type(tl.int64)), mask=live, other=0)
-                neg = ((sign >> c[None, :].to(tl.int64)) & 1) != 0
-                sub = mag < 8
-                bits = ((mag | tl.where(sub, 8, 0)) << 20) + (112 << 23)
-                w = bits.to(tl.float32, bitcast=True) - tl.where(sub, 0.00006103515625, 0.0)
-                w = tl.where(neg, -w, w) * prescale
+                w = fp9_values(mag, sign, c[None, :], prescale)
                 col = g[:, None] * 64 + c[None, :]
                 ok = live & (col < cols)
                 if flags & 1:
