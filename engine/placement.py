@@ -131,9 +131,10 @@ class ResidentExperts:
         are (fp9: default on CUDA), or decoded to dtype."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from engine.gpu.expert_stream import decode_experts, held_experts
+        from engine.gpu.expert_stream import check_fused, decode_experts, held_experts
 
         self = cls(plan, device, dtype)
+        check_fused(self.device)      # the grouped GEMMs of steps of many pairs, before any capture
         fp9 = keeps_fp9(self.device) if fp9 is None else fp9
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="placement") as workers:
             for done, (layer, ids) in enumerate(sorted(plan.gpu.items()), 1):
@@ -193,15 +194,16 @@ class ResidentExperts:
             h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
             a = F.silu(h[:, 0::2]) * h[:, 1::2]
             return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
-        if t * k <= MAX_PAIRS and x.device.type == "cuda":
+        from engine.gpu.expert_stream import fused_ready
+        from engine.gpu.fp9_moe import FUSED_ROWS, copies_moe_forward
+        fused = fused_ready(x.device)
+        if (t * k <= MAX_PAIRS or (capturing and not fused)) and x.device.type == "cuda":
             from engine.gpu.moe import grouped_gemv
             h = grouped_gemv(x.to(dtype), slots.to(torch.int32), gate_up, k)   # [T*k, 2I] fp32
             a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
             y = grouped_gemv(a, slots.to(torch.int32), down, 1)                # [T*k, H] fp32
             return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
-        from engine.gpu.fp9_gemv import kernel_runs
-        from engine.gpu.fp9_moe import FUSED_ROWS, copies_moe_forward
-        if kernel_runs(x.device) and (capturing or t * k <= FUSED_ROWS * gate_up.shape[0]):
+        if fused and (capturing or t * k <= FUSED_ROWS * gate_up.shape[0]):
             return copies_moe_forward(gate_up, down, x, slots, weights)     # grouped GEMMs, no host sync
         return _grouped_share(gate_up, down, x.to(dtype), slots, weights)
 
@@ -209,16 +211,17 @@ class ResidentExperts:
 def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, capturing: bool) -> torch.Tensor:
     """The share of experts held in fp9: a decode step's few pairs through the fused GEMV, more through
     the grouped GEMMs from fp9 (both without a host sync: inside the graphs), a long prefill's through
-    groups decoded to bf16 and torch's grouped GEMMs (engine.gpu.fp9_moe.held_experts_forward)."""
+    groups decoded to bf16 and torch's grouped GEMMs (engine.gpu.expert_stream.held_experts_forward)."""
+    from engine.gpu.expert_stream import fused_ready, held_experts_forward
     from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up, kernel_runs
-    from engine.gpu.fp9_moe import held_experts_forward
     from engine.gpu.moe import MAX_PAIRS
 
     lay, src = held.fp9
     t, k = slots.shape
     if held.experts == 1:
         slots = torch.zeros_like(slots)          # a dense FFN: every token its one expert
-    if t * k > MAX_PAIRS or not kernel_runs(x.device):
+    gemv = t * k <= MAX_PAIRS or (capturing and not fused_ready(x.device))   # a capture takes no host sync
+    if not gemv or not kernel_runs(x.device):
         return held_experts_forward(lay, src, lay.held, x, slots, weights, capturing=capturing)
     flat = slots.reshape(-1).to(torch.int32)
     dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.gpu.fp9_decode import Placement, decode_fp9
+from engine.gpu.fp9_gemv import kernel_runs
+from engine.gpu.fp9_moe import FUSED_ROWS, fp9_moe_forward
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ class ExpertStream:
                  total / 1e9, "pinned" if self.cuda else "plain", time.perf_counter() - t0)
         self.hidden = hidden
         self.order = sorted(self.layers)
+        check_fused(self.device)
         self._gpu: list[torch.Tensor | None] = [None, None]    # fp9 bytes on the GPU, two buffers
         self._where: dict[int, tuple[int, int]] = {}             # layer -> (buffer, experts fetched)
         self._next = 0
@@ -226,9 +229,7 @@ class ExpertStream:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids / weights [T, k] (the layer's routing) -> [T, H] fp32: the sum over the
         (token, expert) pairs whose expert is one of the fetched [0, g), nothing of the others
-        (engine.gpu.fp9_moe.held_experts_forward)."""
-        from engine.gpu.fp9_moe import held_experts_forward
-
+        (held_experts_forward)."""
         b, g = self._where.pop(layer, (0, 0))
         lay = self.layers[layer]
         if g == 0:
@@ -336,6 +337,78 @@ def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor,
         y.index_add_(0, tokens[sel], o.float() * w[sel, None])
         at += rows
     return y
+
+
+_FUSED: dict[str, bool] = {}   # device -> engine.gpu.fp9_moe's kernels give the reference's result there
+
+
+def check_fused(device) -> bool:
+    """Whether engine.gpu.fp9_moe's grouped GEMMs run on device, checked once per CUDA device against
+    their reference on a small random layer (fp9 bytes and bf16 copies, 24 tokens): a kernel that
+    does not compile there or disagrees is logged and left out (held_experts_forward and
+    engine.placement then take the GEMV and the decoded path, as before them). Called where
+    experts are placed or streamed, before any graph is captured; the interpreter (the tests)
+    is trusted: its tests hold it to the reference."""
+    device = torch.device(device)
+    if device.type != "cuda" or not kernel_runs(device):
+        return kernel_runs(device)
+    key = str(device)
+    if key not in _FUSED:
+        try:
+            err = _fused_errors(device)
+            _FUSED[key] = max(err) < 2e-2
+            log.log(logging.INFO if _FUSED[key] else logging.WARNING, "fp9 grouped GEMMs on %s: %s (relative "
+                    "differences from the reference %s)", device, "on" if _FUSED[key] else "off: they disagree",
+                    ", ".join(f"{e:.1e}" for e in err))
+        except Exception as e:   # a compiler or driver that cannot run them
+            log.warning("fp9 grouped GEMMs on %s: off, they do not run here (%s: %s)", device, type(e).__name__, e)
+            _FUSED[key] = False
+    return _FUSED[key]
+
+
+def fused_ready(device) -> bool:
+    """check_fused's answer where it was asked; False where it was not (nothing runs the check in a capture)."""
+    device = torch.device(device)
+    return _FUSED.get(str(device), False) if device.type == "cuda" else kernel_runs(device)
+
+
+def _fused_errors(device) -> list[float]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.gpu.fp9_moe import copies_moe_forward, fp9_moe_ref
+    from native.transport import split_experts
+
+    g = torch.Generator().manual_seed(0)
+    experts = [tuple(torch.randn(*shape, generator=g) / 8 for shape in ((160, 128), (160, 128), (128, 160)))
+               for _ in range(4)]
+    per_duck = split_experts(experts, 2, 64, name="fp9-moe-check")
+    with ThreadPoolExecutor(1) as workers:
+        lay = _Layer(-1, per_duck, None, False, workers)
+    src = lay.host.to(device)
+    # bf16 as a GPU model's activations are (fp32 elsewhere: Triton's interpreter multiplies bf16 as raw bits)
+    x = torch.randn(24, 128, generator=g).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    slots = torch.randint(-1, 4, (24, 3), generator=g, dtype=torch.int32).to(device)
+    w = torch.rand(24, 3, generator=g).to(device)
+    want = fp9_moe_ref(lay, src, x, slots, w)
+    gu, dn = (t.to(x.dtype) for t in ExpertStream._decode(lay, src, 4, 0, 4))
+    return [float((y - want).norm() / want.norm())
+            for y in (fp9_moe_forward(lay, src, x, slots, w), copies_moe_forward(gu, dn, x, slots, w))]
+
+
+def held_experts_forward(lay, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                         ready=None, capturing: bool = False) -> torch.Tensor:
+    """The share of the g experts laid in src (ids in [0, g); others, and -1, are not this share) of
+    x [T, H] -> [T, H] fp32, by the cheaper way: engine.gpu.fp9_moe's grouped GEMMs up to FUSED_ROWS
+    rows an expert (and always inside a graph's capture: no host sync), where they run (check_fused);
+    else every expert decoded to bf16 and torch's grouped GEMMs (fp9_experts_forward). ready() is
+    called before src is first read."""
+    t, k = ids.shape
+    if fused_ready(src.device) and (capturing or t * k <= FUSED_ROWS * max(1, g)):
+        slots = torch.where((ids >= 0) & (ids < g), ids, torch.full_like(ids, -1))
+        if ready is not None:
+            ready()
+        return fp9_moe_forward(lay, src, x, slots, weights, g)
+    return fp9_experts_forward(lay, src, g, x, ids, weights, ready)
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

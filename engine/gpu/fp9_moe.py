@@ -35,7 +35,7 @@ except ImportError:  # a CPU-only install: the reference runs
     triton = None
 
 BN = 64          # output rows of a program (row pairs of the fp9 layout: even)
-FUSED_ROWS = 64  # rows an expert gets on average up to which held_experts_forward takes the grouped GEMMs here
+FUSED_ROWS = 64  # rows an expert gets on average up to which the held experts' steps take these GEMMs
 
 
 def block_rows(pairs: int, experts: int) -> int:
@@ -195,24 +195,6 @@ def fp9_moe_forward(lay, src: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
     _launch(lay, src, a, torch.arange(t * k, dtype=torch.int32, device=x.device), ys, blocks, g, down=True, bm=bm)
     y = torch.empty_like(ys).index_copy_(0, order, ys)                    # back to pair order
     return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
-
-
-def held_experts_forward(lay, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                         ready=None, capturing: bool = False) -> torch.Tensor:
-    """The share of the g experts laid in src (ids in [0, g); others, and -1, are not this share) of
-    x [T, H] -> [T, H] fp32, by the cheaper way: this module's grouped GEMMs up to FUSED_ROWS rows an
-    expert (and always inside a graph's capture: no host sync), else every expert decoded to bf16 and
-    torch's grouped GEMMs (engine.gpu.expert_stream.fp9_experts_forward). ready() is called before
-    src is first read."""
-    from engine.gpu.expert_stream import fp9_experts_forward
-
-    t, k = ids.shape
-    if kernel_runs(src.device) and (capturing or t * k <= FUSED_ROWS * max(1, g)):
-        slots = torch.where((ids >= 0) & (ids < g), ids, torch.full_like(ids, -1))
-        if ready is not None:
-            ready()
-        return fp9_moe_forward(lay, src, x, slots, weights, g)
-    return fp9_experts_forward(lay, src, g, x, ids, weights, ready)
 
 
 def copies_moe_forward(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,

@@ -5,6 +5,7 @@ as -1, blocks of several rows and experts of more rows than a block); the refere
 float math of the same weights. On CUDA: tests/gpu/test_placement_cuda.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.gpu.fp9_moe import copies_moe_forward, fp9_moe_forward, fp9_moe_ref, pair_blocks
@@ -107,3 +108,40 @@ def test_the_reference_is_the_float_math_of_the_held_experts():
                 want += w * (down @ (torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])))
         assert (y[t] - want).norm() <= 0.1 * want.norm() + 1e-6, t   # fp9's rounding: 3 mantissa bits a weight
     assert EXPERTS == 5
+
+
+def _the_check_agrees_under_the_interpreter() -> bool:
+    from engine.gpu.expert_stream import _fused_errors
+    errors = _fused_errors(torch.device("cpu"))
+    assert len(errors) == 2 and max(errors) < 2e-2, errors
+    return True
+
+
+def test_the_start_up_check_finds_the_kernels_agree_under_the_interpreter(interpreted):
+    assert interpreted(_the_check_agrees_under_the_interpreter)
+
+
+@pytest.mark.parametrize("failure", ["raises", "disagrees"])
+def test_a_device_whose_kernels_fail_the_check_keeps_the_older_paths(monkeypatch, caplog, failure):
+    """On a CUDA device where the kernels do not compile or disagree with the reference, check_fused
+    says so once (a warning) and the steps keep the GEMV and decoded paths (no CUDA needed: the
+    check's outcome is what is tested; tests/gpu runs it for real)."""
+    from engine.gpu import expert_stream
+
+    def broken(device):
+        if failure == "raises":
+            raise RuntimeError("no kernel image for this device")
+        return [0.5, 1e-4]
+
+    monkeypatch.setattr(expert_stream, "_fused_errors", broken)
+    monkeypatch.setattr(expert_stream, "kernel_runs", lambda device: True)
+    monkeypatch.setattr(expert_stream, "_FUSED", {})
+    device = torch.device("cuda", 7)
+    assert not expert_stream.fused_ready(device)          # never asked: off
+    with caplog.at_level("WARNING", logger="engine.gpu.expert_stream"):
+        assert expert_stream.check_fused(device) is False
+        assert expert_stream.check_fused(device) is False  # once: the answer is kept
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "off" in warnings[0], warnings
+    assert ("no kernel image" in warnings[0]) == (failure == "raises")
+    assert not expert_stream.fused_ready(device)

@@ -67,3 +67,8 @@ def test_the_copies_kernel_is_the_torch_grouped_gemms(dtype, tokens):
     want = _grouped_share(gu, dn, x, slots, weights)
     err = ((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max()
     assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+def test_the_start_up_check_turns_the_kernels_on_here():
+    from engine.gpu.expert_stream import check_fused, fused_ready
+    assert check_fused("cuda") and fused_ready(torch.device("cuda"))
