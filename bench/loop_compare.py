@@ -206,7 +206,7 @@ def _place(model, backend, text: str) -> dict | None:
 
 def run(args) -> dict:
     from bench.synthetic_ducks import SyntheticFleet, synthetic_run
-    from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
+    from engine.gpu.expert_stream import ExpertStream, fused_ready, pinned_copy_gbps
     from engine.gpu.hybrid_prefill import StreamedPrefill
 
     device, dtype, config, out = synthetic_run(args)
@@ -224,6 +224,7 @@ def run(args) -> dict:
             loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed, args.prefill_chunk)
             out["mtp"] = loop.mtp
             out["graphs"] = getattr(loop.batch.decoder, "graphs", None) is not None
+            out["fp9_grouped_gemms"] = fused_ready(device)    # steps of many pairs (engine.gpu.fp9_moe)
             out.update(measure(loop, args))
             del loop
         finally:

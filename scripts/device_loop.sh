@@ -3,8 +3,9 @@
 # (bench.loop_compare: one request, the same alone in the batch loop, many users, a chat's two
 # turns with the prefix cache on and off), shape by shape, into $OUT/<date>-loop-<shape>-<machine>.json.
 #   SHAPES="qwen3 deepseek" MACHINE=h100 [BUDGETS="0 auto"] [SKIP_DUCK_BUILD=1] [TESTS="tests/gpu/x.py ..."] \
-#       bash scripts/device_loop.sh
-# TESTS run first (pytest); LOOP_ARGS go to bench.loop_compare; BUDGETS: its --budget values (the GPU's
+#       [STEPS=1,41,512,4096] bash scripts/device_loop.sh
+# STEPS: bench.gpu_placement --tokens first (the placed experts' share of steps that size, each way);
+# TESTS run next (pytest); LOOP_ARGS go to bench.loop_compare; BUDGETS: its --budget values (the GPU's
 # share of the experts, duckd's model.gpu_ffn_budget; one file each, "-budget-<b>" in its name past 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,11 @@ if [ "${SKIP_DUCK_BUILD:-0}" != 1 ]; then
     say "built"
 fi
 export PYTHONPATH=/tmp/site:$PWD
+if [ -n "${STEPS:-}" ]; then   # the placed experts' share of steps of STEPS tokens, each way (bench.gpu_placement)
+    python3 -m bench.gpu_placement --tokens "$STEPS" >"$OUT/$(date +%F)-placement-steps-$MACHINE.json" 2>"$OUT/steps.log" \
+        || tail -20 "$OUT/steps.log"
+    say "steps done"
+fi
 if [ -n "${TESTS:-}" ]; then
     python3 -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tail -15
     say "tests done"
