@@ -352,7 +352,7 @@ def check_fused(device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not kernel_runs(device):
         return kernel_runs(device)
-    key = str(device)
+    key = _device_key(device)
     if key not in _FUSED:
         try:
             err = _fused_errors(device)
@@ -369,7 +369,12 @@ def check_fused(device) -> bool:
 def fused_ready(device) -> bool:
     """check_fused's answer where it was asked; False where it was not (nothing runs the check in a capture)."""
     device = torch.device(device)
-    return _FUSED.get(str(device), False) if device.type == "cuda" else kernel_runs(device)
+    return _FUSED.get(_device_key(device), False) if device.type == "cuda" else kernel_runs(device)
+
+
+def _device_key(device: torch.device) -> str:
+    """The device's key: cuda and cuda:<the current index> are one device."""
+    return str(device if device.index is not None else torch.device(device.type, torch.cuda.current_device()))
 
 
 def _fused_errors(device) -> list[float]:
