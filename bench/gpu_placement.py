@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 def steps(lay, src, gu, dn, k: int, sizes: list[int], rounds: int, device) -> list[dict]:
     """Per step size T: the held share of T x k pairs by each way (module docstring), from fp9 bytes
     and from the decoded bf16 copies gu, dn."""
-    from engine.gpu.expert_stream import fp9_experts_forward
-    from engine.gpu.fp9_moe import block_rows, copies_moe_forward, fp9_moe_forward
+    from engine.gpu.fp9_moe import block_rows, copies_moe_forward, fp9_experts_forward, fp9_moe_forward
     from engine.placement import _grouped_share
 
     n, h = gu.shape[0], gu.shape[2]

@@ -206,7 +206,8 @@ def _place(model, backend, text: str) -> dict | None:
 
 def run(args) -> dict:
     from bench.synthetic_ducks import SyntheticFleet, synthetic_run
-    from engine.gpu.expert_stream import ExpertStream, fused_ready, pinned_copy_gbps
+    from engine.gpu.expert_stream import ExpertStream, pinned_copy_gbps
+    from engine.gpu.fp9_moe import fused_ready
     from engine.gpu.hybrid_prefill import StreamedPrefill
 
     device, dtype, config, out = synthetic_run(args)

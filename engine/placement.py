@@ -94,7 +94,7 @@ class _Held:
     slot: torch.Tensor          # [experts] int32: an expert's slot here, -1 where the ducks compute it
     gate_up: torch.Tensor | None = None   # decoded copies: [n, 2I, H], gate row i at 2i, up at 2i + 1
     down: torch.Tensor | None = None      # [n, H, I]
-    fp9: tuple | None = None              # or the ducks' fp9 bytes: (expert_stream._Layer, uint8 device buffer)
+    fp9: tuple | None = None              # or the ducks' fp9 bytes: (fp9_layout.Layer, uint8 device buffer)
 
     @property
     def whole(self) -> bool:
@@ -131,7 +131,8 @@ class ResidentExperts:
         are (fp9: default on CUDA), or decoded to dtype."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from engine.gpu.expert_stream import check_fused, decode_experts, held_experts
+        from engine.gpu.expert_stream import decode_experts, held_experts
+        from engine.gpu.fp9_moe import check_fused
 
         self = cls(plan, device, dtype)
         check_fused(self.device)      # the grouped GEMMs of steps of many pairs, before any capture
@@ -194,8 +195,7 @@ class ResidentExperts:
             h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
             a = F.silu(h[:, 0::2]) * h[:, 1::2]
             return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
-        from engine.gpu.expert_stream import fused_ready
-        from engine.gpu.fp9_moe import FUSED_ROWS, copies_moe_forward
+        from engine.gpu.fp9_moe import FUSED_ROWS, copies_moe_forward, fused_ready
         fused = fused_ready(x.device)
         if (t * k <= MAX_PAIRS or (capturing and not fused)) and x.device.type == "cuda":
             from engine.gpu.moe import grouped_gemv
@@ -211,8 +211,8 @@ class ResidentExperts:
 def _fp9_share(held: _Held, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, capturing: bool) -> torch.Tensor:
     """The share of experts held in fp9: a decode step's few pairs through the fused GEMV, more through
     the grouped GEMMs from fp9 (both without a host sync: inside the graphs), a long prefill's through
-    groups decoded to bf16 and torch's grouped GEMMs (engine.gpu.expert_stream.held_experts_forward)."""
-    from engine.gpu.expert_stream import fused_ready, held_experts_forward
+    groups decoded to bf16 and torch's grouped GEMMs (engine.gpu.fp9_moe.held_experts_forward)."""
+    from engine.gpu.fp9_moe import fused_ready, held_experts_forward
     from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up, kernel_runs
     from engine.gpu.moe import MAX_PAIRS
 
@@ -235,7 +235,7 @@ def _grouped_share(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, s
                    weights: torch.Tensor) -> torch.Tensor:
     """The reference (and prefill) path on decoded copies: pairs sorted by slot, one grouped GEMM per
     weight (one host sync)."""
-    from engine.gpu.expert_stream import grouped_ffn, route_pairs
+    from engine.gpu.fp9_moe import grouped_ffn, route_pairs
 
     y = torch.zeros(slots.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     tokens, w, counts = route_pairs(slots, weights, gate_up.shape[0])

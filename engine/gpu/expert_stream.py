@@ -27,83 +27,11 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
-from engine.gpu.fp9_decode import Placement, decode_fp9
-from engine.gpu.fp9_gemv import kernel_runs
-from engine.gpu.fp9_moe import FUSED_ROWS, fp9_moe_forward
+from engine.gpu.fp9_layout import Layer, decode_range, layer_slots, nbytes_of, slot_size
+from engine.gpu.fp9_moe import check_fused, held_experts_forward
 
 log = logging.getLogger(__name__)
-
-SLOT_ALIGN = 64
-DECODE_GROUP_BYTES = 2 << 30   # bf16 weights decoded at a time (experts in groups that fit this)
-
-
-def _slot(nbytes: int) -> int:
-    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-
-
-def _tensor_bytes(t) -> int:
-    return int(t.nbytes)
-
-
-def _slots(per_duck) -> tuple[int, int]:
-    """(gate_up slot, down slot) of a layer: its largest tensor of each kind, rounded to SLOT_ALIGN."""
-    tensors = [e for duck in per_duck for e in duck]
-    return _slot(max(_tensor_bytes(e.gate_up) for e in tensors)), _slot(max(_tensor_bytes(e.down) for e in tensors))
-
-
-class _Layer:
-    """One layer's experts in host memory: shapes, slot sizes and the pinned bytes."""
-
-    def __init__(self, index: int, per_duck, max_experts: int | None, pin: bool, workers,
-                 which: list[int] | None = None):
-        """Experts [0, max_experts) of the layer (None: all), or the experts `which` in that order."""
-        tp, experts = len(per_duck), len(per_duck[0])
-        self.index, self.tp, self.experts = index, tp, experts
-        first = per_duck[0][0]
-        (self.gu_rows, self.hidden), (_, self.slice_cols) = first.gate_up.shape, first.down.shape
-        for d in range(tp):
-            for e in range(experts):
-                s = per_duck[d][e]
-                if s.gate_up.shape != first.gate_up.shape or s.down.shape != first.down.shape:
-                    raise ValueError(f"layer {index}: expert {e} slice {d} is {s.gate_up.shape} / {s.down.shape}, "
-                                     f"expert 0 slice 0 {first.gate_up.shape} / {first.down.shape}: the GPU stream "
-                                     "needs slices of one shape")
-        self.gu_slot, self.dn_slot = _slots(per_duck)
-        if which is None:
-            which = list(range(experts if max_experts is None else max(0, min(experts, max_experts))))
-        self.held = len(which)
-        self.gu_bytes = self.held * tp * self.gu_slot
-        # every byte a decode reads is written below (a slot's tail past its tensor is never read)
-        self.host = torch.empty(self.gu_bytes + self.held * tp * self.dn_slot, dtype=torch.uint8, pin_memory=pin)
-        jobs = [(per_duck[d][e].gate_up, (p * tp + d) * self.gu_slot) for p, e in enumerate(which) for d in range(tp)]
-        jobs += [(per_duck[d][e].down, self.gu_bytes + (p * tp + d) * self.dn_slot)
-                 for p, e in enumerate(which) for d in range(tp)]
-        list(workers.map(lambda job: self._put(*job), jobs))     # tensor by tensor: the C releases the GIL
-
-    def _put(self, tensor, at: int) -> None:
-        """The serialized tensor's bytes into the host buffer (a synthetic one generated there)."""
-        import numpy as np
-
-        from native._native import ffi, lib
-        from native.fp9 import Fp9Error, SynthTensor
-        dst = self.host[at:at + tensor.nbytes]
-        if isinstance(tensor, SynthTensor):
-            rc = lib.fp9_synth_generate(tensor.desc, ffi.cast("void *", dst.data_ptr()), tensor.nbytes, ffi.NULL)
-            if rc != 0:
-                raise Fp9Error(f"synthetic tensor {tensor.name!r}: generation failed ({rc})")
-        else:
-            dst.copy_(torch.from_numpy(np.asarray(tensor.buf[:tensor.nbytes])))
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes one expert crosses PCIe with (all its slices)."""
-        return self.tp * (self.gu_slot + self.dn_slot)
-
-    @property
-    def intermediate(self) -> int:
-        return self.tp * self.slice_cols
 
 
 class ExpertStream:
@@ -115,15 +43,15 @@ class ExpertStream:
         self.cuda = self.device.type == "cuda"
         workers = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1, thread_name_prefix="expert-stream")
         t0 = time.perf_counter()
-        self.layers: dict[int, _Layer] = {}
+        self.layers: dict[int, Layer] = {}
         left = max_bytes
         try:
             for index in sorted(layers):
                 per_duck = layers[index]
-                one = sum(_slot(_tensor_bytes(per_duck[d][0].gate_up)) + _slot(_tensor_bytes(per_duck[d][0].down))
+                one = sum(slot_size(nbytes_of(per_duck[d][0].gate_up)) + slot_size(nbytes_of(per_duck[d][0].down))
                           for d in range(len(per_duck)))
                 cap = None if left is None else left // one
-                layer = _Layer(index, per_duck, cap, self.cuda, workers)
+                layer = Layer(index, per_duck, cap, self.cuda, workers)
                 if layer.hidden != hidden:
                     raise ValueError(f"layer {index}: slices of hidden size {layer.hidden}, the model's is {hidden}")
                 self.layers[index] = layer
@@ -269,181 +197,26 @@ class ExpertStream:
         self._computing = left
         return done
 
-    @staticmethod
-    def _decode(lay: _Layer, src: torch.Tensor, g: int, e0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts [e0, e0 + n) of the g fetched (gate_up slices of all g, then their down slices)
-        as bf16 [n, 2I, H] and [n, H, I]: the tp slices of an expert side by side."""
-        tp, rows, h, s = lay.tp, lay.gu_rows, lay.hidden, lay.slice_cols
-        gu = torch.empty(n, tp * rows, h, dtype=torch.bfloat16, device=src.device)
-        dn = torch.empty(n, h, tp * s, dtype=torch.bfloat16, device=src.device)
-        decode_fp9(src[e0 * tp * lay.gu_slot:], n * tp, lay.gu_slot, rows, h, gu,
-                   Placement(per=tp, outer=tp * rows * h, inner=rows * h, row_stride=h))
-        down_at = g * tp * lay.gu_slot + e0 * tp * lay.dn_slot
-        decode_fp9(src[down_at:], n * tp, lay.dn_slot, h, s, dn,
-                   Placement(per=tp, outer=h * tp * s, inner=s, row_stride=tp * s))
-        return gu, dn
-
-    def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._gpu = [None, None]
         self.layers.clear()
 
 
-def route_pairs(ids: torch.Tensor, weights: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The (token, expert) pairs of ids [T, k] whose expert is in [0, g), sorted by expert: their tokens [P],
-    weights [P] fp32 and the count of each expert (one host sync: the grouped GEMMs' sizes)."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)
-    experts = flat[mine].long()
-    pairs = mine[torch.argsort(experts, stable=True)]
-    counts = torch.bincount(experts, minlength=g).tolist()
-    return pairs // k, weights.reshape(-1)[pairs].float(), counts
-
-
-def grouped_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """xs [R, H] rows grouped by expert (counts[i] rows for expert i), gate_up [n, 2I, H] interleaved,
-    down [n, H, I] -> [R, H] in xs' dtype: each row's expert FFN as two grouped GEMMs."""
-    h = _grouped(xs, gate_up, counts)                                            # [R, 2I]
-    a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                          # [R, I]
-    return _grouped(a.to(xs.dtype), down, counts)                                # [R, H]
-
-
-def fp9_experts_forward(lay: _Layer, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor,
-                        weights: torch.Tensor, ready=None) -> torch.Tensor:
-    """x [T, H], ids / weights [T, k] -> [T, H] fp32: the pairs whose id is one of the g experts laid in src
-    (lay's layout, experts [0, g)), decoded to bf16 a group at a time and run as grouped GEMMs; nothing of
-    the other pairs. Each pair's output is rounded to the GEMMs' type (bf16, or fp32 for an fp32 model)
-    before it is weighted and added in fp32. One host sync (the groups' sizes); ready() is called after
-    it, before the first read of src (ExpertStream: the wait for the copy)."""
-    y = torch.zeros(ids.shape[0], lay.hidden, dtype=torch.float32, device=x.device)
-    tokens, w, counts = route_pairs(ids, weights, g)
-    if ready is not None:
-        ready()
-    # the GEMMs in bf16 (the tensor cores; the weights are exact in it); an fp32 model (the CPU
-    # tests) keeps fp32, as its ducks do
-    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-    group = max(1, DECODE_GROUP_BYTES // (2 * lay.tp * (lay.gu_rows * lay.hidden + lay.hidden * lay.slice_cols)))
-    at = 0
-    for e0 in range(0, g, group):
-        n = min(group, g - e0)
-        rows = sum(counts[e0:e0 + n])
-        if rows == 0:
-            continue
-        gu, dn = ExpertStream._decode(lay, src, g, e0, n)                         # [n, 2I, H], [n, H, I]
-        sel = slice(at, at + rows)
-        o = grouped_ffn(x[tokens[sel]].to(dtype), gu.to(dtype), dn.to(dtype), counts[e0:e0 + n])
-        y.index_add_(0, tokens[sel], o.float() * w[sel, None])
-        at += rows
-    return y
-
-
-_FUSED: dict[str, bool] = {}   # device -> engine.gpu.fp9_moe's kernels give the reference's result there
-
-
-def check_fused(device) -> bool:
-    """Whether engine.gpu.fp9_moe's grouped GEMMs run on device, checked once per CUDA device against
-    their reference on a small random layer (fp9 bytes and bf16 copies, 24 tokens): a kernel that
-    does not compile there or disagrees is logged and left out (held_experts_forward and
-    engine.placement then take the GEMV and the decoded path, as before them). Called where
-    experts are placed or streamed, before any graph is captured; the interpreter (the tests)
-    is trusted: its tests hold it to the reference."""
-    device = torch.device(device)
-    if device.type != "cuda" or not kernel_runs(device):
-        return kernel_runs(device)
-    key = _device_key(device)
-    if key not in _FUSED:
-        try:
-            err = _fused_errors(device)
-            _FUSED[key] = max(err) < 2e-2
-            log.log(logging.INFO if _FUSED[key] else logging.WARNING, "fp9 grouped GEMMs on %s: %s (relative "
-                    "differences from the reference %s)", device, "on" if _FUSED[key] else "off: they disagree",
-                    ", ".join(f"{e:.1e}" for e in err))
-        except Exception as e:   # a compiler or driver that cannot run them
-            log.warning("fp9 grouped GEMMs on %s: off, they do not run here (%s: %s)", device, type(e).__name__, e)
-            _FUSED[key] = False
-    return _FUSED[key]
-
-
-def fused_ready(device) -> bool:
-    """check_fused's answer where it was asked; False where it was not (nothing runs the check in a capture)."""
-    device = torch.device(device)
-    return _FUSED.get(_device_key(device), False) if device.type == "cuda" else kernel_runs(device)
-
-
-def _device_key(device: torch.device) -> str:
-    """The device's key: cuda and cuda:<the current index> are one device."""
-    return str(device if device.index is not None else torch.device(device.type, torch.cuda.current_device()))
-
-
-def _fused_errors(device) -> list[float]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from engine.gpu.fp9_moe import copies_moe_forward, fp9_moe_ref
-    from native.transport import split_experts
-
-    g = torch.Generator().manual_seed(0)
-    experts = [tuple(torch.randn(*shape, generator=g) / 8 for shape in ((160, 128), (160, 128), (128, 160)))
-               for _ in range(4)]
-    per_duck = split_experts(experts, 2, 64, name="fp9-moe-check")
-    with ThreadPoolExecutor(1) as workers:
-        lay = _Layer(-1, per_duck, None, False, workers)
-    src = lay.host.to(device)
-    # bf16 as a GPU model's activations are (fp32 elsewhere: Triton's interpreter multiplies bf16 as raw bits)
-    x = torch.randn(24, 128, generator=g).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    slots = torch.randint(-1, 4, (24, 3), generator=g, dtype=torch.int32).to(device)
-    w = torch.rand(24, 3, generator=g).to(device)
-    want = fp9_moe_ref(lay, src, x, slots, w)
-    gu, dn = (t.to(x.dtype) for t in ExpertStream._decode(lay, src, 4, 0, 4))
-    return [float((y - want).norm() / want.norm())
-            for y in (fp9_moe_forward(lay, src, x, slots, w), copies_moe_forward(gu, dn, x, slots, w))]
-
-
-def held_experts_forward(lay, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                         ready=None, capturing: bool = False) -> torch.Tensor:
-    """The share of the g experts laid in src (ids in [0, g); others, and -1, are not this share) of
-    x [T, H] -> [T, H] fp32, by the cheaper way: engine.gpu.fp9_moe's grouped GEMMs up to FUSED_ROWS
-    rows an expert (and always inside a graph's capture: no host sync), where they run (check_fused);
-    else every expert decoded to bf16 and torch's grouped GEMMs (fp9_experts_forward). ready() is
-    called before src is first read."""
-    t, k = ids.shape
-    if fused_ready(src.device) and (capturing or t * k <= FUSED_ROWS * max(1, g)):
-        slots = torch.where((ids >= 0) & (ids < g), ids, torch.full_like(ids, -1))
-        if ready is not None:
-            ready()
-        return fp9_moe_forward(lay, src, x, slots, weights, g)
-    return fp9_experts_forward(lay, src, g, x, ids, weights, ready)
-
-
-def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """a [R, K] bf16 rows grouped by expert (counts[i] rows for w[i]), w [n, N, K] -> [R, N] bf16."""
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(a.device)
-    try:
-        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    except (RuntimeError, AttributeError):   # no grouped GEMM here (an older torch, a GPU before sm90)
-        out, at = [], 0
-        for i, c in enumerate(counts):
-            if c:
-                out.append(a[at:at + c] @ w[i].T)
-                at += c
-        return torch.cat(out)
-
-
 PART_BYTES = 1 << 30   # host memory a layer's experts pass through at a time on their way to the GPU
 
 
 def _parts(per_duck, which: list[int], workers, part_bytes: int = PART_BYTES):
-    """(position, _Layer of the experts which[position:position + n]) in parts of at most part_bytes of
+    """(position, Layer of the experts which[position:position + n]) in parts of at most part_bytes of
     host memory: the host also holds the ducks' and the streamed prefill's copies (a DeepSeek layer is
     12.7 GB of fp9)."""
-    gu_slot, dn_slot = _slots(per_duck)
+    gu_slot, dn_slot = layer_slots(per_duck)
     step = max(1, part_bytes // (len(per_duck) * (gu_slot + dn_slot)))
     for at in range(0, len(which), step):
-        yield at, _Layer(-1, per_duck, None, False, workers, which=which[at:at + step])
+        yield at, Layer(-1, per_duck, None, False, workers, which=which[at:at + step])
 
 
-def held_experts(per_duck, which: list[int], device, workers) -> tuple[_Layer, torch.Tensor]:
+def held_experts(per_duck, which: list[int], device, workers) -> tuple[Layer, torch.Tensor]:
     """The experts `which` of one layer (per duck, per expert ExpertSlice: FleetFfn.layers[layer]) as fp9
     bytes on device, in this module's layout with them as experts [0, n): (the layout, the bytes).
     Exactly the ducks' weights (engine.placement keeps them; engine.gpu.fp9_gemv reads them)."""
@@ -471,7 +244,7 @@ def decode_experts(per_duck, which: list[int], device, threads: int = 1) -> tupl
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="expert-decode") as workers:
         for at, part in _parts(per_duck, which, workers):
             n = part.held
-            part_gu, part_dn = ExpertStream._decode(part, part.host.to(device), n, 0, n)
+            part_gu, part_dn = decode_range(part, part.host.to(device), n, 0, n)
             if gu is None:
                 gu = torch.empty((len(which), *part_gu.shape[1:]), dtype=part_gu.dtype, device=device)
                 dn = torch.empty((len(which), *part_dn.shape[1:]), dtype=part_dn.dtype, device=device)

@@ -1,5 +1,5 @@
 """Grouped GEMMs straight from fp9 bytes: the experts a placement keeps on the GPU
-(engine.placement), in the ducks' fp9 layout (engine.gpu.expert_stream), for steps of more
+(engine.placement), in the ducks' fp9 layout (engine.gpu.fp9_layout), for steps of more
 than a few (token, expert) pairs: a short prompt's rest after a prefix-cache hit, a batched
 decode step of many sequences, a prefill of a few hundred tokens.
 
@@ -7,7 +7,7 @@ The pairs are sorted by expert on the device and cut into blocks of BM rows of o
 a program computes one block against BN output rows of that expert, decoding each 64-column
 group of its fp9 tile once and running it on the tensor cores (tl.dot) for all BM rows. So
 every held expert that some pair routes to is read once per block of its rows, in fp9
-(1.125 bytes a weight), where engine.gpu.expert_stream.fp9_experts_forward decodes every held
+(1.125 bytes a weight), where fp9_experts_forward (below) decodes every held
 expert to bf16 in memory first (a write and a read of 2 bytes a weight more) and the
 per-pair GEMV (engine.gpu.fp9_gemv) reads an expert once per pair. No host sync: the grid is
 sized by the pairs' count (cdiv(P, BM) + held experts blocks at most), so a step of fixed
@@ -16,17 +16,21 @@ size is captured in a CUDA graph.
     y = fp9_moe_forward(lay, src, x, slots, weights)     # [T, H] fp32, slot -1: not this share
 
 fp9_moe_ref is the reference (the per-pair GEMV's reference: decode, fp32 matmuls); the tests
-hold them together in Triton's interpreter and on CUDA.
+hold them together in Triton's interpreter and on CUDA. Also here: fp9_experts_forward (every
+held expert decoded to bf16, torch's grouped GEMMs: a long prefill), held_experts_forward (the
+cheaper of the two for a step) and check_fused (the kernels tried once per CUDA device).
 """
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from engine.gpu.fp9_decode import GROUP, fp9_header, fp9_values
 from engine.gpu.fp9_gemv import fp9_gemv_ref, kernel_runs
+from engine.gpu.fp9_layout import Layer, decode_range
 
 try:
     import triton
@@ -34,6 +38,9 @@ try:
 except ImportError:  # a CPU-only install: the reference runs
     triton = None
 
+log = logging.getLogger(__name__)
+
+DECODE_GROUP_BYTES = 2 << 30   # bf16 weights decoded at a time by fp9_experts_forward (experts in groups)
 BN = 64          # output rows of a program (row pairs of the fp9 layout: even)
 FUSED_ROWS = 64  # rows an expert gets on average up to which the held experts' steps take these GEMMs
 
@@ -241,3 +248,142 @@ def fp9_moe_ref(lay, src: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, we
     a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
     y = fp9_gemv_ref(lay, src, flat, a, 1, down=True)
     return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
+
+
+def route_pairs(ids: torch.Tensor, weights: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, expert) pairs of ids [T, k] whose expert is in [0, g), sorted by expert: their tokens [P],
+    weights [P] fp32 and the count of each expert (one host sync: the grouped GEMMs' sizes)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    mine = ((flat >= 0) & (flat < g)).nonzero().squeeze(1)
+    experts = flat[mine].long()
+    pairs = mine[torch.argsort(experts, stable=True)]
+    counts = torch.bincount(experts, minlength=g).tolist()
+    return pairs // k, weights.reshape(-1)[pairs].float(), counts
+
+
+def grouped_ffn(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """xs [R, H] rows grouped by expert (counts[i] rows for expert i), gate_up [n, 2I, H] interleaved,
+    down [n, H, I] -> [R, H] in xs' dtype: each row's expert FFN as two grouped GEMMs."""
+    h = _grouped(xs, gate_up, counts)                                            # [R, 2I]
+    a = F.silu(h[:, 0::2].float()) * h[:, 1::2].float()                          # [R, I]
+    return _grouped(a.to(xs.dtype), down, counts)                                # [R, H]
+
+
+def fp9_experts_forward(lay: Layer, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor, ready=None) -> torch.Tensor:
+    """x [T, H], ids / weights [T, k] -> [T, H] fp32: the pairs whose id is one of the g experts laid in src
+    (lay's layout, experts [0, g)), decoded to bf16 a group at a time and run as grouped GEMMs; nothing of
+    the other pairs. Each pair's output is rounded to the GEMMs' type (bf16, or fp32 for an fp32 model)
+    before it is weighted and added in fp32. One host sync (the groups' sizes); ready() is called after
+    it, before the first read of src (ExpertStream: the wait for the copy)."""
+    y = torch.zeros(ids.shape[0], lay.hidden, dtype=torch.float32, device=x.device)
+    tokens, w, counts = route_pairs(ids, weights, g)
+    if ready is not None:
+        ready()
+    # the GEMMs in bf16 (the tensor cores; the weights are exact in it); an fp32 model (the CPU
+    # tests) keeps fp32, as its ducks do
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    group = max(1, DECODE_GROUP_BYTES // (2 * lay.tp * (lay.gu_rows * lay.hidden + lay.hidden * lay.slice_cols)))
+    at = 0
+    for e0 in range(0, g, group):
+        n = min(group, g - e0)
+        rows = sum(counts[e0:e0 + n])
+        if rows == 0:
+            continue
+        gu, dn = decode_range(lay, src, g, e0, n)                         # [n, 2I, H], [n, H, I]
+        sel = slice(at, at + rows)
+        o = grouped_ffn(x[tokens[sel]].to(dtype), gu.to(dtype), dn.to(dtype), counts[e0:e0 + n])
+        y.index_add_(0, tokens[sel], o.float() * w[sel, None])
+        at += rows
+    return y
+
+
+_FUSED: dict[str, bool] = {}   # device -> this module's kernels give the reference's result there
+
+
+def check_fused(device) -> bool:
+    """Whether this module's grouped GEMMs run on device, checked once per CUDA device against
+    their reference on a small random layer (fp9 bytes and bf16 copies, 24 tokens): a kernel that
+    does not compile there or disagrees is logged and left out (held_experts_forward and
+    engine.placement then take the GEMV and the decoded path, as before them). Called where
+    experts are placed or streamed, before any graph is captured; the interpreter (the tests)
+    is trusted: its tests hold it to the reference."""
+    device = torch.device(device)
+    if device.type != "cuda" or not kernel_runs(device):
+        return kernel_runs(device)
+    key = _device_key(device)
+    if key not in _FUSED:
+        try:
+            err = _fused_errors(device)
+            _FUSED[key] = max(err) < 2e-2
+            log.log(logging.INFO if _FUSED[key] else logging.WARNING, "fp9 grouped GEMMs on %s: %s (relative "
+                    "differences from the reference %s)", device, "on" if _FUSED[key] else "off: they disagree",
+                    ", ".join(f"{e:.1e}" for e in err))
+        except Exception as e:   # a compiler or driver that cannot run them
+            log.warning("fp9 grouped GEMMs on %s: off, they do not run here (%s: %s)", device, type(e).__name__, e)
+            _FUSED[key] = False
+    return _FUSED[key]
+
+
+def fused_ready(device) -> bool:
+    """check_fused's answer where it was asked; False where it was not (nothing runs the check in a capture)."""
+    device = torch.device(device)
+    return _FUSED.get(_device_key(device), False) if device.type == "cuda" else kernel_runs(device)
+
+
+def _device_key(device: torch.device) -> str:
+    """The device's key: cuda and cuda:<the current index> are one device."""
+    return str(device if device.index is not None else torch.device(device.type, torch.cuda.current_device()))
+
+
+def _fused_errors(device) -> list[float]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from native.transport import split_experts
+
+    g = torch.Generator().manual_seed(0)
+    experts = [tuple(torch.randn(*shape, generator=g) / 8 for shape in ((160, 128), (160, 128), (128, 160)))
+               for _ in range(4)]
+    per_duck = split_experts(experts, 2, 64, name="fp9-moe-check")
+    with ThreadPoolExecutor(1) as workers:
+        lay = Layer(-1, per_duck, None, False, workers)
+    src = lay.host.to(device)
+    # bf16 as a GPU model's activations are (fp32 elsewhere: Triton's interpreter multiplies bf16 as raw bits)
+    x = torch.randn(24, 128, generator=g).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    slots = torch.randint(-1, 4, (24, 3), generator=g, dtype=torch.int32).to(device)
+    w = torch.rand(24, 3, generator=g).to(device)
+    want = fp9_moe_ref(lay, src, x, slots, w)
+    gu, dn = (t.to(x.dtype) for t in decode_range(lay, src, 4, 0, 4))
+    return [float((y - want).norm() / want.norm())
+            for y in (fp9_moe_forward(lay, src, x, slots, w), copies_moe_forward(gu, dn, x, slots, w))]
+
+
+def held_experts_forward(lay, src: torch.Tensor, g: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                         ready=None, capturing: bool = False) -> torch.Tensor:
+    """The share of the g experts laid in src (ids in [0, g); others, and -1, are not this share) of
+    x [T, H] -> [T, H] fp32, by the cheaper way: this module's grouped GEMMs up to FUSED_ROWS
+    rows an expert (and always inside a graph's capture: no host sync), where they run (check_fused);
+    else every expert decoded to bf16 and torch's grouped GEMMs (fp9_experts_forward). ready() is
+    called before src is first read."""
+    t, k = ids.shape
+    if fused_ready(src.device) and (capturing or t * k <= FUSED_ROWS * max(1, g)):
+        slots = torch.where((ids >= 0) & (ids < g), ids, torch.full_like(ids, -1))
+        if ready is not None:
+            ready()
+        return fp9_moe_forward(lay, src, x, slots, weights, g)
+    return fp9_experts_forward(lay, src, g, x, ids, weights, ready)
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """a [R, K] bf16 rows grouped by expert (counts[i] rows for w[i]), w [n, N, K] -> [R, N] bf16."""
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(a.device)
+    try:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    except (RuntimeError, AttributeError):   # no grouped GEMM here (an older torch, a GPU before sm90)
+        out, at = [], 0
+        for i, c in enumerate(counts):
+            if c:
+                out.append(a[at:at + c] @ w[i].T)
+                at += c
+        return torch.cat(out)

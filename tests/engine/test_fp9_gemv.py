@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.gpu.expert_stream import _Layer
+from engine.gpu.fp9_layout import Layer
 from engine.gpu.fp9_gemv import fp9_down, fp9_gate_up, fp9_gemv_ref
 
 HIDDEN, INTER, TP, EXPERTS, K = 128, 160, 2, 5, 2   # a slice of 128 = 64 + 16 live + padding
@@ -24,7 +24,7 @@ def _layer(which=(3, 0, 4)):
                 torch.randn(HIDDEN, INTER, generator=g) / 8) for _ in range(EXPERTS)]
     per_duck = split_experts(experts, TP, 64, name="test")
     with ThreadPoolExecutor(1) as workers:
-        lay = _Layer(-1, per_duck, None, False, workers, which=list(which))
+        lay = Layer(-1, per_duck, None, False, workers, which=list(which))
     return experts, lay
 
 

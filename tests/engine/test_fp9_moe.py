@@ -23,6 +23,22 @@ def _routing(tokens: int, held: int, seed: int = 5):
     return x, slots, weights
 
 
+def row_error(y: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest relative difference of a row."""
+    return float(((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max())
+
+
+def decoded_copies(device, dtype):
+    """_layer()'s held experts (3, 0, 4) decoded: gate_up [3, 2I, H], down [3, H, I] in dtype."""
+    from engine.gpu.expert_stream import decode_experts
+    from native.transport import split_experts
+    from tests.engine.test_fp9_gemv import TP
+
+    experts, _ = _layer()
+    gu, dn = decode_experts(split_experts(experts, TP, 64, name="test"), [3, 0, 4], device)
+    return gu.to(dtype), dn.to(dtype)
+
+
 def test_the_pairs_are_cut_into_blocks_of_one_expert():
     slots = torch.tensor([2, -1, 0, 2, 2, 0, -1, 2, 2], dtype=torch.int32)
     order, block_e, block_at, block_n = pair_blocks(slots, 3, 2)
@@ -37,7 +53,7 @@ def _scaled_layer():
     carrying their block scales, 2 slices of gate_up [192, 128] and down [128, 96] (a partial group)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.gpu.expert_stream import _Layer
+    from engine.gpu.fp9_layout import Layer
     from native.fp9 import Fp9Tensor
     from native.kernels import ExpertSlice
 
@@ -50,7 +66,7 @@ def _scaled_layer():
     per_duck = [[ExpertSlice(fp8(192, HIDDEN), fp8(HIDDEN, 96)) for _ in range(4)] for _ in range(2)]
     assert per_duck[0][0].gate_up.has_block_scales
     with ThreadPoolExecutor(1) as workers:
-        return _Layer(-1, per_duck, None, False, workers, which=[2, 0, 3])
+        return Layer(-1, per_duck, None, False, workers, which=[2, 0, 3])
 
 
 def _kernel_is_the_reference() -> bool:
@@ -60,8 +76,7 @@ def _kernel_is_the_reference() -> bool:
         x, slots, weights = _routing(tokens, lay.held)
         y = fp9_moe_forward(lay, lay.host, x, slots, weights, bm=bm)
         want = fp9_moe_ref(lay, lay.host, x, slots, weights)
-        err = ((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max()
-        assert err < 1e-5, (tokens, err)
+        assert row_error(y, want) < 1e-5, (tokens, row_error(y, want))
         none = (slots < 0).all(1)
         assert not none.any() or y[none].abs().max() == 0
     return True
@@ -74,20 +89,14 @@ def test_the_kernel_is_the_reference_under_the_interpreter(interpreted):
 def _copies_kernel_is_the_grouped_gemms() -> bool:
     """The kernel on decoded copies against engine.placement's torch grouped GEMMs on the same copies."""
     from engine.gpu import fp9_gemv
-    from engine.gpu.expert_stream import decode_experts
     from engine.placement import _grouped_share
-    from native.transport import split_experts
-    from tests.engine.test_fp9_gemv import TP
     assert fp9_gemv.INTERPRETED
-    experts, _ = _layer()
-    gu, dn = decode_experts(split_experts(experts, TP, 64, name="test"), [3, 0, 4], "cpu")
-    gu, dn = gu.float(), dn.float()
+    gu, dn = decoded_copies("cpu", torch.float32)
     for tokens, bm in ((7, None), (24, 16)):
         x, slots, weights = _routing(tokens, 3)
         y = copies_moe_forward(gu, dn, x, slots, weights, bm=bm)
         want = _grouped_share(gu, dn, x, slots, weights)
-        err = ((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max()
-        assert err < 1e-5, (tokens, err)
+        assert row_error(y, want) < 1e-5, (tokens, row_error(y, want))
     return True
 
 
@@ -111,7 +120,7 @@ def test_the_reference_is_the_float_math_of_the_held_experts():
 
 
 def _the_check_agrees_under_the_interpreter() -> bool:
-    from engine.gpu.expert_stream import _fused_errors
+    from engine.gpu.fp9_moe import _fused_errors
     errors = _fused_errors(torch.device("cpu"))
     assert len(errors) == 2 and max(errors) < 2e-2, errors
     return True
@@ -126,22 +135,22 @@ def test_a_device_whose_kernels_fail_the_check_keeps_the_older_paths(monkeypatch
     """On a CUDA device where the kernels do not compile or disagree with the reference, check_fused
     says so once (a warning) and the steps keep the GEMV and decoded paths (no CUDA needed: the
     check's outcome is what is tested; tests/gpu runs it for real)."""
-    from engine.gpu import expert_stream
+    from engine.gpu import fp9_moe
 
     def broken(device):
         if failure == "raises":
             raise RuntimeError("no kernel image for this device")
         return [0.5, 1e-4]
 
-    monkeypatch.setattr(expert_stream, "_fused_errors", broken)
-    monkeypatch.setattr(expert_stream, "kernel_runs", lambda device: True)
-    monkeypatch.setattr(expert_stream, "_FUSED", {})
+    monkeypatch.setattr(fp9_moe, "_fused_errors", broken)
+    monkeypatch.setattr(fp9_moe, "kernel_runs", lambda device: True)
+    monkeypatch.setattr(fp9_moe, "_FUSED", {})
     device = torch.device("cuda", 7)
-    assert not expert_stream.fused_ready(device)          # never asked: off
-    with caplog.at_level("WARNING", logger="engine.gpu.expert_stream"):
-        assert expert_stream.check_fused(device) is False
-        assert expert_stream.check_fused(device) is False  # once: the answer is kept
+    assert not fp9_moe.fused_ready(device)          # never asked: off
+    with caplog.at_level("WARNING", logger="engine.gpu.fp9_moe"):
+        assert fp9_moe.check_fused(device) is False
+        assert fp9_moe.check_fused(device) is False  # once: the answer is kept
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "off" in warnings[0], warnings
     assert ("no kernel image" in warnings[0]) == (failure == "raises")
-    assert not expert_stream.fused_ready(device)
+    assert not fp9_moe.fused_ready(device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.gpu.fp9_moe import fp9_moe_forward, fp9_moe_ref
-from tests.engine.test_fp9_moe import _routing, _scaled_layer
+from tests.engine.test_fp9_moe import _routing, _scaled_layer, decoded_copies, row_error
 from tests.engine.test_fp9_gemv import _layer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,8 +28,7 @@ def test_the_compiled_kernel_is_the_reference(scaled, dtype, tokens):
     x = x.to(dtype)
     y = fp9_moe_forward(lay, src, x, slots, weights)
     want = fp9_moe_ref(lay, src, x, slots, weights)
-    err = ((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max()
-    assert err < (2e-3 if dtype == torch.bfloat16 else 1e-5), err
+    assert row_error(y, want) < (2e-3 if dtype == torch.bfloat16 else 1e-5), row_error(y, want)
 
 
 def test_a_graph_replays_the_kernels_result():
@@ -52,23 +51,17 @@ def test_a_graph_replays_the_kernels_result():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens", [9, 300])
 def test_the_copies_kernel_is_the_torch_grouped_gemms(dtype, tokens):
-    from engine.gpu.expert_stream import decode_experts
     from engine.gpu.fp9_moe import copies_moe_forward
     from engine.placement import _grouped_share
-    from native.transport import split_experts
-    from tests.engine.test_fp9_gemv import TP
 
-    experts, _ = _layer()
-    gu, dn = decode_experts(split_experts(experts, TP, 64, name="test"), [3, 0, 4], "cuda")
-    gu, dn = gu.to(dtype), dn.to(dtype)
+    gu, dn = decoded_copies("cuda", dtype)
     x, slots, weights = (t.cuda() for t in _routing(tokens, 3))
     x = x.to(dtype)
     y = copies_moe_forward(gu, dn, x, slots, weights)
     want = _grouped_share(gu, dn, x, slots, weights)
-    err = ((y - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-6)).max()
-    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), err
+    assert row_error(y, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5), row_error(y, want)
 
 
 def test_the_start_up_check_turns_the_kernels_on_here():
-    from engine.gpu.expert_stream import check_fused, fused_ready
+    from engine.gpu.fp9_moe import check_fused, fused_ready
     assert check_fused("cuda") and fused_ready(torch.device("cuda"))
