@@ -9,7 +9,7 @@
 # share of the experts, duckd's model.gpu_ffn_budget; one file each, "-budget-<b>" in its name past 0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MACHINE=${MACHINE:-h100}; SHAPES=${SHAPES:-qwen3 deepseek}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; MACHINE=${MACHINE:-h100}; SHAPES=${SHAPES-qwen3 deepseek}
 t0=$(date +%s); say() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 if [ "${SKIP_DUCK_BUILD:-0}" != 1 ]; then
     bash scripts/device_build.sh >"$OUT/build.log" 2>&1 && python3 firmware/build.py >>"$OUT/build.log" 2>&1 \

@@ -197,6 +197,8 @@ class ExpertStream:
         self._computing = left
         return done
 
+    def close(self) -> None:
+        """Waits for the copies and computes in flight and lets go of the GPU buffers and the host copy."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._gpu = [None, None]

@@ -73,6 +73,8 @@ if triton is not None:
         block_e[m] (-1: no block). out[i, d * rows + n] (gate_up: program_id 2 is the slice d) or
         out[i, n] summed over the tp slices (down, SUM_TP) = sum_c W_d[n, c] * x[xrow[i], (d * cols if
         SUM_TP) + c] for the block's rows i and the program's BN rows n (program_id 1)."""
+        if tl.load(block_n + tl.program_id(0)) <= 0:   # no block: most of the grid when few experts are routed
+            return
         e, live, i, rows_ok, xr = _block(block_e, block_at, block_n, xrow, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         p = n // 2
@@ -118,6 +120,8 @@ if triton is not None:
     def _copies_moe_kernel(w, x, xrow, out, block_e, block_at, block_n, N, K, stride_e, stride_n, x_stride,
                            out_stride, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
         """_fp9_moe_kernel's blocks on decoded copies: out[i, n] = sum_c W[e, n, c] * x[xrow[i], c]."""
+        if tl.load(block_n + tl.program_id(0)) <= 0:
+            return
         e, live, i, rows_ok, xr = _block(block_e, block_at, block_n, xrow, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = (n < N) & live

@@ -77,6 +77,8 @@ def test_hybrid_prefill_is_the_fleets(kind, family):  # noqa: F811
         if experts > 1:                     # a dense model's layer is one expert: the GPU's unless the ducks are faster
             rates = cases["balanced"].moe_rates()
             assert rates.duck_s is not None and rates.duck_s > 0
+        stream.close()                      # what duckd does when a model is replaced
+        assert not stream.layers
     finally:
         lm.ffn.close()
 
