@@ -14,6 +14,8 @@ import socket
 import statistics
 import time
 
+import pytest
+
 from native._native import ffi, lib
 from native.transport import Fleet, read_key_file
 from tests.firmware.test_wire import seal
@@ -117,6 +119,7 @@ def decode_rate(daemon) -> float:
     return stats.decode_tok_s
 
 
+@pytest.mark.alone   # a bound on time or loss: not beside another test
 def test_forged_fragment_flood_leaves_decode_at_speed(duckd_daemon):
     duck = duckd_daemon.ducks()[0]
     host, port = duck.address.rsplit(":", 1)

@@ -40,6 +40,7 @@ def _queued_and_running(daemon) -> tuple[int, int]:
     return (sum(r.state == "queued" for r in snap.requests), sum(r.state == "running" for r in snap.requests))
 
 
+@pytest.mark.alone   # a bound on time or loss: not beside another test
 def test_a_killed_duck_is_seen_within_2_s_while_32_chats_wait(daemon):
     outcomes: list[str] = []
 

@@ -86,6 +86,7 @@ def test_kill9_mid_stream_the_host_covers_it(fleet):
     assert stream(daemon)[0] == ref                     # its slices back: the same again
 
 
+@pytest.mark.alone   # a bound on time or loss: not beside another test
 def test_sigstop_for_10s_the_host_covers_it(fleet):
     daemon, (ref, _, _) = fleet
     pid = daemon.duck_pid(1)

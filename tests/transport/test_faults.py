@@ -124,6 +124,7 @@ def _decode_steps(ducks, rng, per_duck, hidden, steps):
     return ducks.fleet.transport_stats()
 
 
+@pytest.mark.alone   # a bound on time or loss: not beside another test
 @pytest.mark.parametrize("loss", [0.0, 0.05])
 def test_a_lossy_link_sends_decode_forwards_twice(tmp_path, loss):
     """`send_twice` auto (transport_timing.c): one decode forward in 16 goes twice (WIRE_F_TWICE), and
