@@ -33,6 +33,9 @@ def test_sigterm_during_chat_ends_the_stream_cleanly_and_exits_0(tmp_path):
     daemon = RunningDaemon(write_config(tmp_path / "duckd.toml", state, ducks=2), state,
                            env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"}).start()
     try:
+        deadline = time.monotonic() + 10      # sent as the API turns SERVING: the collector may read it a bit later
+        while not any("READY=1" in m for m in messages) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert any("READY=1" in m for m in messages), messages
         # SIGHUP reloads what can change safely
         daemon.config.write_text(daemon.config.read_text().replace("max_tokens = 48", "max_tokens = 5"))
