@@ -15,6 +15,7 @@ whose experts a fleet of local ducks holds (on a GPU host as duckd runs there; o
                 TTFTs, the tokens found cached, the ratio of the second TTFT to the first, and
                 whether both second turns gave the same tokens
 
+--parts picks some of them (e.g. --parts prefix: the prefix cache alone, a cheaper device call).
 Both paths prefill long prompts with the model's streamed prefill (engine.gpu.hybrid_prefill:
 the experts over PCIe, the ducks beside), as duckd installs it on a CUDA host with a fleet.
 Tokens are random ids, every request greedy with ignore_eos (so lengths are fixed).
@@ -99,35 +100,37 @@ def measure(loop: Loop, args) -> dict:
     out: dict = {}
     loop.one_request(loop.prompt(16), 4)                         # warm-up: graphs, kernels, the ducks' workspace
     loop.in_loop([loop.prompt(16)], 4)
-    one, alone = [], []
-    loop.batch.trace = []
-    for _ in range(args.repeats):   # interleaved: a drift of the ducks' speed favours neither path
-        one.append(loop.one_request(loop.prompt(args.prompt), args.tokens))
-        alone.append(loop.in_loop([loop.prompt(args.prompt)], args.tokens)[0][0])
-    decode = [s for s in loop.batch.trace if not s["prefill"]]
-    loop.batch.trace = None
-    if args.profile:   # where a decode step's time goes on each path
-        with _profiled(True, "one request (the one-request path)", rows=15):
-            loop.one_request(loop.prompt(args.prompt), args.tokens)
-        with _profiled(True, "a batch of one (the loop)", rows=15):
-            loop.in_loop([loop.prompt(args.prompt)], args.tokens)
-    out["one_request"] = {"runs": [_stats(r) for r in one],
-                          "decode_tok_s": statistics.median(r.stats.decode_tps for r in one)}
-    out["batch_of_one"] = {"runs": [_stats(r) for r in alone],
-                           "decode_tok_s": statistics.median(r.stats.decode_tps for r in alone),
-                           # a decode step's time in BatchDecoder.step, and of it the forward and logits
-                           "step_ms_median": statistics.median(s["ms"] for s in decode),
-                           "forward_ms_median": statistics.median(s["forward_ms"] for s in decode)}
-    out["batch_of_one_over_one_request"] = out["batch_of_one"]["decode_tok_s"] / out["one_request"]["decode_tok_s"]
-    log.info("decode: one request %.2f tok/s, batch of one %.2f tok/s (%.3fx)", out["one_request"]["decode_tok_s"],
-             out["batch_of_one"]["decode_tok_s"], out["batch_of_one_over_one_request"])
-    out["users"] = {}
-    for n in args.users:
-        _, rate = loop.in_loop([loop.prompt(args.prompt) for _ in range(n)], args.tokens)
-        out["users"][str(n)] = {"tok_s": round(rate, 2),
-                                "over_batch_of_one": rate / out["batch_of_one"]["decode_tok_s"]}
-        log.info("%d users: %.1f tok/s while all decode (%.2fx one)", n, rate, out["users"][str(n)]["over_batch_of_one"])
-    if args.turn_tokens:
+    if "decode" in args.parts:
+        one, alone = [], []
+        loop.batch.trace = []
+        for _ in range(args.repeats):   # interleaved: a drift of the ducks' speed favours neither path
+            one.append(loop.one_request(loop.prompt(args.prompt), args.tokens))
+            alone.append(loop.in_loop([loop.prompt(args.prompt)], args.tokens)[0][0])
+        decode = [s for s in loop.batch.trace if not s["prefill"]]
+        loop.batch.trace = None
+        if args.profile:   # where a decode step's time goes on each path
+            with _profiled(True, "one request (the one-request path)", rows=15):
+                loop.one_request(loop.prompt(args.prompt), args.tokens)
+            with _profiled(True, "a batch of one (the loop)", rows=15):
+                loop.in_loop([loop.prompt(args.prompt)], args.tokens)
+        out["one_request"] = {"runs": [_stats(r) for r in one],
+                              "decode_tok_s": statistics.median(r.stats.decode_tps for r in one)}
+        out["batch_of_one"] = {"runs": [_stats(r) for r in alone],
+                               "decode_tok_s": statistics.median(r.stats.decode_tps for r in alone),
+                               # a decode step's time in BatchDecoder.step, and of it the forward and logits
+                               "step_ms_median": statistics.median(s["ms"] for s in decode),
+                               "forward_ms_median": statistics.median(s["forward_ms"] for s in decode)}
+        out["batch_of_one_over_one_request"] = out["batch_of_one"]["decode_tok_s"] / out["one_request"]["decode_tok_s"]
+        log.info("decode: one request %.2f tok/s, batch of one %.2f tok/s (%.3fx)", out["one_request"]["decode_tok_s"],
+                 out["batch_of_one"]["decode_tok_s"], out["batch_of_one_over_one_request"])
+    if "users" in args.parts:
+        out["users"] = {}
+        one = out.get("batch_of_one", {}).get("decode_tok_s")
+        for n in args.users:
+            _, rate = loop.in_loop([loop.prompt(args.prompt) for _ in range(n)], args.tokens)
+            out["users"][str(n)] = {"tok_s": round(rate, 2), "over_batch_of_one": rate / one if one else None}
+            log.info("%d users: %.1f tok/s while all decode%s", n, rate, f" ({rate / one:.2f}x one)" if one else "")
+    if args.turn_tokens and "prefix" in args.parts:
         runs = [prefix_turns(loop, args) for _ in range(args.turn_repeats)]   # each a chat of its own
         out["prefix"] = runs[0] if len(runs) == 1 else {
             "runs": runs, "ttft_ratio_median": statistics.median(r["ttft_ratio"] for r in runs),
@@ -187,21 +190,19 @@ class _profiled:
         return False
 
 
-def _place(model, backend, text: str) -> dict | None:
+def _place(model, backend, text: str, streaming: bool):
     """The GPU's share of the experts within the budget text (duckd's model.gpu_ffn_budget: auto, bytes,
-    a fraction of auto): the plan's summary, None when it holds nothing."""
+    a fraction of auto; streaming: a streamed prefill's buffers are kept free, as duckd does): the
+    placement (None when it holds nothing) and its summary for the JSON."""
     from duckd.config import parse_budget
     from engine.placement import auto_budget, place
 
-    streamed = getattr(model, "streamed_prefill", None)
-    budget = parse_budget(text, auto_budget(model, backend, streamed is not None))
+    budget = parse_budget(text, auto_budget(model, backend, streaming))
     resident = place(model, backend, budget, threads=max(1, len(os.sched_getaffinity(0)) - 1))
-    if streamed is not None:
-        streamed.placed(resident)
     summary = resident.plan.summary() if resident is not None else None
     log.info("placement %s: %s", text, summary)
-    return {"budget": text, "bytes": budget, **({k: v for k, v in summary.items() if not isinstance(v, list)}
-                                                if summary else {})}
+    return resident, {"budget": text, "bytes": budget, **({k: v for k, v in summary.items()
+                                                            if not isinstance(v, list)} if summary else {})}
 
 
 def run(args) -> dict:
@@ -214,15 +215,18 @@ def run(args) -> dict:
     out.update(prompt_tokens=args.prompt, tokens=args.tokens)
     with SyntheticFleet(args, config, device, dtype) as synth:
         model, backend = synth.model, synth.backend
-        stream = None
-        if device.type == "cuda":    # as duckd: long prompts' experts over PCIe, the ducks beside
-            stream = ExpertStream(backend.layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
-            model.streamed_prefill = StreamedPrefill(stream, backend, "hybrid", pinned_copy_gbps(device))
+        stream = resident = None
         if args.budget != "0":       # as duckd's model.gpu_ffn_budget: the GPU computes its share beside
-            out["placement"] = _place(model, backend, args.budget)
+            resident, out["placement"] = _place(model, backend, args.budget, device.type == "cuda")
+        # as duckd: long prompts' experts over PCIe, the ducks beside, for the layers the GPU does not hold whole
+        layers = {i: v for i, v in backend.layers.items() if resident is None or not resident.whole(i)}
+        if device.type == "cuda" and layers:
+            stream = ExpertStream(layers, backend.hidden, device, threads=len(os.sched_getaffinity(0)))
+            model.streamed_prefill = StreamedPrefill(stream, backend, "hybrid", pinned_copy_gbps(device))
+        out["streamed_layers"] = len(layers) if stream is not None else 0
         try:
             longest = max(args.prompt + args.tokens, args.turn_tokens + args.more + 2 * args.turn_out) + 8
-            loop = Loop(model, max(args.users + [1]), longest, args.step_tokens, args.seed, args.prefill_chunk)
+            loop = Loop(model, max(args.users + [1]) if "users" in args.parts else 1, longest, args.step_tokens, args.seed, args.prefill_chunk)
             out["mtp"] = loop.mtp
             out["graphs"] = getattr(loop.batch.decoder, "graphs", None) is not None
             out["fp9_grouped_gemms"] = fused_ready(device)    # steps of many pairs (engine.gpu.fp9_moe)
@@ -254,8 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   "(0: none, the default; auto; bytes; a fraction of auto)")
     ap.add_argument("--profile", action="store_true", help="log torch.profiler's top operators of a decode run "
                                                              "on each path and of the cached second turn")
+    ap.add_argument("--parts", default="decode,users,prefix", help="what to measure: any of decode (one request "
+                                                                    "and a batch of one), users, prefix")
     ap.add_argument("--json", help="write the result here (default: stdout)")
     args = ap.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if not args.parts or set(args.parts) - {"decode", "users", "prefix"}:
+        ap.error(f"--parts {','.join(args.parts)!r}: expected some of decode,users,prefix")
     try:
         args.users = [int(u) for u in args.users.split(",") if u]
     except ValueError:
