@@ -125,11 +125,12 @@ def measure(loop: Loop, args) -> dict:
                  out["batch_of_one"]["decode_tok_s"], out["batch_of_one_over_one_request"])
     if "users" in args.parts:
         out["users"] = {}
-        one = out.get("batch_of_one", {}).get("decode_tok_s")
+        alone_rate = out.get("batch_of_one", {}).get("decode_tok_s")   # with --parts decode
         for n in args.users:
             _, rate = loop.in_loop([loop.prompt(args.prompt) for _ in range(n)], args.tokens)
-            out["users"][str(n)] = {"tok_s": round(rate, 2), "over_batch_of_one": rate / one if one else None}
-            log.info("%d users: %.1f tok/s while all decode%s", n, rate, f" ({rate / one:.2f}x one)" if one else "")
+            ratio = rate / alone_rate if alone_rate else None
+            out["users"][str(n)] = {"tok_s": round(rate, 2), "over_batch_of_one": ratio}
+            log.info("%d users: %.1f tok/s while all decode%s", n, rate, f" ({ratio:.2f}x one)" if ratio else "")
     if args.turn_tokens and "prefix" in args.parts:
         runs = [prefix_turns(loop, args) for _ in range(args.turn_repeats)]   # each a chat of its own
         out["prefix"] = runs[0] if len(runs) == 1 else {

@@ -195,7 +195,7 @@ class ResidentExperts:
             h = F.linear(x.to(dtype), gate_up[0])                                # [T, 2I]
             a = F.silu(h[:, 0::2]) * h[:, 1::2]
             return F.linear(a, down[0]).float() * weights.float().sum(-1, keepdim=True)
-        from engine.gpu.fp9_moe import COPIES_FUSED_ROWS, copies_moe_forward, fused_ready
+        from engine.gpu.fp9_moe import copies_moe_forward, fused_ready
         fused = fused_ready(x.device)
         if (t * k <= MAX_PAIRS or (capturing and not fused)) and x.device.type == "cuda":
             from engine.gpu.moe import grouped_gemv
@@ -203,8 +203,8 @@ class ResidentExperts:
             a = (F.silu(h[:, 0::2]) * h[:, 1::2]).to(dtype)
             y = grouped_gemv(a, slots.to(torch.int32), down, 1)                # [T*k, H] fp32
             return (y.view(t, k, -1) * weights.float()[:, :, None]).sum(1)
-        if fused and (capturing or t * k <= COPIES_FUSED_ROWS * gate_up.shape[0]):
-            return copies_moe_forward(gate_up, down, x, slots, weights)     # grouped GEMMs, no host sync
+        if fused and capturing:   # no host sync; outside a capture torch's grouped GEMMs were as fast or faster
+            return copies_moe_forward(gate_up, down, x, slots, weights)
         return _grouped_share(gate_up, down, x.to(dtype), slots, weights)
 
 

@@ -42,11 +42,10 @@ log = logging.getLogger(__name__)
 
 DECODE_GROUP_BYTES = 2 << 30   # bf16 weights decoded at a time by fp9_experts_forward (experts in groups)
 BN = 64          # output rows of a program (row pairs of the fp9 layout: even)
-# rows an expert gets on average up to which a step of the held experts takes these GEMMs outside a capture,
-# from fp9 bytes (an H100, one Qwen3-30B-A3B layer: 0.82x the decoded path's time at 32 rows, 1.43x at 64)
-# and from bf16 copies (torch's grouped GEMMs were as fast or faster from 41 tokens up: the kernel only in a capture)
+# rows an expert gets on average up to which a step of the held experts' fp9 bytes takes these GEMMs outside a
+# capture (an H100, one Qwen3-30B-A3B layer: 0.82x the decoded path's time at 32 rows, 1.43x at 64); bf16
+# copies take them only inside one (engine.placement: torch's grouped GEMMs were as fast or faster from 41 tokens)
 FUSED_ROWS = 32
-COPIES_FUSED_ROWS = 0
 
 
 def block_rows(pairs: int, experts: int) -> int:
